@@ -1,0 +1,406 @@
+// Host and CUDA implementations of oxygen::Backend. See vmm_backend.h.
+#include "vmm_backend.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include <cuda.h>
+
+namespace oxygen {
+
+namespace {
+thread_local std::string g_last_error;
+
+std::string errno_text(const char* what) {
+  std::ostringstream s;
+  s << what << " failed: " << std::strerror(errno) << " (errno " << errno << ")";
+  return s.str();
+}
+
+Status os_error(const char* what) {
+  set_last_error(errno_text(what));
+  return errno == ENOMEM ? ERR_OOM : ERR_OS;
+}
+}  // namespace
+
+void set_last_error(const std::string& msg) { g_last_error = msg; }
+const std::string& last_error() { return g_last_error; }
+
+// ---------------------------------------------------------------------------------------------
+// host backend: a physical handle is a memfd of `size` bytes; map() mmaps it MAP_FIXED|MAP_SHARED
+// over part of a PROT_NONE reservation, unmap() puts PROT_NONE back (never leaves a hole another
+// mmap could take).
+
+namespace {
+
+class HostBackend final : public Backend {
+ public:
+  explicit HostBackend(std::size_t page) : page_(page) {}
+  const char* name() const override { return "host"; }
+  std::size_t granularity() const override { return page_; }
+
+  Status reserve(std::size_t size, std::uintptr_t* va) override {
+    if (size == 0 || size % page_) return invalid("reserve: size is not a multiple of the page");
+    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return os_error("mmap(PROT_NONE reservation)");
+    *va = reinterpret_cast<std::uintptr_t>(p);
+    return OK;
+  }
+  Status free_va(std::uintptr_t va, std::size_t size) override {
+    if (munmap(reinterpret_cast<void*>(va), size) != 0) return os_error("munmap(reservation)");
+    return OK;
+  }
+  Status create(std::size_t size, PhysHandle* handle) override {
+    if (size == 0 || size % page_) return invalid("create: size is not a multiple of the page");
+    int fd = memfd_create("oxygen_page", MFD_CLOEXEC);
+    if (fd < 0) return os_error("memfd_create");
+    if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+      Status s = os_error("ftruncate(memfd)");
+      close(fd);
+      return s;
+    }
+    *handle = static_cast<PhysHandle>(fd);
+    return OK;
+  }
+  Status release(PhysHandle handle) override {
+    if (close(static_cast<int>(handle)) != 0) return os_error("close(memfd)");
+    return OK;
+  }
+  Status map(std::uintptr_t va, std::size_t size, PhysHandle handle) override {
+    // Mapped PROT_NONE until set_access, as the driver does.
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+                   static_cast<int>(handle), 0);
+    if (p == MAP_FAILED) return os_error("mmap(MAP_FIXED page)");
+    return OK;
+  }
+  Status set_access(std::uintptr_t va, std::size_t size) override {
+    if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0)
+      return os_error("mprotect(read/write)");
+    return OK;
+  }
+  Status unmap(std::uintptr_t va, std::size_t size) override {
+    void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return os_error("mmap(PROT_NONE over unmapped page)");
+    return OK;
+  }
+  Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    std::ifstream f("/proc/meminfo");
+    std::string key;
+    std::size_t kb = 0;
+    std::string unit;
+    *free_bytes = *total_bytes = 0;
+    while (f >> key >> kb >> unit) {
+      if (key == "MemTotal:") *total_bytes = kb * 1024;
+      if (key == "MemAvailable:") *free_bytes = kb * 1024;
+    }
+    if (*total_bytes == 0) {
+      set_last_error("/proc/meminfo has no MemTotal");
+      return ERR_OS;
+    }
+    return OK;
+  }
+
+ private:
+  static Status invalid(const char* msg) {
+    set_last_error(msg);
+    return ERR_INVALID;
+  }
+  std::size_t page_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend(std::size_t page_size, Status* status) {
+  long os_page = sysconf(_SC_PAGESIZE);
+  if (page_size == 0 || os_page <= 0 || page_size % static_cast<std::size_t>(os_page)) {
+    set_last_error("host backend: page size must be a non-zero multiple of the OS page (" +
+                   std::to_string(os_page) + " bytes)");
+    *status = ERR_INVALID;
+    return nullptr;
+  }
+  *status = OK;
+  return std::make_unique<HostBackend>(page_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuda backend: the driver is opened with dlopen and every entry point resolved through
+// cuGetProcAddress, asking for the ABI of the header we were compiled against (CUDA_VERSION),
+// so the same build runs on CUDA 12 and 13 drivers.
+
+namespace {
+
+struct Driver {
+  void* lib = nullptr;
+  CUresult (*cuInit)(unsigned) = nullptr;
+  CUresult (*cuDriverGetVersion)(int*) = nullptr;
+  CUresult (*cuDeviceGetCount)(int*) = nullptr;
+  CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*cuDeviceGetName)(char*, int, CUdevice) = nullptr;
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
+  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuMemGetInfo)(size_t*, size_t*) = nullptr;
+  CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
+                                            CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                                  unsigned long long) = nullptr;
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                          unsigned long long) = nullptr;
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  bool ok = false;
+};
+
+template <typename F>
+bool resolve(void* lib, const char* sym, F* out) {
+  using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t,
+                               CUdriverProcAddressQueryResult*);
+  static GetProc get_proc = reinterpret_cast<GetProc>(dlsym(lib, "cuGetProcAddress_v2"));
+  void* fn = nullptr;
+  if (get_proc) {
+    CUdriverProcAddressQueryResult q;
+    if (get_proc(sym, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS)
+      fn = nullptr;
+  }
+  if (!fn) fn = dlsym(lib, sym);
+  *out = reinterpret_cast<F>(fn);
+  return fn != nullptr;
+}
+
+Driver& driver() {
+  static Driver d;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    d.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!d.lib) return;
+    bool ok = resolve(d.lib, "cuInit", &d.cuInit) &&
+              resolve(d.lib, "cuDriverGetVersion", &d.cuDriverGetVersion) &&
+              resolve(d.lib, "cuDeviceGetCount", &d.cuDeviceGetCount) &&
+              resolve(d.lib, "cuDeviceGet", &d.cuDeviceGet) &&
+              resolve(d.lib, "cuDeviceGetName", &d.cuDeviceGetName) &&
+              resolve(d.lib, "cuDeviceGetAttribute", &d.cuDeviceGetAttribute) &&
+              resolve(d.lib, "cuDevicePrimaryCtxRetain", &d.cuDevicePrimaryCtxRetain) &&
+              resolve(d.lib, "cuDevicePrimaryCtxRelease", &d.cuDevicePrimaryCtxRelease) &&
+              resolve(d.lib, "cuCtxPushCurrent", &d.cuCtxPushCurrent) &&
+              resolve(d.lib, "cuCtxPopCurrent", &d.cuCtxPopCurrent) &&
+              resolve(d.lib, "cuMemGetInfo", &d.cuMemGetInfo) &&
+              resolve(d.lib, "cuMemGetAllocationGranularity", &d.cuMemGetAllocationGranularity) &&
+              resolve(d.lib, "cuMemAddressReserve", &d.cuMemAddressReserve) &&
+              resolve(d.lib, "cuMemAddressFree", &d.cuMemAddressFree) &&
+              resolve(d.lib, "cuMemCreate", &d.cuMemCreate) &&
+              resolve(d.lib, "cuMemRelease", &d.cuMemRelease) &&
+              resolve(d.lib, "cuMemMap", &d.cuMemMap) &&
+              resolve(d.lib, "cuMemSetAccess", &d.cuMemSetAccess) &&
+              resolve(d.lib, "cuMemUnmap", &d.cuMemUnmap) &&
+              resolve(d.lib, "cuGetErrorName", &d.cuGetErrorName);
+    d.ok = ok && d.cuInit(0) == CUDA_SUCCESS;
+  });
+  return d;
+}
+
+Status driver_error(const char* call, CUresult r) {
+  const char* nm = "?";
+  if (driver().cuGetErrorName) driver().cuGetErrorName(r, &nm);
+  std::ostringstream s;
+  s << call << " failed: " << nm << " (" << static_cast<int>(r) << ")";
+  set_last_error(s.str());
+  return r == CUDA_ERROR_OUT_OF_MEMORY ? ERR_OOM : ERR_DRIVER;
+}
+
+#define OXY_CU(call)                                   \
+  do {                                                 \
+    CUresult r_ = (call);                              \
+    if (r_ != CUDA_SUCCESS) return driver_error(#call, r_); \
+  } while (0)
+
+Status open_driver() {
+  Driver& d = driver();
+  if (!d.lib) {
+    set_last_error(std::string("dlopen(libcuda.so.1) failed: ") +
+                   "no NVIDIA driver on this machine (CPU paths only)");
+    return ERR_NO_DRIVER;
+  }
+  if (!d.ok) {
+    set_last_error("libcuda.so.1 opened, but resolving entry points or cuInit(0) failed");
+    return ERR_DRIVER;
+  }
+  return OK;
+}
+
+CUmemAllocationProp device_prop(int device) {
+  CUmemAllocationProp p;
+  std::memset(&p, 0, sizeof p);
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = device;
+  return p;
+}
+
+// Makes the device's primary context current for the life of the guard (driver calls need one;
+// PyTorch uses the same primary context, so nothing new is created).
+class CtxGuard {
+ public:
+  explicit CtxGuard(CUcontext ctx) { ok_ = driver().cuCtxPushCurrent(ctx) == CUDA_SUCCESS; }
+  ~CtxGuard() {
+    CUcontext c;
+    if (ok_) driver().cuCtxPopCurrent(&c);
+  }
+
+ private:
+  bool ok_;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, CUdevice dev, CUcontext ctx, std::size_t gran)
+      : device_(device), dev_(dev), ctx_(ctx), gran_(gran) {}
+  ~CudaBackend() override { driver().cuDevicePrimaryCtxRelease(dev_); }
+  const char* name() const override { return "cuda"; }
+  std::size_t granularity() const override { return gran_; }
+
+  Status reserve(std::size_t size, std::uintptr_t* va) override {
+    CtxGuard g(ctx_);
+    CUdeviceptr p = 0;
+    OXY_CU(driver().cuMemAddressReserve(&p, size, gran_, 0, 0));
+    *va = static_cast<std::uintptr_t>(p);
+    return OK;
+  }
+  Status free_va(std::uintptr_t va, std::size_t size) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuMemAddressFree(static_cast<CUdeviceptr>(va), size));
+    return OK;
+  }
+  Status create(std::size_t size, PhysHandle* handle) override {
+    CtxGuard g(ctx_);
+    CUmemAllocationProp prop = device_prop(device_);
+    CUmemGenericAllocationHandle h = 0;
+    OXY_CU(driver().cuMemCreate(&h, size, &prop, 0));
+    *handle = static_cast<PhysHandle>(h);
+    return OK;
+  }
+  Status release(PhysHandle handle) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(handle)));
+    return OK;
+  }
+  Status map(std::uintptr_t va, std::size_t size, PhysHandle handle) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuMemMap(static_cast<CUdeviceptr>(va), size, 0,
+                             static_cast<CUmemGenericAllocationHandle>(handle), 0));
+    return OK;
+  }
+  Status set_access(std::uintptr_t va, std::size_t size) override {
+    CtxGuard g(ctx_);
+    CUmemAccessDesc a;
+    std::memset(&a, 0, sizeof a);
+    a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a.location.id = device_;
+    a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    OXY_CU(driver().cuMemSetAccess(static_cast<CUdeviceptr>(va), size, &a, 1));
+    return OK;
+  }
+  Status unmap(std::uintptr_t va, std::size_t size) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuMemUnmap(static_cast<CUdeviceptr>(va), size));
+    return OK;
+  }
+  Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuMemGetInfo(free_bytes, total_bytes));
+    return OK;
+  }
+
+ private:
+  int device_;
+  CUdevice dev_;
+  CUcontext ctx_;
+  std::size_t gran_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device, Status* status) {
+  if ((*status = open_driver()) != OK) return nullptr;
+  Driver& d = driver();
+  int count = 0;
+  CUresult r = d.cuDeviceGetCount(&count);
+  if (r != CUDA_SUCCESS) {
+    *status = driver_error("cuDeviceGetCount", r);
+    return nullptr;
+  }
+  if (device < 0 || device >= count) {
+    set_last_error("cuda backend: device " + std::to_string(device) + " does not exist (" +
+                   std::to_string(count) + " visible)");
+    *status = ERR_NO_DEVICE;
+    return nullptr;
+  }
+  CUdevice dev;
+  int vmm = 0;
+  std::size_t gran = 0;
+  CUcontext ctx = nullptr;
+  CUmemAllocationProp prop = device_prop(device);
+  if ((r = d.cuDeviceGet(&dev, device)) != CUDA_SUCCESS ||
+      (r = d.cuDeviceGetAttribute(
+           &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev)) != CUDA_SUCCESS ||
+      (r = d.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) !=
+          CUDA_SUCCESS ||
+      (r = d.cuDevicePrimaryCtxRetain(&ctx, dev)) != CUDA_SUCCESS) {
+    *status = driver_error("cuda backend setup", r);
+    return nullptr;
+  }
+  if (!vmm) {
+    d.cuDevicePrimaryCtxRelease(dev);
+    set_last_error("device " + std::to_string(device) + " does not support virtual memory management");
+    *status = ERR_UNSUPPORTED;
+    return nullptr;
+  }
+  *status = OK;
+  return std::make_unique<CudaBackend>(device, dev, ctx, gran);
+}
+
+Status cuda_driver_probe(int* driver_version, int* device_count) {
+  Status s = open_driver();
+  if (s != OK) return s;
+  OXY_CU(driver().cuDriverGetVersion(driver_version));
+  OXY_CU(driver().cuDeviceGetCount(device_count));
+  return OK;
+}
+
+Status cuda_device_info(int device, char* name, std::size_t name_len, std::size_t* granularity,
+                        std::size_t* free_bytes, std::size_t* total_bytes, int* vmm_supported) {
+  Status s;
+  auto be = make_cuda_backend(device, &s);
+  if (!be) {
+    if (s != ERR_UNSUPPORTED) return s;
+  }
+  Driver& d = driver();
+  CUdevice dev;
+  OXY_CU(d.cuDeviceGet(&dev, device));
+  OXY_CU(d.cuDeviceGetName(name, static_cast<int>(name_len), dev));
+  OXY_CU(d.cuDeviceGetAttribute(vmm_supported,
+                                CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
+  CUmemAllocationProp prop = device_prop(device);
+  OXY_CU(d.cuMemGetAllocationGranularity(granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  *free_bytes = *total_bytes = 0;
+  if (be) return be->mem_info(free_bytes, total_bytes);
+  return OK;
+}
+
+}  // namespace oxygen

@@ -1,0 +1,61 @@
+// One interface over two ways of backing a reserved virtual range with physical pages:
+//   cuda: the driver's VMM API (cuMemAddressReserve / cuMemCreate / cuMemMap / cuMemSetAccess ...),
+//         resolved at run time from libcuda.so.1, so nothing links against the driver;
+//   host: memfd_create pages mmap'ed with MAP_FIXED into a PROT_NONE reservation, the same
+//         reserve / create / map / unmap life cycle on ordinary memory (CI and the CPU tier).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace oxygen {
+
+// Error codes crossing the C ABI. Python turns them into messages (oxygen_torch/_native.py).
+enum Status : int {
+  OK = 0,
+  ERR_NO_DRIVER = 1,      // libcuda.so.1 could not be opened
+  ERR_DRIVER = 2,         // a driver call failed; last_error() has the call and its code
+  ERR_NO_DEVICE = 3,      // driver present, but no such device
+  ERR_INVALID = 4,        // bad argument (size, alignment, unknown pointer)
+  ERR_OOM = 5,            // no physical memory left
+  ERR_OS = 6,             // a host system call failed; last_error() has errno
+  ERR_UNSUPPORTED = 7,    // the device or build cannot do this (e.g. no VMM support)
+};
+
+// Thread-local text of the last error, for the C ABI's oxygen_last_error().
+void set_last_error(const std::string& msg);
+const std::string& last_error();
+
+// An opaque physical allocation of one or more pages.
+using PhysHandle = std::uint64_t;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  // Smallest unit of reserve/create/map, in bytes (2 MiB on H100/H200; the host page size or
+  // 2 MiB on the host backend, which accepts any multiple of the OS page).
+  virtual std::size_t granularity() const = 0;
+  virtual Status reserve(std::size_t size, std::uintptr_t* va) = 0;
+  virtual Status free_va(std::uintptr_t va, std::size_t size) = 0;
+  virtual Status create(std::size_t size, PhysHandle* handle) = 0;
+  virtual Status release(PhysHandle handle) = 0;
+  virtual Status map(std::uintptr_t va, std::size_t size, PhysHandle handle) = 0;
+  virtual Status set_access(std::uintptr_t va, std::size_t size) = 0;
+  virtual Status unmap(std::uintptr_t va, std::size_t size) = 0;
+  // Free and total physical memory of the device (host: MemAvailable / MemTotal).
+  virtual Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
+};
+
+// Factories. On failure they return nullptr and set *status and last_error().
+std::unique_ptr<Backend> make_host_backend(std::size_t page_size, Status* status);
+std::unique_ptr<Backend> make_cuda_backend(int device, Status* status);
+
+// Driver facts for `doctor`, without creating a backend. Returns OK, ERR_NO_DRIVER or ERR_DRIVER.
+Status cuda_driver_probe(int* driver_version, int* device_count);
+Status cuda_device_info(int device, char* name, std::size_t name_len, std::size_t* granularity,
+                        std::size_t* free_bytes, std::size_t* total_bytes, int* vmm_supported);
+
+}  // namespace oxygen

@@ -1,0 +1,1 @@
+"""oxygen_torch"""

@@ -1,0 +1,126 @@
+"""Loads ``_oxygen.so`` (the native pool) with ctypes and turns its status codes into exceptions.
+
+The library links neither torch nor the CUDA driver: it opens ``libcuda.so.1`` itself when a cuda
+backend is asked for, so loading it always works on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+LIB_PATH = Path(__file__).resolve().parent / "_oxygen.so"
+
+# Status codes of csrc/vmm_backend.h
+OK = 0
+ERR_NO_DRIVER = 1
+ERR_DRIVER = 2
+ERR_NO_DEVICE = 3
+ERR_INVALID = 4
+ERR_OOM = 5
+ERR_OS = 6
+ERR_UNSUPPORTED = 7
+
+STATUS_NAMES = {
+    ERR_NO_DRIVER: "no CUDA driver",
+    ERR_DRIVER: "CUDA driver error",
+    ERR_NO_DEVICE: "no such device",
+    ERR_INVALID: "invalid argument",
+    ERR_OOM: "out of memory",
+    ERR_OS: "operating-system error",
+    ERR_UNSUPPORTED: "unsupported",
+}
+
+
+class NativeLibraryError(RuntimeError):
+    """The native library is missing or could not be loaded."""
+
+
+class NativeError(RuntimeError):
+    """A call into the native library failed; ``status`` is the code from vmm_backend.h."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@functools.cache
+def lib() -> ctypes.CDLL:
+    """The loaded library, with argument types declared. Raises NativeLibraryError if missing."""
+    if not LIB_PATH.is_file():
+        raise NativeLibraryError(
+            f"oxygen_torch's native library is missing ({LIB_PATH}). The package was not built: "
+            "reinstall with `pip install -e .` (or `pip install .`) from the source tree; the "
+            "build needs a C++17 compiler and `nvidia-cuda-runtime-cu12` for cuda.h."
+        )
+    try:
+        so = ctypes.CDLL(str(LIB_PATH))
+    except OSError as exc:
+        raise NativeLibraryError(f"could not load {LIB_PATH}: {exc}") from exc
+    _declare(so)
+    return so
+
+
+def _declare(so: ctypes.CDLL) -> None:
+    c = ctypes
+    so.oxygen_version.restype = c.c_char_p
+    so.oxygen_last_error.restype = c.c_char_p
+    so.oxygen_cuda_probe.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_int)]
+    so.oxygen_cuda_device_info.argtypes = [
+        c.c_int, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t),
+        c.POINTER(c.c_size_t), c.POINTER(c.c_int),
+    ]
+    so.oxygen_backend_selftest.argtypes = [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_size_t)]
+
+
+def last_error() -> str:
+    return lib().oxygen_last_error().decode(errors="replace")
+
+
+def check(status: int, what: str) -> None:
+    """Raise NativeError for a non-zero status, with the library's own explanation."""
+    if status != OK:
+        kind = STATUS_NAMES.get(status, f"status {status}")
+        raise NativeError(status, f"{what}: {kind}: {last_error()}")
+
+
+def version() -> str:
+    return lib().oxygen_version().decode()
+
+
+def cuda_probe() -> tuple[int, int]:
+    """(driver_version, device_count). Raises NativeError(ERR_NO_DRIVER) without a driver."""
+    ver, count = ctypes.c_int(), ctypes.c_int()
+    check(lib().oxygen_cuda_probe(ctypes.byref(ver), ctypes.byref(count)), "CUDA driver probe")
+    return ver.value, count.value
+
+
+def cuda_device_info(device: int) -> dict:
+    name = ctypes.create_string_buffer(256)
+    gran, free, total = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+    vmm = ctypes.c_int()
+    check(
+        lib().oxygen_cuda_device_info(
+            device, name, 256, ctypes.byref(gran), ctypes.byref(free), ctypes.byref(total),
+            ctypes.byref(vmm),
+        ),
+        f"CUDA device {device} info",
+    )
+    return {
+        "name": name.value.decode(),
+        "granularity": gran.value,
+        "free_bytes": free.value,
+        "total_bytes": total.value,
+        "vmm_supported": bool(vmm.value),
+    }
+
+
+def backend_selftest(kind: str, device: int = 0, page_size: int = 2 << 20) -> int:
+    """Run one reserve/create/map/access/unmap/release cycle; returns the backend's granularity."""
+    gran = ctypes.c_size_t()
+    check(
+        lib().oxygen_backend_selftest(kind.encode(), device, page_size, ctypes.byref(gran)),
+        f"{kind} backend self-test",
+    )
+    return gran.value
