@@ -1,8 +1,8 @@
 """Build: the pure-Python packages plus one plain shared library, ``oxygen_torch/_oxygen.so``.
 
-The library is C++17 with a C ABI, loaded with ``ctypes`` and by ``CUDAPluggableAllocator``. It links
-neither torch nor the CUDA toolkit: ``cuda.h`` only supplies declarations, and the driver is opened
-with ``dlopen("libcuda.so.1")`` at run time, so the build needs nothing but a C++ compiler.
+The library is C++17 with a C ABI, loaded with ``ctypes`` and by ``CUDAPluggableAllocator``. It
+links neither torch nor the CUDA toolkit: ``cuda.h`` only supplies declarations, and the driver is
+opened with ``dlopen("libcuda.so.1")`` at run time, so the build needs nothing but a C++ compiler.
 """
 
 import importlib.util
@@ -48,7 +48,7 @@ def find_cuda_include():
 
 
 class BuildSharedLib(build_ext):
-    """Builds a plain shared library named ``_oxygen.so`` (no Python ABI tag: it is not a module)."""
+    """Builds a plain shared library ``_oxygen.so`` (no Python ABI tag: it is not a module)."""
 
     def get_ext_filename(self, fullname):
         return os.path.join(*fullname.split(".")) + ".so"

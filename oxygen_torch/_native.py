@@ -68,8 +68,13 @@ def _declare(so: ctypes.CDLL) -> None:
     so.oxygen_last_error.restype = c.c_char_p
     so.oxygen_cuda_probe.argtypes = [c.POINTER(c.c_int), c.POINTER(c.c_int)]
     so.oxygen_cuda_device_info.argtypes = [
-        c.c_int, c.c_char_p, c.c_size_t, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t),
-        c.POINTER(c.c_size_t), c.POINTER(c.c_int),
+        c.c_int,
+        c.c_char_p,
+        c.c_size_t,
+        c.POINTER(c.c_size_t),
+        c.POINTER(c.c_size_t),
+        c.POINTER(c.c_size_t),
+        c.POINTER(c.c_int),
     ]
     so.oxygen_backend_selftest.argtypes = [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_size_t)]
 
@@ -102,7 +107,12 @@ def cuda_device_info(device: int) -> dict:
     vmm = ctypes.c_int()
     check(
         lib().oxygen_cuda_device_info(
-            device, name, 256, ctypes.byref(gran), ctypes.byref(free), ctypes.byref(total),
+            device,
+            name,
+            256,
+            ctypes.byref(gran),
+            ctypes.byref(free),
+            ctypes.byref(total),
             ctypes.byref(vmm),
         ),
         f"CUDA device {device} info",
