@@ -1,0 +1,317 @@
+"""Paged decode attention (flash-decoding): one new query token per sequence.
+
+Grid: (batch x kv_heads x group_tiles, num_splits). A program holds every query head of one KV
+head in one tile (GQA packing: block_m rows = the group padded to a power of two >= 16, the
+minimum M of tl.dot), so each K/V byte is read once per KV head, not once per query head. When
+batch x kv_heads programs cannot fill the GPU (2 x SMs), the sequence is split: each split
+writes an unnormalised partial (acc, running max m, running sum l) and a second kernel combines
+them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+
+The split boundaries come from seq_lens on the device, so nothing is read back to the host and
+the step is CUDA-graph capturable; num_splits itself is chosen from block_table's width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks as C
+from ._flash import kv_rows, load_kv, scores, softmax_step
+from .precision import PrecisionMode
+from .tiling import LaunchConfig, TileQuery, launch_config, next_pow2, select_num_splits
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # a window wider than any sequence: lo = max(seq_len - W, 0) = 0
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    po_ptr,
+    pml_ptr,
+    qk_scale,
+    window,
+    max_len,
+    num_kv_heads,
+    group,
+    group_tiles,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    FP8: tl.constexpr,
+    KV_U8: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HALF_ACC: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    gt = pid % group_tiles
+    kvh = (pid // group_tiles) % num_kv_heads
+    b = pid // (group_tiles * num_kv_heads)
+
+    seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)
+    lo = tl.maximum(seq_len - window, 0)  # no window: the host passes window > max_len
+    # splits share [lo, seq_len) in whole key tiles; an empty split writes m = -inf, l = 0
+    base = (lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    start = base + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = gt * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D_PAD)
+    heads = kvh * group + offs_g  # [BLOCK_G] query heads of this KV head
+    g_mask = offs_g < group
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        # never touch positions outside [lo, seq_len): their blocks may be unmapped or freed
+        valid = (pos < end) & (pos >= lo)
+        rows, blk = kv_rows(bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
+        k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, KV_U8)
+        v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, KV_U8)
+        k_sc = 1.0  # scales are only read when FP8
+        v_sc = 1.0
+        if FP8:
+            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+            v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+        s = scores(q, k, k_sc, qk_scale, FP8, PRECISION, HALF_ACC)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
+
+    row = b * num_kv_heads * group + heads  # flat (batch, q head) index
+    if SPLIT:
+        po = po_ptr + (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
+        tl.store(po, acc, mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(pml_ptr + (row * num_splits + split) * 2, m_i, mask=g_mask)
+        tl.store(pml_ptr + (row * num_splits + split) * 2 + 1, l_i, mask=g_mask)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0 -> acc = 0 -> zeros
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        o_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    po_ptr,
+    pml_ptr,
+    out_ptr,
+    num_q_heads,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
+):
+    row = tl.program_id(0)  # flat (batch, q head)
+    b = row // num_q_heads
+    h = row % num_q_heads
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    # pass 1: the global max over splits
+    m_all = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        offs_s = s0 + tl.arange(0, SPLIT_TILE)
+        m = tl.load(
+            pml_ptr + (row * num_splits + offs_s) * 2, mask=offs_s < num_splits, other=float("-inf")
+        )
+        m_all = tl.maximum(m_all, m)
+    m_max = tl.max(m_all, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    # pass 2: weighted sums
+    num = tl.zeros([D_PAD], tl.float32)
+    den = tl.zeros([SPLIT_TILE], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        offs_s = s0 + tl.arange(0, SPLIT_TILE)
+        s_mask = offs_s < num_splits
+        m = tl.load(pml_ptr + (row * num_splits + offs_s) * 2, mask=s_mask, other=float("-inf"))
+        lsum = tl.load(pml_ptr + (row * num_splits + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+        w = tl.exp2(m - m_max)  # empty split: m = -inf -> w = 0
+        po = po_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+        part = tl.load(po, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        num += tl.sum(part * w[:, None], 0)
+        den += w * lsum
+    total = tl.sum(den, 0)
+    o = num / tl.where(total == 0.0, 1.0, total)
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H200 so split choices match the GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sliding_window):
+    C.check_query(q, k_cache, "[batch, num_q_heads, head_dim]")
+    C.check_kv_cache(k_cache, v_cache, q.device)
+    C.check_tables(block_table, seq_lens, q.shape[0], q.device)
+    C.check_scales(k_cache, k_scale, v_scale, q.device)
+    return C.check_window(sliding_window)
+
+
+def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits):
+    """The launch choice (memoised per shape bucket) and the number of splits."""
+    batch, hq, d = q.shape
+    hkv, bt = k_cache.shape[2], k_cache.shape[1]
+    max_len = block_table.shape[1] * bt
+    span = min(max_len, window) if window else max_len
+    if launch is None:
+        tq = TileQuery(
+            hq * d,
+            d,
+            hq,
+            hkv,
+            k_cache.dtype,
+            "decode",
+            max(span, 1),
+            "sliding" if window else "dense",
+            precision=precision,
+        )
+        launch = launch_config(tq)
+    elif not isinstance(launch, LaunchConfig):
+        raise ValueError(f"launch: expected a LaunchConfig, got {type(launch).__name__}")
+    group_tiles = triton.cdiv(hq // hkv, launch.block_m)
+    splits = num_splits if num_splits is not None else launch.num_splits
+    if splits is None:
+        programs = batch * hkv * group_tiles
+        splits = select_num_splits(programs, span, launch.block_n, _num_sms(q.device))
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 1024:
+        raise ValueError(f"num_splits: {splits!r} must be an int in [1, 1024]")
+    return launch, group_tiles, splits
+
+
+def paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale=None,
+    sliding_window=None,
+    precision=PrecisionMode.AUTO_MIXED,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    num_splits=None,
+    launch=None,
+):
+    """Attention of one query token per sequence over its paged K/V.
+
+    q: [batch, num_q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_tokens, kv_heads,
+    head_dim]; block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (the query is the
+    token at position seq_lens[b] - 1; seq_lens[b] == 0 gives zeros). sliding_window=W: keys at
+    positions > seq_len - 1 - W only. num_splits / launch override the tiling choice.
+    Returns out: [batch, num_q_heads, head_dim] in q's dtype.
+    """
+    precision = PrecisionMode.parse(precision)
+    window = _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sliding_window)
+    out = C.check_out(out, q)
+    batch, hq, d = q.shape
+    if batch == 0:
+        return out
+    hkv, bt = k_cache.shape[2], k_cache.shape[1]
+    cfg, group_tiles, splits = decode_launch(
+        q, k_cache, block_table, window, precision, launch, num_splits
+    )
+    fp8 = C.is_fp8(k_cache.dtype)
+    if splits > 1:
+        part_o = torch.empty((batch * hq, splits, d), device=q.device, dtype=torch.float32)
+        part_ml = torch.empty((batch * hq, splits, 2), device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_ml = out  # unused
+    qk_scale = C.softmax_scale(scale, d) * LOG2E
+    ks = k_scale if fp8 else q  # unused pointer when not fp8
+    vs = v_scale if fp8 else q
+    _decode_kernel[(batch * hkv * group_tiles, splits)](
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_table,
+        seq_lens,
+        out,
+        part_o,
+        part_ml,
+        qk_scale,
+        window or NO_WINDOW,
+        block_table.shape[1] * bt,
+        hkv,
+        hq // hkv,
+        group_tiles,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        D_PAD=next_pow2(d),
+        BLOCK_G=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_TOKENS=bt,
+        FP8=fp8,
+        KV_U8=k_cache.dtype == torch.uint8,
+        PRECISION=int(precision),
+        HALF_ACC=_half_acc(precision, q.dtype),
+        SPLIT=splits > 1,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _combine_kernel[(batch * hq,)](
+            part_o,
+            part_ml,
+            out,
+            hq,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=d,
+            D_PAD=next_pow2(d),
+            SPLIT_TILE=min(16, next_pow2(splits)),
+            num_warps=4,
+        )
+    return out
+
+
+def _half_acc(precision: PrecisionMode, dtype: torch.dtype) -> bool:
+    """FP16_ONLY accumulates dots in half only for fp16: Triton's dot has no bf16 accumulator."""
+    return precision == PrecisionMode.FP16_ONLY and dtype == torch.float16

@@ -1,0 +1,218 @@
+"""Tile sizes and launch parameters of the attention kernels.
+
+`select_block_size` starts from the seed's rule — dense attention (128, 128) when hidden >= 2048
+else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
+
+- phase "decode": block_m becomes the GQA group padded to a power of two >= 16 (tl.dot's minimum
+  M; capped at 64, larger groups are split over programs) and block_n, the key tile, is clamped to
+  [64, 128] for 1-2 byte storage: a decode step is a stream over K/V, and Hopper needs 8-16 KiB
+  of K+V in flight per stage to approach HBM bandwidth.
+- shared memory: the pipelined K and V tiles (num_stages copies each) plus the Q tile must fit
+  SMEM_BUDGET; block_n is halved first (down to 32), then block_m. This is what shrinks tiles for
+  head_dim 256 and for fp32 storage (or FP32_SAFE compute), and what grows them for fp8 KV.
+- seq_len: no tile is larger than the next power of two of the sequence (>= 16).
+- overrides block_m / block_n are used as given (they must be powers of two >= 16).
+
+Choices are memoised per shape bucket (`launch_config`), so a decode step never re-selects; an
+autotuner (see benchmarks/bench_attention.py) may store its winner with `record_choice`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .precision import PrecisionMode
+
+PHASES = ("decode", "prefill")
+ATTENTION_TYPES = ("dense", "moe", "sliding")
+# 160 KiB of the H100/H200's 227 KiB per block: the rest is left to layout conversions and the
+# softmax/accumulator scratch the compiler allocates.
+SMEM_BUDGET = 160 * 1024
+H200_SMS = 132
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class TileQuery:
+    """What the tile choice depends on. dtype is the KV storage dtype (uint8 = fp8 codes)."""
+
+    hidden_size: int
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype = torch.bfloat16
+    phase: str = "prefill"
+    seq_len: int = 2048
+    attention_type: str = "dense"
+    block_m: int | None = None
+    block_n: int | None = None
+    precision: PrecisionMode = PrecisionMode.AUTO_MIXED
+
+    def __post_init__(self):
+        for name in ("hidden_size", "head_dim", "num_q_heads", "num_kv_heads", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: {value!r} must be a positive int")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads: {self.num_q_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.phase not in PHASES:
+            raise ValueError(f"phase: {self.phase!r} not one of {PHASES}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"attention_type: {self.attention_type!r} not one of {ATTENTION_TYPES}"
+            )
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value is not None and not (_is_pow2(value) and 16 <= value <= 256):
+                raise ValueError(f"{name}: {value!r} must be a power of two in [16, 256]")
+        object.__setattr__(self, "precision", PrecisionMode.parse(self.precision))
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of the tiles held in shared memory and registers."""
+        if self.precision == PrecisionMode.FP32_SAFE:
+            return 4
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything a launch needs besides the tensors. num_splits=None: pick from the grid."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not (_is_pow2(value) and 16 <= value <= 256):
+                raise ValueError(f"{name}: {value!r} must be a power of two in [16, 256]")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps: {self.num_warps!r} must be 1, 2, 4, 8 or 16")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages: {self.num_stages!r} must be an int in [1, 6]")
+        if self.num_splits is not None and not (
+            isinstance(self.num_splits, int) and 1 <= self.num_splits <= 1024
+        ):
+            raise ValueError(f"num_splits: {self.num_splits!r} must be an int in [1, 1024]")
+
+
+def base_block_size(q: TileQuery) -> tuple[int, int]:
+    """The seed's rule, unrefined."""
+    if q.attention_type == "dense":
+        return (128, 128) if q.hidden_size >= 2048 else (64, 64)
+    if q.attention_type == "moe":
+        return (32, 32)
+    return (64, 64)
+
+
+def select_num_stages(q: TileQuery) -> int:
+    # head_dim 256 tiles are large: two stages already cover the load latency.
+    if next_pow2(q.head_dim) >= 256 or q.elem_bytes == 4:
+        return 2
+    return 3
+
+
+def _smem_bytes(q: TileQuery, block_m: int, block_n: int, stages: int) -> int:
+    d = next_pow2(q.head_dim)
+    return (block_m * d + stages * 2 * block_n * d) * q.elem_bytes
+
+
+def select_block_size(q: TileQuery) -> tuple[int, int]:
+    """(block_m, block_n) for `q`; see the module docstring for the rule."""
+    block_m, block_n = base_block_size(q)
+    if q.phase == "decode":
+        block_m = min(64, max(16, next_pow2(q.group)))
+        if q.elem_bytes <= 2:
+            block_n = min(128, max(64, block_n))
+    stages = select_num_stages(q)
+    while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_n > 32:
+        block_n //= 2
+    while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_m > 16:
+        block_m //= 2
+    cap = max(16, next_pow2(q.seq_len))
+    block_n = min(block_n, cap)
+    if q.phase == "prefill":
+        block_m = min(block_m, cap)
+    return (q.block_m or block_m, q.block_n or block_n)
+
+
+def select_num_warps(q: TileQuery, block_m: int, block_n: int) -> int:
+    """8 warps for tiles of >= 128x64 (prefill), else 4: more warps share the register file."""
+    if q.phase == "prefill" and block_m * block_n >= 128 * 64:
+        return 8
+    if q.phase == "decode" and block_n * next_pow2(q.head_dim) >= 128 * 256:
+        return 8
+    return 4
+
+
+def select_num_splits(
+    programs: int, max_seq_len: int, block_n: int, num_sms: int = H200_SMS
+) -> int:
+    """Splits along the sequence so that programs x splits >= 2 x SMs, each split keeping at
+    least 4 key tiles of work (fewer tiles leave the pipeline mostly prologue)."""
+    if programs >= 2 * num_sms:
+        return 1
+    wanted = -(-2 * num_sms // max(programs, 1))
+    most = max(1, max_seq_len // (4 * block_n))
+    return max(1, min(wanted, most, 256))
+
+
+_CHOICES: dict[tuple, LaunchConfig] = {}
+
+
+def bucket(q: TileQuery) -> tuple:
+    """The memo key: exact on everything but the sequence length (next power of two)."""
+    return (
+        q.phase,
+        q.attention_type,
+        q.hidden_size >= 2048,
+        q.head_dim,
+        q.group,
+        str(q.dtype),
+        int(q.precision),
+        next_pow2(q.seq_len),
+        q.block_m,
+        q.block_n,
+    )
+
+
+def launch_config(q: TileQuery) -> LaunchConfig:
+    """The memoised launch choice for `q`'s bucket (num_splits left to the caller's grid)."""
+    key = bucket(q)
+    cfg = _CHOICES.get(key)
+    if cfg is None:
+        block_m, block_n = select_block_size(q)
+        cfg = LaunchConfig(
+            block_m, block_n, select_num_warps(q, block_m, block_n), select_num_stages(q)
+        )
+        _CHOICES[key] = cfg
+    return cfg
+
+
+def record_choice(q: TileQuery, cfg: LaunchConfig) -> None:
+    """Store an autotuned choice for `q`'s bucket; later launches in the bucket use it."""
+    _CHOICES[bucket(q)] = replace(cfg)
+
+
+def clear_choices() -> None:
+    _CHOICES.clear()
