@@ -1,0 +1,276 @@
+"""Prometheus exporter: ``start_http_server()`` serves ``/metrics`` with the ``oxygen:`` metrics.
+
+Everything is read at scrape time by one custom collector, from the pools' counters (relaxed
+atomics in the native library: a scrape never takes an allocation lock, so it cannot stall a
+malloc). Which pools: the global one (``allocator.memory_stats()``) plus every ``VirtualPool``
+passed to ``register_pool``. KV-cache, tier and scheduler figures come from sources the later
+layers register; until they do, those metrics report zero.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server as _prom_start_http_server
+
+DEFAULT_PORT = 9400
+# Names follow vLLM/SGLang habits (`vllm:gpu_cache_usage_perc` is a 0..1 fraction despite "perc").
+PREFIX = "oxygen:"
+# The native map-latency histogram: bucket i counts per-page latencies below 2**i microseconds.
+LATENCY_BUCKETS_US = [float(1 << i) for i in range(15)]
+# Scheduler weight variance is healthy in 0.9-1.1: buckets dense around 1.
+WEIGHT_VARIANCE_BUCKETS = [0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0]
+
+_lock = threading.Lock()
+_pools: list[Callable[[], Any]] = []  # weak (or strong, if not weakref-able) references
+_kv_sources: list[Callable[[], dict | None]] = []
+_tier_source: Callable[[], dict] | None = None
+_scheduler_source: Callable[[], dict] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def register_pool(pool: Any) -> None:
+    """Report ``pool`` (anything with ``stats() -> dict``) until it is closed or collected."""
+    try:
+        ref = weakref.ref(pool)
+    except TypeError:
+        ref = lambda p=pool: p  # not weak-referenceable: keep it until unregister_pool
+    with _lock:
+        _pools.append(ref)
+
+
+def unregister_pool(pool: Any) -> None:
+    with _lock:
+        _pools[:] = [r for r in _pools if r() is not None and r() is not pool]
+
+
+def register_kv_source(fn: Callable[[], dict | None]) -> None:
+    """``fn()`` -> ``{"device": 0, "tier": {"gpu": frac, "cpu": frac},
+    "blocks": {"free": n, "used": n, "shared": n}}``; returning None unregisters it."""
+    with _lock:
+        _kv_sources.append(fn)
+
+
+def unregister_kv_source(fn: Callable[[], dict | None]) -> None:
+    with _lock:
+        _kv_sources[:] = [f for f in _kv_sources if f is not fn]
+
+
+def register_tier_source(fn: Callable[[], dict] | None) -> None:
+    """``fn()`` -> ``{"hot_zone_hit_ratio": r, "migration_bytes": {"gpu_to_cpu": n, ...}}``."""
+    global _tier_source
+    _tier_source = fn
+
+
+def register_scheduler_source(fn: Callable[[], dict] | None) -> None:
+    """``fn()`` -> ``{"buckets": [count per WEIGHT_VARIANCE_BUCKETS bound, then +Inf], "sum": s}``
+    (counts per bucket, not cumulative)."""
+    global _scheduler_source
+    _scheduler_source = fn
+
+
+def pool_snapshots() -> list[tuple[str, dict]]:
+    """``[(pool label, stats dict)]``: the global pool, then each registered live pool."""
+    out: list[tuple[str, dict]] = []
+    try:
+        from . import allocator
+
+        out.append(("global", dict(allocator.memory_stats())))
+    except Exception:  # pool not built/loaded here: the exporter must still answer
+        pass
+    with _lock:
+        _pools[:] = [r for r in _pools if r() is not None]
+        pools = [r() for r in _pools]
+    for pool in pools:
+        try:
+            stats = dict(pool.stats())
+        except Exception:  # closed pool: stop reporting it
+            unregister_pool(pool)
+            continue
+        out.append((str(getattr(pool, "name", None) or f"pool-{id(pool):x}"), stats))
+    return out
+
+
+def pool_totals() -> tuple[int, int]:
+    """(allocated, mapped) bytes summed over every reported pool (the ``plot`` timeline)."""
+    snaps = pool_snapshots()
+    return (
+        sum(int(s.get("allocated_bytes", 0)) for _, s in snaps),
+        sum(int(s.get("mapped_bytes", 0)) for _, s in snaps),
+    )
+
+
+def _kv_figures() -> dict[str, dict]:
+    """Per device: blocks summed over caches, tier usage the highest among them (for alerts)."""
+    with _lock:
+        sources = list(_kv_sources)
+    per_dev: dict[str, dict] = {}
+    for fn in sources:
+        try:
+            fig = fn()
+        except Exception:
+            fig = None
+        if fig is None:
+            unregister_kv_source(fn)
+            continue
+        d = per_dev.setdefault(str(fig.get("device", 0)), {"tier": {}, "blocks": {}})
+        for tier, frac in fig.get("tier", {}).items():
+            d["tier"][tier] = max(d["tier"].get(tier, 0.0), float(frac))
+        for state, n in fig.get("blocks", {}).items():
+            d["blocks"][state] = d["blocks"].get(state, 0) + int(n)
+    return per_dev or {"0": {"tier": {}, "blocks": {}}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Collector
+
+_POOL_GAUGES = [
+    ("pool_mapped_bytes", "mapped_bytes", "Physical bytes mapped into the pool's virtual range."),
+    ("pool_allocated_bytes", "allocated_bytes", "Bytes in live blocks handed out by the pool."),
+    ("pool_reserved_va_bytes", "reserved_va_bytes", "Virtual address space reserved (no memory)."),
+    ("pool_fragmentation_ratio", "fragmentation", "1 - allocated / mapped (0 is no waste)."),
+    ("pool_peak_allocated_bytes", "peak_allocated_bytes", "Highest allocated_bytes seen."),
+    ("pool_peak_mapped_bytes", "peak_mapped_bytes", "Highest mapped_bytes seen."),
+    ("pool_handle_cache_pages", "handle_cache_pages", "Physical pages created, not mapped."),
+]
+_POOL_COUNTERS = [
+    ("pool_maps", "num_maps", "Pages mapped."),
+    ("pool_unmaps", "num_unmaps", "Pages unmapped."),
+    ("pool_oom", "num_ooms", "Allocations that failed for lack of memory."),
+]
+
+
+def _latency_histogram(stats: dict) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets (seconds) and the sum, from the pool's per-bucket counts."""
+    n = float(stats.get("num_maps", 0))
+    total_s = float(stats.get("mean_map_latency_us", 0.0)) * n * 1e-6
+    raw = stats.get("map_latency_hist") or stats.get("map_latency_histogram")
+    if not raw:  # no histogram from this pool: everything lands in +Inf, sum still right
+        return [("+Inf", n)], total_s
+    buckets, running = [], 0.0
+    for bound_us, count in zip(LATENCY_BUCKETS_US, raw[:-1]):
+        running += float(count)
+        buckets.append((repr(bound_us * 1e-6), running))
+    buckets.append(("+Inf", running + float(sum(raw[len(LATENCY_BUCKETS_US) :]))))
+    return buckets, total_s
+
+
+def _pool_metrics(snaps: list[tuple[str, dict]]) -> Iterator[Metric]:
+    labels = ["device", "pool", "backend"]
+    fams: dict[str, Metric] = {}
+    for name, _, doc in _POOL_GAUGES:
+        fams[name] = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+    for name, _, doc in _POOL_COUNTERS:
+        fams[name] = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    hist = HistogramMetricFamily(
+        PREFIX + "pool_map_latency_seconds", "Map + set-access time per page.", labels=labels
+    )
+    for pool, s in snaps:
+        values = [str(s.get("device", 0)), pool, str(s.get("backend", "?"))]
+        for name, key, _ in _POOL_GAUGES + _POOL_COUNTERS:
+            fams[name].add_metric(values, float(s.get(key, 0) or 0))
+        buckets, total = _latency_histogram(s)
+        hist.add_metric(values, buckets, sum_value=total)
+    yield from fams.values()
+    yield hist
+
+
+def _kv_metrics() -> Iterator[Metric]:
+    usage = GaugeMetricFamily(
+        PREFIX + "kv_cache_usage_perc",
+        "Share of the KV budget in use per tier (0..1, 1 = full).",
+        labels=["device", "tier"],
+    )
+    blocks = GaugeMetricFamily(
+        PREFIX + "kv_blocks", "KV blocks by state.", labels=["device", "state"]
+    )
+    for dev, fig in _kv_figures().items():
+        for tier in sorted({"gpu", "cpu"} | set(fig["tier"])):
+            usage.add_metric([dev, tier], fig["tier"].get(tier, 0.0))
+        for state in sorted({"free", "used", "shared"} | set(fig["blocks"])):
+            blocks.add_metric([dev, state], fig["blocks"].get(state, 0))
+    yield usage
+    yield blocks
+
+
+def _tier_and_scheduler_metrics() -> Iterator[Metric]:
+    tier = (_tier_source() if _tier_source else None) or {}
+    hot = GaugeMetricFamily(
+        PREFIX + "hot_zone_hit_ratio",
+        "Share of KV accesses served from the hot zone (>0.85).",
+        labels=["device"],
+    )
+    hot.add_metric([str(tier.get("device", 0))], float(tier.get("hot_zone_hit_ratio", 0.0)))
+    mig = CounterMetricFamily(
+        PREFIX + "migration_bytes", "Bytes moved between tiers.", labels=["device", "direction"]
+    )
+    moved = {"gpu_to_cpu": 0, "cpu_to_gpu": 0, **tier.get("migration_bytes", {})}
+    for direction, n in sorted(moved.items()):
+        mig.add_metric([str(tier.get("device", 0)), direction], float(n))
+    sched = (_scheduler_source() if _scheduler_source else None) or {}
+    counts = list(sched.get("buckets", [])) or [0] * (len(WEIGHT_VARIANCE_BUCKETS) + 1)
+    var = HistogramMetricFamily(
+        PREFIX + "scheduler_weight_variance",
+        "Achieved / intended share per task and round (healthy 0.9-1.1).",
+        labels=["device"],
+    )
+    cumulative, running = [], 0.0
+    for bound, count in zip([*map(repr, WEIGHT_VARIANCE_BUCKETS), "+Inf"], counts):
+        running += float(count)
+        cumulative.append((bound, running))
+    var.add_metric([str(sched.get("device", 0))], cumulative, sum_value=float(sched.get("sum", 0)))
+    yield from (hot, mig, var)
+
+
+class OxygenCollector:
+    """Reads every source when scraped; holds no state of its own."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _pool_metrics(pool_snapshots())
+        yield from _kv_metrics()
+        yield from _tier_and_scheduler_metrics()
+
+
+_registry = CollectorRegistry(auto_describe=False)
+_registry.register(OxygenCollector())
+_servers: list[Any] = []
+
+
+def registry() -> CollectorRegistry:
+    """The registry holding oxygen's collector (separate from prometheus_client's default)."""
+    return _registry
+
+
+def scrape() -> str:
+    """The exposition text ``/metrics`` would serve now."""
+    return generate_latest(_registry).decode()
+
+
+def start_http_server(port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> Any:
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the server
+    (``.server_address``, ``.shutdown()``). Loopback only unless ``addr`` says otherwise:
+    the figures describe the machine's memory and need no wider audience by default.
+    ``port=0`` picks a free port."""
+    server, _thread = _prom_start_http_server(port, addr=addr, registry=_registry)
+    _servers.append(server)
+    return server
+
+
+def stop_http_servers() -> None:
+    while _servers:
+        server = _servers.pop()
+        server.shutdown()
+        server.server_close()
