@@ -1,0 +1,220 @@
+"""transformers integration: `enable_hf(cfg)`, `disable_hf()`, `apply(model)`.
+
+enable_hf registers the "oxygen" attention and mask functions, makes models created afterwards
+default to them (when their architecture is supported), and makes generate() build a
+PagedKVCache where it would have built a DynamicCache. A cache the user passes, or another
+`cache_implementation` ("static", "offloaded", "quantized"...), is respected: for that call the
+model runs on stock SDPA, so transformers' own paths (and its compiled static cache) behave as
+without oxygen. disable_hf() undoes all of it, models created in between included.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+from .hf_attention import oxygen_attention_forward, oxygen_mask
+from .hf_cache import PagedKVCache
+
+log = logging.getLogger("oxygen_torch")
+
+NAME = "oxygen"
+STOCK = "sdpa"
+# Model families whose attention goes through the interface unchanged (tested in CI).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)  # triton_kernels._checks.SUPPORTED_HEAD_DIMS
+
+_state = threading.local()  # .switched: configs put back on stock attention for one generate()
+_lock = threading.RLock()
+_cfg = None
+_installed = False  # attention registered + generate hooks in place
+_defaulting = False  # new models default to oxygen (enable_hf)
+_models: weakref.WeakSet = weakref.WeakSet()  # models switched to oxygen
+_warned: set[str] = set()
+_orig: dict[str, object] = {}
+
+
+def active_cfg():
+    """The configuration given to enable_hf/apply, else oxygen_torch's active one, else None."""
+    if _cfg is not None:
+        return _cfg
+    try:
+        from .. import api
+
+        return api.active_config()
+    except ImportError:
+        return None
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot run on oxygen attention, or None when it can."""
+    cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder models (cross-attention)"
+    text = cfg.get_text_config(decoder=True)
+    mtype = getattr(text, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        return f"model type {mtype!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if getattr(text, "attention_chunk_size", None) is not None:
+        return "chunked attention"
+    if not type(model)._can_set_attn_implementation():
+        return "a model that bypasses the attention interface"
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(kinds)}"
+    return None
+
+
+def _uses_oxygen(model) -> bool:
+    text = model.config.get_text_config(decoder=True)
+    return getattr(text, "_attn_implementation", None) == NAME
+
+
+# --- hooks -------------------------------------------------------------------------------
+
+
+def _get_correct_attn_implementation(self, requested_attention=None, is_init_check=False):
+    """New models (no attn_implementation asked) default to oxygen when supported."""
+    if requested_attention is None and _defaulting:
+        reason = unsupported_reason(self)
+        if reason is None:
+            _models.add(self)
+            requested_attention = NAME
+        else:
+            _warn_once(
+                f"oxygen_torch: {type(self).__name__} keeps stock attention: {reason} "
+                "is not supported"
+            )
+    return _orig["get_correct"](self, requested_attention, is_init_check)
+
+
+def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+    user_cache = model_kwargs.get("past_key_values")
+    out = _orig["prepare_cache"](self, generation_config, model_kwargs, *args, **kwargs)
+    if not _uses_oxygen(self):
+        return out
+    cache = model_kwargs.get("past_key_values")
+    default = (
+        user_cache is None
+        and type(cache) is DynamicCache
+        and generation_config.cache_implementation in (None, "dynamic")
+    )
+    text = self.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if default and self.device.type == "cuda" and head_dim not in KERNEL_HEAD_DIMS:
+        _warn_once(f"oxygen_torch: head_dim {head_dim} has no kernel; stock attention is used")
+        default = False
+    if default:
+        model_kwargs["past_key_values"] = PagedKVCache(config=text, cfg=active_cfg())
+    elif cache is not None and not isinstance(cache, PagedKVCache):
+        _stock_for_this_call(self)
+    return out
+
+
+def _stock_for_this_call(model) -> None:
+    """Stock SDPA for the rest of this generate() call (restored when it returns)."""
+    switched = getattr(_state, "switched", None)
+    if switched is None:
+        return
+    for cfg in {
+        id(c): c for c in (model.config, model.config.get_text_config(decoder=True))
+    }.values():
+        if getattr(cfg, "_attn_implementation_internal", None) == NAME:
+            switched.append(cfg)
+            cfg._attn_implementation_internal = STOCK
+
+
+def _generate(self, *args, **kwargs):
+    outer = getattr(_state, "switched", None)
+    _state.switched = []
+    try:
+        return _orig["generate"](self, *args, **kwargs)
+    finally:
+        for cfg in _state.switched:
+            cfg._attn_implementation_internal = NAME
+        _state.switched = outer
+
+
+def _install() -> None:
+    """Registers the attention + mask functions and wraps generate() (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        AttentionInterface.register(NAME, oxygen_attention_forward)
+        AttentionMaskInterface.register(NAME, oxygen_mask)
+        _orig["generate"] = GenerationMixin.generate
+        _orig["prepare_cache"] = GenerationMixin._prepare_cache_for_generation
+        GenerationMixin.generate = functools.wraps(_orig["generate"])(_generate)
+        GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+        _installed = True
+
+
+# --- public ------------------------------------------------------------------------------
+
+
+def enable_hf(cfg=None) -> None:
+    """Switch the transformers integration on (see the module docstring)."""
+    global _cfg, _defaulting
+    with _lock:
+        _cfg = cfg
+        _install()
+        if not _defaulting:
+            _orig["get_correct"] = PreTrainedModel.get_correct_attn_implementation
+            PreTrainedModel.get_correct_attn_implementation = _get_correct_attn_implementation
+            _defaulting = True
+
+
+def apply(model, cfg=None):
+    """Switch an existing model to oxygen attention (and paged KV in generate); returns it.
+
+    An unsupported model is left as it is, with one warning naming what is unsupported."""
+    global _cfg
+    with _lock:
+        if cfg is not None:
+            _cfg = cfg
+        _install()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            _warn_once(
+                f"oxygen_torch: {type(model).__name__} keeps stock attention: {reason} "
+                "is not supported"
+            )
+            return model
+        model.set_attn_implementation(NAME)
+        _models.add(model)
+    return model
+
+
+def disable_hf() -> None:
+    """Restore stock transformers: models switched to oxygen go back to SDPA."""
+    global _cfg, _installed, _defaulting
+    with _lock:
+        for model in list(_models):
+            if _uses_oxygen(model):
+                model.set_attn_implementation(STOCK)
+        _models.clear()
+        if _defaulting:
+            PreTrainedModel.get_correct_attn_implementation = _orig.pop("get_correct")
+            _defaulting = False
+        if _installed:
+            GenerationMixin.generate = _orig.pop("generate")
+            GenerationMixin._prepare_cache_for_generation = _orig.pop("prepare_cache")
+            AttentionInterface._global_mapping.pop(NAME, None)
+            AttentionMaskInterface._global_mapping.pop(NAME, None)
+            _installed = False
+        _cfg = None

@@ -1,0 +1,244 @@
+"""PagedKVCache: a transformers `Cache` whose K/V live in oxygen's paged pool.
+
+With oxygen attention (`config._attn_implementation == "oxygen"`), `update()` only hands the new
+K/V to the attention function, which stores them (it knows which tokens are padding, from the
+mask) and attends over the block table. With any other attention implementation `update()`
+stores them itself and returns the whole history densely, as DynamicCache does.
+
+All layers share one block table, so batch operations (beam reorder, crop, repeat) act once on
+the core, not per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from ..kv.paged_cache import PagedKVCore
+from ..triton_kernels.precision import PrecisionMode
+
+_tls = threading.local()  # .pending: (cache, layer_idx, key, value) between update and attention
+
+
+def take_pending(key: torch.Tensor):
+    """The (cache, layer_idx, key, value) that update() handed over for this `key`, or None."""
+    pending = getattr(_tls, "pending", None)
+    if pending is None:
+        return None
+    _tls.pending = None
+    if pending[2] is not key:
+        raise RuntimeError(
+            "oxygen attention: the keys given to attention are not the ones PagedKVCache.update "
+            "returned (the model transforms K/V after the cache update); this architecture is "
+            "not supported by oxygen attention"
+        )
+    return pending
+
+
+def _cfg_value(cfg, section: str, name: str, default):
+    return getattr(getattr(cfg, section, None), name, default) if cfg is not None else default
+
+
+class PagedLayer(CacheLayerMixin):
+    """Per-layer face of PagedKVCache; the data and the batch operations live in the core."""
+
+    is_croppable = True
+
+    def __init__(self, cache: PagedKVCache, layer_idx: int, is_sliding: bool):
+        super().__init__()
+        self._cache_ref = weakref.ref(cache)
+        self.layer_idx = layer_idx
+        self.is_sliding = is_sliding
+
+    @property
+    def _core(self) -> PagedKVCore:
+        return self._cache_ref()._core
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass  # the core binds to a pool on its first write
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache_ref().update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._core.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._core.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def is_initialized(self) -> bool:  # noqa: D401 - property replaces the base attribute
+        return self._core.pool is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:
+        pass
+
+
+class PagedKVCache(Cache):
+    """A transformers Cache over oxygen's paged KV pool (see the module docstring).
+
+    config: the (text) model config; gives the number of layers and which are sliding.
+    cfg: an OxygenConfig (or anything with .kv.block_tokens, .kv.arena_bytes, .kv.debug_checks,
+    .pool.page_size, .kernel.precision); defaults to the active one.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        num_layers: int | None = None,
+        cfg: Any = None,
+        backing: str = "auto",
+        block_tokens: int | None = None,
+    ):
+        if cfg is None:
+            from . import hf
+
+            cfg = hf.active_cfg()
+        layer_types = self._layer_types(config, num_layers)
+        self._config = config
+        self._any_sliding = any(t != "full_attention" for t in layer_types)
+        precision = _cfg_value(cfg, "kernel", "precision", PrecisionMode.AUTO_MIXED)
+        self._core = PagedKVCore(
+            len(layer_types),
+            block_tokens=block_tokens or _cfg_value(cfg, "kv", "block_tokens", 16),
+            backing=backing,
+            arena_bytes=_cfg_value(cfg, "kv", "arena_bytes", 0),
+            page_size=_cfg_value(cfg, "pool", "page_size", 2 << 20),
+            debug=_cfg_value(cfg, "kv", "debug_checks", False),
+            precision=PrecisionMode.parse(precision),
+        )
+        layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(layer_types)]
+        super().__init__(layers=layers)
+        self._finalizer = weakref.finalize(self, self._core.release)
+
+    @staticmethod
+    def _layer_types(config, num_layers) -> list[str]:
+        if config is not None:
+            text = (
+                config.get_text_config(decoder=True)
+                if hasattr(config, "get_text_config")
+                else config
+            )
+            layer_types, _ = get_layer_types_and_kwargs(text)
+            return list(layer_types)
+        if num_layers is None:
+            raise ValueError("PagedKVCache: pass the model config (or num_layers)")
+        return ["full_attention"] * num_layers
+
+    # --- what the model calls -------------------------------------------------------------
+
+    def _deferred(self) -> bool:
+        return getattr(self._config, "_attn_implementation", None) == "oxygen"
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"PagedKVCache: layer {layer_idx} of {len(self.layers)}")
+        if self._deferred():
+            if getattr(_tls, "pending", None) is not None:
+                _tls.pending = None
+                raise RuntimeError(
+                    "PagedKVCache: the previous update() was not consumed by oxygen attention "
+                    "(the model bypasses the attention interface); not supported"
+                )
+            _tls.pending = (self, layer_idx, key_states, value_states)
+            return key_states, value_states
+        self._core.write(layer_idx, key_states, value_states)
+        return self._core.dense(layer_idx)
+
+    def attend(self, layer_idx: int, query, key, value, mask, *, scaling, sliding_window):
+        """Stores the new key/value ([B, Hkv, q, D]) and attends: -> [B, q, Hq, D]."""
+
+        def real_fn():
+            real = mask.new_tokens_real() if mask is not None else None
+            if real is not None and self._any_sliding:
+                self._check_left_padding(real)
+            return real
+
+        plan = self._core.write(layer_idx, key, value, real_fn)
+        return self._core.attend(
+            layer_idx, query, plan, scale=scaling, sliding_window=sliding_window
+        )
+
+    def _check_left_padding(self, real: torch.Tensor) -> None:
+        # Skipping padding keeps distances between real tokens only when all of a sequence's
+        # padding comes before its first real token; sliding windows count distances.
+        ok = bool((real.to(torch.int8).diff(dim=1) >= 0).all()) if real.shape[1] > 1 else True
+        seqs = self._core.seqs
+        if ok and seqs is not None:
+            ok = all(n == 0 or bool(real[b].all()) for b, n in enumerate(seqs.lens))
+        if not ok:
+            raise NotImplementedError(
+                "oxygen attention: padding after real tokens (right padding or holes) with "
+                "sliding-window layers is not supported; pad on the left"
+            )
+
+    # --- what generate() calls ------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._core.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._core.length + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return self._core.batch_size
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # one host sync per beam step: the host owns the block tables
+        self._core.select([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        n = self._core.batch_size
+        if n > 0:
+            self._core.select([i for i in range(n) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._core.select([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # legacy: the absolute length to keep
+            tokens_to_remove = max(0, self._core.length - tokens_to_remove)
+        else:
+            tokens_to_remove = -tokens_to_remove
+        self._core.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self._core.release()
+
+    def activate_past_recording(self) -> None:
+        pass  # every token is kept until crop or release: nothing to switch on
+
+    def __deepcopy__(self, memo) -> PagedKVCache:
+        other = PagedKVCache.__new__(PagedKVCache)
+        other.__dict__.update(
+            {k: v for k, v in self.__dict__.items() if k not in ("_core", "layers", "_finalizer")}
+        )
+        other._core = self._core.fork()
+        other.layers = [
+            PagedLayer(other, i, layer.is_sliding) for i, layer in enumerate(self.layers)
+        ]
+        other._finalizer = weakref.finalize(other, other._core.release)
+        return other
+
+    def stats(self) -> SimpleNamespace:
+        core = self._core
+        return SimpleNamespace(
+            length=core.length,
+            batch=core.batch_size,
+            blocks=sum(len(b) for b in core.seqs.blocks) if core.seqs is not None else 0,
+            pool=core.pool.stats() if core.pool is not None else None,
+        )

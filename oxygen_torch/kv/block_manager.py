@@ -1,0 +1,171 @@
+"""Host-side bookkeeping of KV blocks: ids, reference counts, per-sequence block lists.
+
+Everything here is plain Python ints, so the per-token path never waits on the device. The device
+copies of the tables are written by `paged_cache.PagedKVCore` from what these classes report.
+
+A block id indexes the same slot in every layer's K and V cache (`[num_blocks, block_tokens,
+num_kv_heads, head_dim]`), so one table serves all layers of a model.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+
+class KVCacheFull(RuntimeError):
+    """No free KV block is left in the pool."""
+
+
+class BlockManager:
+    """Hands out block ids from [first_id, num_blocks), lowest first, with reference counts.
+
+    Lowest-first keeps live blocks packed at the start of the arena, so whole pages at its end
+    become free and can be unmapped. `on_alloc(ids)` runs before ids are handed out (map their
+    pages); `on_free(ids)` runs after their last reference is dropped (unmap pages left empty).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        first_id: int = 0,
+        on_alloc: Callable[[list[int]], None] | None = None,
+        on_free: Callable[[list[int]], None] | None = None,
+    ):
+        if num_blocks <= first_id:
+            raise ValueError(f"num_blocks: {num_blocks} leaves no block after first_id {first_id}")
+        self.num_blocks = num_blocks
+        self.first_id = first_id
+        self._free = list(range(first_id, num_blocks))  # already a valid heap
+        self._ref = [0] * num_blocks
+        self._on_alloc = on_alloc
+        self._on_free = on_free
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.first_id - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._ref[block]
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, each with one reference."""
+        if n <= 0:
+            return []
+        if n > len(self._free):
+            raise KVCacheFull(
+                f"KV cache full: {n} block(s) asked, {len(self._free)} free of "
+                f"{self.num_blocks - self.first_id} (raise kv.arena_bytes or lower the batch)"
+            )
+        ids = [heapq.heappop(self._free) for _ in range(n)]
+        if self._on_alloc is not None:
+            try:
+                self._on_alloc(ids)
+            except BaseException:
+                for b in ids:
+                    heapq.heappush(self._free, b)
+                raise
+        for b in ids:
+            self._ref[b] = 1
+        return ids
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"block {b}: incref of a free block")
+            self._ref[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> list[int]:
+        """Drops one reference from each block; returns the blocks that became free."""
+        freed = []
+        for b in blocks:
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"block {b}: decref of a free block")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                freed.append(b)
+        if freed:
+            for b in freed:
+                heapq.heappush(self._free, b)
+            if self._on_free is not None:
+                self._on_free(freed)
+        return freed
+
+
+class SequenceBlocks:
+    """The block lists and token counts of a batch of sequences that share one BlockManager.
+
+    `lens[i]` counts the tokens stored for sequence i (padding is never stored). Blocks may be
+    shared between sequences (fork, reorder); `reserve` copies a shared, partly filled last block
+    before it is written (copy-on-write) and reports the copy so the caller moves the data.
+    """
+
+    def __init__(self, manager: BlockManager, block_tokens: int, batch: int = 0):
+        self.manager = manager
+        self.block_tokens = block_tokens
+        self.blocks: list[list[int]] = [[] for _ in range(batch)]
+        self.lens: list[int] = [0] * batch
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def max_blocks(self) -> int:
+        return max((len(b) for b in self.blocks), default=0)
+
+    def reserve(self, seq: int, extra: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+        """Makes room for `extra` more tokens of sequence `seq`.
+
+        Returns (new entries as (column, block id), copy-on-write as (src, dst) or None). The
+        token count is advanced; the caller writes the tokens.
+        """
+        bt, blocks, n = self.block_tokens, self.blocks[seq], self.lens[seq]
+        cow = None
+        if extra > 0 and n % bt and self.manager.refcount(blocks[-1]) > 1:
+            # The last block is partly filled and shared: this sequence writes into its own copy.
+            (dst,) = self.manager.allocate(1)
+            src = blocks[-1]
+            self.manager.decref([src])
+            blocks[-1] = dst
+            cow = (src, dst)
+        need = -(-(n + extra) // bt) - len(blocks)
+        new = self.manager.allocate(need) if need > 0 else []
+        added = [(len(blocks) + i, b) for i, b in enumerate(new)]
+        blocks.extend(new)
+        self.lens[seq] = n + extra
+        if cow is not None:
+            added.append((len(blocks) - len(new) - 1, cow[1]))
+        return added, cow
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        """Keeps the first new_len tokens of sequence seq, dropping blocks past them."""
+        keep = -(-new_len // self.block_tokens)
+        blocks = self.blocks[seq]
+        if keep < len(blocks):
+            self.manager.decref(blocks[keep:])
+            del blocks[keep:]
+        self.lens[seq] = min(self.lens[seq], new_len)
+
+    def select(self, order: list[int]) -> None:
+        """Sequence i becomes a copy of old sequence order[i] (beam reorder, repeat, select).
+
+        Shared blocks gain a reference per extra user; blocks no longer used are freed.
+        """
+        old_blocks, old_lens = self.blocks, self.lens
+        self.blocks = [list(old_blocks[j]) for j in order]
+        self.lens = [old_lens[j] for j in order]
+        for b in self.blocks:
+            self.manager.incref(b)
+        for b in old_blocks:
+            self.manager.decref(b)
+
+    def release(self) -> None:
+        """Drops every sequence (the cache ended or was dropped)."""
+        for b in self.blocks:
+            if b:
+                self.manager.decref(b)
+        self.blocks = []
+        self.lens = []

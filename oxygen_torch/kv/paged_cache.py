@@ -1,0 +1,382 @@
+"""PagedKVCore: a batch of sequences' KV cache in pool blocks, framework-agnostic.
+
+The caller appends each layer's new K/V; the first layer to see a new step (one forward pass)
+plans it for all layers: blocks are reserved on the host (plain ints), the slot of every new
+token and the new lengths are computed there, and they go to the device in small copies from
+pinned memory, so the per-token path never waits for the GPU.
+
+Padding is never stored: a padded token gets slot -1 and each sequence keeps only its real
+tokens, packed from position 0. Attention over a sequence then needs no mask, and the result for
+real tokens equals attention over the padded layout with the padding masked (positions are
+already in the rotary embedding of K). `length` still counts padding, as transformers does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import kv_write, paged_attention
+from ..triton_kernels.precision import PrecisionMode
+from .block_manager import SequenceBlocks
+from .pool import KVPool, PoolKey, get_pool
+from .storage import GUARD_BLOCK
+
+MiB = 1 << 20
+
+
+@dataclass
+class StepPlan:
+    """Where one forward pass's new tokens go; shared by all layers."""
+
+    q_len: int
+    slot_mapping: torch.Tensor  # [B * q_len] int32 on the device; -1 = padding, not stored
+    cu_seqlens_q: torch.Tensor | None  # [B + 1] int32; None = decode (one real token per row)
+    q_index: torch.Tensor | None  # [T_real] int64: real rows of the flattened [B * q_len]
+
+
+class PagedKVCore:
+    """KV cache of a batch of sequences in a shared KVPool. One table serves all layers."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        block_tokens: int = 16,
+        backing: str = "auto",
+        arena_bytes: int = 0,
+        page_size: int = 2 * MiB,
+        debug: bool = False,
+        precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
+    ):
+        self.num_layers = num_layers
+        self.block_tokens = block_tokens
+        self.backing, self.arena_bytes, self.page_size = backing, arena_bytes, page_size
+        self.debug, self.precision = debug, precision
+        self.pool: KVPool | None = None
+        self.seqs: SequenceBlocks | None = None
+        self._unbind()
+
+    def _unbind(self) -> None:
+        self.length = 0  # tokens per sequence as transformers counts them (padding included)
+        self._layer_len = [0] * self.num_layers
+        self._plan: StepPlan | None = None
+        self._pad_frontier = 0  # crop may not cut below the last step that skipped padding
+        self.table: torch.Tensor | None = None  # [B, cap] int32, device
+        self._table_host: torch.Tensor | None = None  # [B, cap] int32, cpu mirror
+        self.seq_lens: torch.Tensor | None = None  # [B] int32, device
+        self._dirty: tuple[int, int] | None = None  # table columns not yet copied to the device
+
+    # --- binding to a pool ----------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs) if self.seqs is not None else -1
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.pool.key.device if self.pool is not None else None
+
+    def _bind(self, k: torch.Tensor) -> None:
+        # k: [B, Hkv, q, D]
+        batch, hkv, _, d = k.shape
+        key = PoolKey(
+            k.device,
+            self.num_layers,
+            hkv,
+            d,
+            k.dtype,
+            self.block_tokens,
+            self.backing,
+            self.arena_bytes,
+            self.page_size,
+        )
+        self.pool = get_pool(key, self.debug)
+        self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
+        self._table_host = torch.full((batch, 16), GUARD_BLOCK, dtype=torch.int32)
+        self.table = self._to_device(self._table_host)
+        self.seq_lens = self._to_device(torch.zeros(batch, dtype=torch.int32))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t.clone()
+        # pinned + non_blocking: the host does not wait for the copy (nor for queued kernels)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _check_geometry(self, k: torch.Tensor) -> None:
+        key = self.pool.key
+        if (k.shape[0], k.shape[1], k.shape[3]) != (len(self.seqs), key.num_kv_heads, key.head_dim):
+            raise ValueError(
+                f"PagedKVCache: new keys {list(k.shape)} do not match the cache (batch "
+                f"{len(self.seqs)}, {key.num_kv_heads} kv heads, head_dim {key.head_dim})"
+            )
+        if k.dtype != key.dtype or k.device != key.device:
+            raise ValueError(
+                f"PagedKVCache: keys are {k.dtype} on {k.device}, the cache holds "
+                f"{key.dtype} on {key.device}"
+            )
+
+    # --- writing --------------------------------------------------------------------------
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, real_fn=None) -> StepPlan:
+        """Stores layer `layer`'s new k, v ([B, Hkv, q, D]).
+
+        real_fn() -> host bool [B, q] (True = real token) or None (all real); called only when
+        this write starts a new step and q > 1 (decode tokens are always real)."""
+        if self.pool is None:
+            self._bind(k)
+        self._check_geometry(k)
+        q = k.shape[2]
+        if self._layer_len[layer] == self.length:
+            real = real_fn() if (real_fn is not None and q > 1) else None
+            self._plan = self._begin_step(q, real)
+            self.length += q
+        elif self._plan is None or self._layer_len[layer] + q != self.length:
+            raise RuntimeError(
+                f"PagedKVCache: layer {layer} holds {self._layer_len[layer]} tokens, the cache "
+                f"{self.length}: layers must each append once per forward pass"
+            )
+        self._layer_len[layer] += q
+        plan = self._plan
+        st = self.pool.storage
+        if q == 1:
+            kk, vv = k[:, :, 0], v[:, :, 0]  # [B, Hkv, D] views, no copy
+        else:
+            kk = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])  # [B*q, Hkv, D]
+            vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
+        if self.pool.debug:
+            st.check_blocks(self.table)
+        kv_write(kk, vv, st.k[layer], st.v[layer], plan.slot_mapping)
+        return plan
+
+    def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
+        seqs, batch = self.seqs, len(self.seqs)
+        lens0 = list(seqs.lens)
+        counts = [q] * batch if real is None else real.sum(1).tolist()
+        cows, added = [], []
+        with self.pool.lock:
+            for b in range(batch):
+                new, cow = seqs.reserve(b, counts[b])
+                added.extend((b, col, blk) for col, blk in new)
+                if cow is not None:
+                    cows.append(cow)
+        self._grow_table(seqs.max_blocks())
+        for b, col, blk in added:
+            self._table_host[b, col] = blk
+            self._mark_dirty(col)
+        if cows:
+            self._copy_blocks(cows)
+        self._flush_table()
+        if real is not None:
+            self._pad_frontier = self.length + q
+        if q == 1:
+            return self._decode_plan(lens0)
+        return self._prefill_plan(q, lens0, counts, real)
+
+    def _decode_plan(self, lens0: list[int]) -> StepPlan:
+        bt, blocks = self.block_tokens, self.seqs.blocks
+        slots = [blocks[b][p // bt] * bt + p % bt for b, p in enumerate(lens0)]
+        buf = self._to_device(torch.tensor(slots + self.seqs.lens, dtype=torch.int32))
+        self.seq_lens = buf[len(slots) :]
+        return StepPlan(1, buf[: len(slots)], None, None)
+
+    def _prefill_plan(self, q, lens0, counts, real) -> StepPlan:
+        bt, batch = self.block_tokens, len(lens0)
+        if real is None:
+            rank = torch.arange(q, dtype=torch.int64).expand(batch, q)
+        else:
+            rank = real.to(torch.int64).cumsum(1) - 1
+        pos = torch.tensor(lens0, dtype=torch.int64)[:, None] + rank  # [B, q]
+        blk = self._table_host.to(torch.int64).gather(1, pos.clamp(min=0) // bt)
+        slots = blk * bt + pos % bt
+        q_index = None
+        if real is not None:
+            slots = torch.where(real, slots, -1)
+            q_index = self._to_device(real.flatten().nonzero().squeeze(1))
+        cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        buf = self._to_device(
+            torch.cat(
+                [
+                    slots.flatten().to(torch.int32),
+                    cu,
+                    torch.tensor(self.seqs.lens, dtype=torch.int32),
+                ]
+            )
+        )
+        n = batch * q
+        self.seq_lens = buf[n + batch + 1 :]
+        return StepPlan(q, buf[:n], buf[n : n + batch + 1], q_index)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst of every layer's K and V becomes a copy of block src."""
+        idx = self._to_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous())
+        src, dst = idx[0], idx[1]
+        st = self.pool.storage
+        for cache in (*st.k, *st.v):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    # --- the block table on the device ----------------------------------------------------
+
+    def _grow_table(self, need: int) -> None:
+        cap = self._table_host.shape[1]
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        grown = torch.full((self._table_host.shape[0], cap), GUARD_BLOCK, dtype=torch.int32)
+        grown[:, : self._table_host.shape[1]] = self._table_host
+        self._table_host = grown
+        self.table = self._to_device(grown)
+        self._dirty = None
+
+    def _mark_dirty(self, col: int) -> None:
+        c0, c1 = self._dirty if self._dirty is not None else (col, col + 1)
+        self._dirty = (min(c0, col), max(c1, col + 1))
+
+    def _flush_table(self) -> None:
+        if self._dirty is None:
+            return
+        c0, c1 = self._dirty
+        self._dirty = None
+        if self.device.type == "cpu":
+            self.table[:, c0:c1] = self._table_host[:, c0:c1]
+        else:
+            part = self._to_device(self._table_host[:, c0:c1].contiguous())
+            self.table[:, c0:c1].copy_(part)
+
+    def _reload(self) -> None:
+        """The whole table and the lengths to the device (after select/crop)."""
+        self._dirty = None
+        self.table = self._to_device(self._table_host)
+        self.seq_lens = self._to_device(torch.tensor(self.seqs.lens, dtype=torch.int32))
+
+    # --- attention and reading ------------------------------------------------------------
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        plan: StepPlan,
+        *,
+        scale: float | None,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """q: [B, Hq, q_len, D] -> attention output [B, q_len, Hq, D] (padding rows are 0)."""
+        st = self.pool.storage
+        batch, hq, q_len, d = q.shape
+        if self.pool.debug:
+            st.check_blocks(self.table)
+        if plan.cu_seqlens_q is None:
+            out = paged_attention(
+                q[:, :, 0],
+                st.k[layer],
+                st.v[layer],
+                self.table,
+                self.seq_lens,
+                scale=scale,
+                sliding_window=sliding_window,
+                precision=self.precision,
+            )  # [B, Hq, D]
+            return out.unsqueeze(1)
+        qr = q.transpose(1, 2).reshape(batch * q_len, hq, d)
+        if plan.q_index is not None:
+            qr = qr.index_select(0, plan.q_index)
+        out = paged_attention(
+            qr,
+            st.k[layer],
+            st.v[layer],
+            self.table,
+            self.seq_lens,
+            plan.cu_seqlens_q,
+            scale=scale,
+            sliding_window=sliding_window,
+            precision=self.precision,
+        )
+        if plan.q_index is not None:
+            full = out.new_zeros(batch * q_len, hq, d)
+            out = full.index_copy_(0, plan.q_index, out)
+        return out.view(batch, q_len, hq, d)
+
+    def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K, V as [B, Hkv, length, D] (only when no padding was skipped)."""
+        if self._pad_frontier or any(n != self.length for n in self.seqs.lens):
+            raise NotImplementedError(
+                "PagedKVCache: this cache skipped padding (oxygen attention); it cannot be read "
+                "back densely by another attention implementation"
+            )
+        st, n = self.pool.storage, self.length
+        nblk = -(-n // self.block_tokens)
+        idx = self.table[:, :nblk].to(torch.int64)  # [B, nblk]: only allocated blocks
+        out = []
+        for cache in (st.k[layer], st.v[layer]):
+            x = cache[idx]  # [B, nblk, bt, Hkv, D]
+            x = x.flatten(1, 2)[:, :n]
+            out.append(x.transpose(1, 2))
+        return out[0], out[1]
+
+    # --- sequence operations --------------------------------------------------------------
+
+    def select(self, order: list[int]) -> None:
+        """Sequence i becomes old sequence order[i] (beam reorder, repeat_interleave, select)."""
+        if self.seqs is None:
+            return
+        with self.pool.lock:
+            self.seqs.select(order)
+        self._table_host = self._table_host[torch.tensor(order, dtype=torch.int64)]
+        self._reload()
+
+    def crop(self, remove: int) -> None:
+        """Drops the last `remove` tokens of every sequence."""
+        if remove <= 0 or self.seqs is None:
+            return
+        new_len = self.length - remove
+        if new_len < self._pad_frontier:
+            raise NotImplementedError(
+                f"PagedKVCache.crop: cannot cut to {new_len} tokens, inside a step whose "
+                f"padding was skipped (first {self._pad_frontier} tokens)"
+            )
+        with self.pool.lock:
+            for b, n in enumerate(self.seqs.lens):
+                self.seqs.truncate(b, max(0, n - remove))
+        for b, blocks in enumerate(self.seqs.blocks):
+            self._table_host[b, len(blocks) :] = GUARD_BLOCK
+        self.length = new_len
+        self._layer_len = [min(n, new_len) for n in self._layer_len]
+        self._plan = None
+        self._reload()
+
+    def fork(self) -> PagedKVCore:
+        """A new core holding the same tokens; blocks are shared until written (copy-on-write)."""
+        other = PagedKVCore(
+            self.num_layers,
+            block_tokens=self.block_tokens,
+            backing=self.backing,
+            arena_bytes=self.arena_bytes,
+            page_size=self.page_size,
+            debug=self.debug,
+            precision=self.precision,
+        )
+        if self.seqs is None:
+            return other
+        other.pool = self.pool
+        other.seqs = SequenceBlocks(self.pool.manager, self.block_tokens)
+        with self.pool.lock:
+            other.seqs.blocks = [list(b) for b in self.seqs.blocks]
+            other.seqs.lens = list(self.seqs.lens)
+            for b in other.seqs.blocks:
+                self.pool.manager.incref(b)
+        other.length, other._layer_len = self.length, list(self._layer_len)
+        other._pad_frontier = self._pad_frontier
+        other._table_host = self._table_host.clone()
+        other._reload()
+        return other
+
+    def release(self) -> None:
+        """Gives every block back to the pool and forgets the sequences."""
+        if self.seqs is not None:
+            with self.pool.lock:
+                self.seqs.release()
+        self.seqs = None
+        self.pool = None
+        self._unbind()

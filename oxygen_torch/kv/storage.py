@@ -1,0 +1,226 @@
+"""Where KV blocks live: one flat byte range cut into per-layer K and V caches.
+
+Layout: 2 x num_layers regions (layer l: K = region 2l, V = region 2l+1), each a whole number of
+pages and each viewed as `[num_blocks, block_tokens, num_kv_heads, head_dim]`, contiguous, as the
+kernels expect. Block b of every region sits at the same offset inside its region, so the pages a
+block needs are the same page numbers in every region: they are mapped in all regions together.
+
+Two backings:
+- `ArenaBacking` (default): the VMM arena of `oxygen_torch.allocator` (cuda on a GPU, memfd+mmap
+  on the host). Only pages holding live blocks are mapped. Touching an unmapped page segfaults
+  (host) or poisons the CUDA context, so only block-table-driven kernels touch these tensors, and
+  block 0 is a guard block that stays mapped (unused table entries point at it).
+- `TorchBacking`: one `torch.empty`, everything always "mapped" (development, or no native lib).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("oxygen_torch")
+
+MiB = 1 << 20
+GUARD_BLOCK = 0  # always mapped, never handed out: unused block-table entries point here
+
+
+class TorchBacking:
+    """A plain torch allocation standing in for the arena."""
+
+    name = "torch"
+
+    def __init__(self, nbytes: int, device: torch.device, page_size: int = 2 * MiB):
+        self.page_size = page_size
+        self.capacity = nbytes - nbytes % page_size
+        self.flat = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+
+    def tensor(self) -> torch.Tensor:
+        return self.flat
+
+    def map_pages(self, first: int, count: int) -> None:
+        pass
+
+    def unmap_pages(self, first: int, count: int) -> None:
+        pass
+
+    def is_mapped(self, page: int) -> bool:
+        return 0 <= page < self.capacity // self.page_size
+
+    def close(self) -> None:
+        self.flat = None
+
+
+class _CudaRange:
+    """Presents [ptr, ptr + nbytes) on `device` to torch through __cuda_array_interface__."""
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self._owner = owner  # keeps the arena alive while torch holds the tensor
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class ArenaBacking:
+    """The VMM arena: pages mapped on demand."""
+
+    name = "arena"
+
+    def __init__(self, nbytes: int, device: torch.device, page_size: int = 2 * MiB):
+        from ..allocator import Arena
+
+        backend = "cuda" if device.type == "cuda" else "host"
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.arena = Arena(nbytes, backend=backend, device=device.index or 0, page_size=page_size)
+        self.page_size = self.arena.page_size
+        self.capacity = self.arena.capacity
+        self.flat = None  # built by tensor(), once page 0 is mapped (torch probes the base)
+
+    def tensor(self) -> torch.Tensor:
+        if self.flat is None:
+            base, n = self.arena.base, self.capacity
+            if self.device.type == "cuda":
+                self.flat = torch.as_tensor(_CudaRange(base, n, self.arena), device=self.device)
+            else:
+                buf = (ctypes.c_byte * n).from_address(base)
+                self.flat = torch.frombuffer(buf, dtype=torch.uint8, count=n)
+        return self.flat
+
+    def map_pages(self, first: int, count: int) -> None:
+        self.arena.map_pages(first, count)
+
+    def unmap_pages(self, first: int, count: int) -> None:
+        self.arena.unmap_pages(first, count)
+
+    def is_mapped(self, page: int) -> bool:
+        return self.arena.is_mapped(page)
+
+    def close(self) -> None:
+        self.flat = None
+        self.arena.close()
+
+
+def make_backing(kind: str, nbytes: int, device: torch.device, page_size: int):
+    """kind: "arena", "torch", or "auto" (arena, else torch with one warning)."""
+    if kind == "torch":
+        return TorchBacking(nbytes, device, page_size)
+    try:
+        return ArenaBacking(nbytes, device, page_size)
+    except Exception as exc:  # no native library / no Arena yet / driver refused
+        if kind == "arena":
+            raise
+        log.warning("oxygen KV cache: VMM arena unavailable (%s); using a plain torch buffer", exc)
+        return TorchBacking(min(nbytes, 256 * MiB), device, page_size)
+
+
+def debug_checks_enabled(flag: bool = False) -> bool:
+    return flag or os.environ.get("OXYGEN_DEBUG_KV", "0") not in ("", "0")
+
+
+class KVStorage:
+    """Per-layer K/V caches over a backing, with page mapping driven by block allocation."""
+
+    def __init__(
+        self,
+        backing,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_tokens: int,
+    ):
+        self.backing = backing
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.block_tokens = dtype, block_tokens
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = block_tokens * num_kv_heads * head_dim * elem
+        page = backing.page_size
+        regions = 2 * num_layers
+        self.region_pages = backing.capacity // regions // page
+        self.num_blocks = self.region_pages * page // self.block_bytes
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"kv.arena_bytes: {backing.capacity} bytes hold no block for {num_layers} layers x "
+                f"{self.block_bytes} bytes per block (need ≥ {regions * page * 2} bytes)"
+            )
+        self._page_live = [0] * self.region_pages  # live blocks touching each region page
+        self.mapped_region_pages = 0
+        self.on_alloc([GUARD_BLOCK])
+        flat = backing.tensor()
+        region_bytes = self.region_pages * page
+        shape = (self.num_blocks, block_tokens, num_kv_heads, head_dim)
+        used = self.num_blocks * self.block_bytes
+        self.k, self.v = [], []
+        for r in range(regions):
+            t = flat[r * region_bytes : r * region_bytes + used].view(dtype).view(shape)
+            (self.k if r % 2 == 0 else self.v).append(t)
+
+    def _pages_of(self, block: int) -> range:
+        start = block * self.block_bytes
+        page = self.backing.page_size
+        return range(start // page, (start + self.block_bytes - 1) // page + 1)
+
+    def _apply(self, pages: list[int], fn) -> None:
+        """fn(first, count) over contiguous runs of region pages, in every region."""
+        pages.sort()
+        runs, i = [], 0
+        while i < len(pages):
+            j = i
+            while j + 1 < len(pages) and pages[j + 1] == pages[j] + 1:
+                j += 1
+            runs.append((pages[i], j - i + 1))
+            i = j + 1
+        for r in range(2 * self.num_layers):
+            for first, count in runs:
+                fn(r * self.region_pages + first, count)
+
+    def on_alloc(self, blocks: list[int]) -> None:
+        new = []
+        for b in blocks:
+            for p in self._pages_of(b):
+                if self._page_live[p] == 0:
+                    new.append(p)
+                self._page_live[p] += 1
+        if new:
+            try:
+                self._apply(list(set(new)), self.backing.map_pages)
+            except BaseException:
+                for b in blocks:
+                    for p in self._pages_of(b):
+                        self._page_live[p] -= 1
+                raise
+            self.mapped_region_pages += len(set(new))
+
+    def on_free(self, blocks: list[int]) -> None:
+        empty = []
+        for b in blocks:
+            for p in self._pages_of(b):
+                self._page_live[p] -= 1
+                if self._page_live[p] == 0:
+                    empty.append(p)
+        if empty:
+            self._apply(list(set(empty)), self.backing.unmap_pages)
+            self.mapped_region_pages -= len(set(empty))
+
+    def mapped_bytes(self) -> int:
+        return self.mapped_region_pages * 2 * self.num_layers * self.backing.page_size
+
+    def check_blocks(self, blocks: torch.Tensor) -> None:
+        """Debug: every block id is in range and its pages are mapped (a host sync)."""
+        ids = sorted(set(int(b) for b in blocks.flatten().tolist()))
+        for b in ids:
+            if not 0 <= b < self.num_blocks:
+                raise RuntimeError(
+                    f"oxygen KV debug: block id {b} out of range [0, {self.num_blocks})"
+                )
+            for p in self._pages_of(b):
+                if self._page_live[p] == 0 or not self.backing.is_mapped(p):
+                    raise RuntimeError(f"oxygen KV debug: block {b} lies on unmapped page {p}")
