@@ -1,6 +1,7 @@
-"""python -m oxygen_torch doctor | ...
+"""python -m oxygen_torch doctor | stats | plot
 
 doctor: is this install usable here, and what will oxygen_torch do on this machine?
+stats, plot: see cli_stats.py and cli_plot.py.
 """
 
 from __future__ import annotations
@@ -61,7 +62,25 @@ def _probe_cuda(out: list[str]) -> bool:
     return ok
 
 
+def _leak_section(out: list[str], cuda_ok: bool, detail: bool) -> list[str]:
+    """Runs the leak check (leakcheck.py); appends its summary to ``out``, returns the leaks."""
+    from . import leakcheck
+
+    rep = leakcheck.run(("host", "cuda") if cuda_ok else ("host",))
+    if detail:
+        out.extend(f"  checked: {line}" for line in rep.checked)
+        out.extend(f"  skipped: {line}" for line in rep.skipped)
+    verdict = "every physical handle and reserved range released" if rep.ok else "LEAKS FOUND"
+    if rep.ok and rep.skipped:
+        verdict = "no leak seen; not checked: " + "; ".join(rep.skipped)
+    out.append(f"leak check     : {verdict}" + ("" if detail else " (--leak-check: details)"))
+    return rep.leaks
+
+
 def doctor(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oxygen_torch doctor")
+    parser.add_argument("--leak-check", action="store_true", help="print the leak check's details")
+    args = parser.parse_args(argv or [])
     out: list[str] = []
     problems: list[str] = []
     out.append(f"python         : {platform.python_version()} ({sys.executable})")
@@ -108,6 +127,7 @@ def doctor(argv: list[str] | None = None) -> int:
             shown = value.name.lower() if hasattr(value, "name") else str(value)
             src = cfg.sources.get(key)
             out.append(f"  {key:<28} {shown}" + (f"  (from {src})" if src else ""))
+    leaks = _leak_section(out, cuda_ok, args.leak_check) if not problems else []
     for line in out:
         print(line)
     if problems:
@@ -116,13 +136,37 @@ def doctor(argv: list[str] | None = None) -> int:
             print(f"  - {p}")
         return 1
     print("usable: yes")
+    if leaks:
+        print("LEAKED:")
+        for leak in leaks:
+            print(f"  - {leak}")
+        return 1
     return 0
 
 
+def _stats(argv: list[str]) -> int:
+    from .cli_stats import stats
+
+    return stats(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from .cli_plot import plot
+
+    return plot(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # stats and plot parse their own arguments (plot passes everything after `--` to a script).
+    own = {"stats": _stats, "plot": _plot}
+    if argv and argv[0] in own:
+        return own[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="python -m oxygen_torch")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check the install and print what oxygen_torch will do here")
+    sub.add_parser("stats", help="print memory_stats() of this or a running process (--url)")
+    sub.add_parser("plot", help="draw allocated vs mapped bytes over time of a script or --demo")
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
         return doctor(rest)

@@ -1,0 +1,251 @@
+"""Leak check for ``doctor``: does every physical handle and reserved range come back?
+
+Two views are compared with what the pools say about themselves:
+- the operating system's, for the host backend: each physical page is a memfd named
+  ``oxygen_page`` (csrc/vmm_backend.cpp), so ``/proc/self/fd`` counts live handles and
+  ``/proc/self/maps`` counts mapped bytes, independently of the pool's own counters;
+- the driver's, for the cuda backend: ``cuMemGetInfo`` (free / total of the device).
+
+``check_process(expect_released=True)`` is what to run after ``disable()`` / at exit: anything
+still held is a leak. ``exercise(backend)`` runs one pool life cycle and checks that it hands
+back exactly what it took. ``run()`` does both and is what ``doctor`` prints.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import _native
+
+MEMFD_NAME = "oxygen_page"  # the name the host backend gives every physical page
+MiB = 1 << 20
+
+
+@dataclass
+class LeakReport:
+    checked: list[str] = field(default_factory=list)  # what was verified, one line each
+    leaks: list[str] = field(default_factory=list)  # what leaked, said plainly
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.leaks
+
+    def extend(self, other: LeakReport) -> None:
+        self.checked += other.checked
+        self.leaks += other.leaks
+        self.skipped += other.skipped
+
+
+@dataclass(frozen=True)
+class HostView:
+    handles: int  # open memfds named oxygen_page
+    mapped_bytes: int  # bytes of them mapped into this process
+
+
+def host_view() -> HostView | None:
+    """What Linux says this process holds of the host backend's pages (None off Linux)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    handles = 0
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd listdir itself used, or one closed meanwhile
+            continue
+        handles += target.startswith(f"/memfd:{MEMFD_NAME}")
+    mapped = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if f"/memfd:{MEMFD_NAME}" in line:
+                lo, hi = line.split(None, 1)[0].split("-")
+                mapped += int(hi, 16) - int(lo, 16)
+    return HostView(handles, mapped)
+
+
+def driver_used_bytes(device: int) -> int | None:
+    """Device memory in use by everyone (total - free from cuMemGetInfo); None without a driver."""
+    try:
+        info = _native.cuda_device_info(device)
+    except (_native.NativeError, _native.NativeLibraryError):
+        return None
+    return info["total_bytes"] - info["free_bytes"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def pool_holdings(stats: dict) -> dict:
+    """Live handles, reserved ranges and bytes a pool reports, from whichever keys it has."""
+    page = int(stats.get("page_size", 2 * MiB)) or 2 * MiB
+    mapped = int(stats.get("mapped_bytes", 0))
+    if "live_handles" in stats:
+        handles = int(stats["live_handles"])
+    elif "handles_created" in stats:
+        handles = int(stats["handles_created"]) - int(stats.get("handles_released", 0))
+    else:
+        handles = mapped // page + int(stats.get("handle_cache_pages", 0))
+    reserved = int(stats.get("reserved_va_bytes", 0))
+    ranges = int(stats.get("reserved_ranges", stats.get("live_ranges", 1 if reserved else 0)))
+    return {
+        "handles": handles,
+        "ranges": ranges,
+        "mapped": mapped,
+        "reserved": reserved,
+        "cached": int(stats.get("handle_cache_pages", 0)),
+        "backend": str(stats.get("backend", "?")),
+        "device": int(stats.get("device", 0)),
+    }
+
+
+def check_process(expect_released: bool = True) -> LeakReport:
+    """Compare every reported pool with the OS / driver view. With ``expect_released`` (after
+    ``disable()``, at exit) anything still held is a leak; otherwise only contradictions are."""
+    from .metrics import pool_snapshots
+
+    rep = LeakReport()
+    host_handles = 0
+    for label, stats in pool_snapshots():
+        h = pool_holdings(stats)
+        if h["backend"] == "host":
+            host_handles += h["handles"]
+        rep.checked.append(
+            f"pool {label} ({h['backend']}, device {h['device']}): {h['handles']} handle(s), "
+            f"{_mib(h['mapped'])} mapped, {h['ranges']} reserved range(s) "
+            f"({_mib(h['reserved'])} of address space)"
+        )
+        if expect_released and (h["handles"] or h["ranges"] or h["mapped"]):
+            rep.leaks.append(
+                f"pool {label} ({h['backend']}, device {h['device']}) still holds "
+                f"{h['handles']} physical handle(s) ({_mib(h['mapped'])} mapped, "
+                f"{h['cached']} cached unmapped) and {h['ranges']} reserved range(s) "
+                f"({_mib(h['reserved'])}) after it should have released them"
+            )
+        if h["backend"] == "cuda":
+            _compare_driver(rep, label, h)
+    _compare_host(rep, host_handles, expect_released)
+    return rep
+
+
+def _compare_host(rep: LeakReport, pool_handles: int, expect_released: bool) -> None:
+    view = host_view()
+    if view is None:
+        rep.skipped.append("OS view of host pages: /proc not available")
+        return
+    rep.checked.append(
+        f"OS view: {view.handles} host page handle(s) open, {_mib(view.mapped_bytes)} mapped"
+    )
+    stray = view.handles - pool_handles
+    if stray < 0:
+        rep.leaks.append(
+            f"the pools report {pool_handles} host page handle(s) but only {view.handles} are "
+            "open: the pools' counters are wrong"
+        )
+    if stray > 0 and expect_released:
+        rep.leaks.append(
+            f"{stray} host page handle(s) (memfd '{MEMFD_NAME}') are open in this process that "
+            f"no reported pool accounts for ({_mib(view.mapped_bytes)} of them mapped): a pool "
+            "or arena was dropped without close(), or a handle was never released"
+        )
+
+
+def _compare_driver(rep: LeakReport, label: str, h: dict) -> None:
+    used = driver_used_bytes(h["device"])
+    if used is None:
+        return
+    held = h["mapped"] + h["cached"] * 2 * MiB
+    rep.checked.append(
+        f"driver: {_mib(used)} in use on device {h['device']} by every process; "
+        f"pool {label} holds {_mib(held)} of it"
+    )
+    if held > used:
+        rep.leaks.append(
+            f"pool {label} claims {_mib(held)} on device {h['device']} but the driver shows only "
+            f"{_mib(used)} in use: the pool's counters are wrong"
+        )
+
+
+# Sizes of one exercise: slab-sized, page-sized and multi-page blocks, as generate() makes them.
+_EXERCISE_SIZES = [512, 4096, 300_000, 1 * MiB, 2 * MiB, 3 * MiB + 5, 8 * MiB]
+
+
+def exercise(backend: str, device: int = 0, rounds: int = 3) -> LeakReport:
+    """Create a pool, allocate and free a generate-like mix, close it; check that the OS (host)
+    or the driver (cuda) sees exactly what it saw before."""
+    rep = LeakReport()
+    try:
+        from .allocator import VirtualPool
+    except Exception as exc:  # the pool is not built in this install
+        rep.skipped.append(f"{backend} pool life cycle: pool unavailable ({exc})")
+        return rep
+    before_host, before_drv = host_view(), driver_used_bytes(device)
+    pool = VirtualPool(backend=backend, capacity=64 * MiB, device=device)
+    try:
+        peak_mapped = _churn(pool, rounds)
+        stats = dict(pool.stats())
+    finally:
+        pool.close()
+    h = pool_holdings(stats)
+    if h["mapped"] or int(stats.get("allocated_bytes", 0)):
+        rep.leaks.append(
+            f"{backend} pool: after freeing every block and empty_cache(), {_mib(h['mapped'])} "
+            f"stay mapped and {stats.get('allocated_bytes', 0)} bytes count as allocated"
+        )
+    if backend == "host":
+        _host_returned(rep, before_host, host_view())
+    else:
+        _driver_returned(rep, device, before_drv, driver_used_bytes(device), peak_mapped)
+    rep.checked.append(
+        f"{backend} pool life cycle: {rounds} rounds, peak {_mib(peak_mapped)} mapped, "
+        "everything unmapped and released on close()"
+    )
+    return rep
+
+
+def _churn(pool, rounds: int) -> int:
+    peak = 0
+    for _ in range(rounds):
+        live = [(pool.malloc(n), n) for n in _EXERCISE_SIZES]
+        peak = max(peak, int(pool.stats().get("mapped_bytes", 0)))
+        for ptr, n in live:
+            pool.free(ptr, n)
+    pool.empty_cache()
+    return peak
+
+
+def _host_returned(rep: LeakReport, before: HostView | None, after: HostView | None) -> None:
+    if before is None or after is None:
+        rep.skipped.append("host pool life cycle: no /proc, OS view not compared")
+        return
+    if after.handles > before.handles or after.mapped_bytes > before.mapped_bytes:
+        rep.leaks.append(
+            f"host pool: after close(), {after.handles - before.handles} page handle(s) are "
+            f"still open and {_mib(after.mapped_bytes - before.mapped_bytes)} still mapped "
+            "(OS view, /proc/self)"
+        )
+
+
+def _driver_returned(rep: LeakReport, device: int, before, after, peak_mapped: int) -> None:
+    if before is None or after is None:
+        rep.skipped.append("cuda pool life cycle: driver memory not readable")
+        return
+    # Other processes share the GPU: count it ours only if at least half what we mapped stayed.
+    grown = after - before
+    if peak_mapped and grown >= peak_mapped // 2:
+        rep.leaks.append(
+            f"cuda pool: after close(), the driver shows {_mib(grown)} more in use on device "
+            f"{device} than before (the pool mapped {_mib(peak_mapped)} at its peak)"
+        )
+
+
+def run(backends: tuple[str, ...] = ("host",), device: int = 0) -> LeakReport:
+    """Life cycle of a fresh pool per backend, then the whole process, expecting nothing held."""
+    rep = LeakReport()
+    for backend in backends:
+        rep.extend(exercise(backend, device))
+    rep.extend(check_process(expect_released=True))
+    return rep
