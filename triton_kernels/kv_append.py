@@ -28,6 +28,25 @@ _AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
 
 
 @triton.jit
+def _e4m3_code(x):
+    """fp32 -> e4m3 code (uint8), saturating, round-to-nearest-even: bit-exact with
+    torch's .to(torch.float8_e4m3fn) after clamping.
+
+    The rounding is done in fp32 (x + c - c with c = 1.5 x 2^23 x the e4m3 step of x's binade
+    rounds to a multiple of the step, ties to even), so the final conversion only sees exact
+    e4m3 values; Triton 3.6's interpreter rounds fp32 -> fp8 wrongly (no mantissa carry, ties
+    away, -0 lost), and this way the interpreter and the GPU produce the same codes."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: 2^-6 is the smallest normal
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    c = step * 12582912.0  # 1.5 * 2**23
+    mag = tl.abs((x + c) - c)
+    code = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(bits < 0, code | 0x80, code).to(tl.uint8)
+
+
+@triton.jit
 def _token_coords(slot_ptr, t, BLOCK_TOKENS: tl.constexpr):
     slot = tl.load(slot_ptr + t).to(tl.int64)
     valid = slot >= 0
@@ -158,11 +177,11 @@ def _store_one(
         sc = tl.abs(tl.load(sc_ptr + blk * num_heads + offs_h, mask=h_mask, other=1.0))
         # every token of a freshly set block writes the same positive value: a benign race
         tl.store(sc_ptr + blk * num_heads + offs_h, sc, mask=h_mask)
-        y = x.to(tl.float32) / sc[:, None]
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+        code = _e4m3_code(x.to(tl.float32) / sc[:, None])
         if KV_U8:
-            y = y.to(tl.uint8, bitcast=True)
-        tl.store(dst, y, mask=m)
+            tl.store(dst, code, mask=m)
+        else:
+            tl.store(dst, code.to(tl.float8e4nv, bitcast=True), mask=m)
     else:
         tl.store(dst, x.to(c_ptr.dtype.element_ty), mask=m)
 

@@ -175,8 +175,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sliding_window):
-    C.check_query(q, k_cache, "[batch, num_q_heads, head_dim]")
+    C.check_runnable("q", q)
     C.check_kv_cache(k_cache, v_cache, q.device)
+    C.check_query(q, k_cache, "[batch, num_q_heads, head_dim]")
     C.check_tables(block_table, seq_lens, q.shape[0], q.device)
     C.check_scales(k_cache, k_scale, v_scale, q.device)
     return C.check_window(sliding_window)

@@ -255,8 +255,9 @@ def _validate(
     sliding_window,
     causal,
 ):
-    C.check_query(q, k_cache, "[total_new_tokens, num_q_heads, head_dim]")
+    C.check_runnable("q", q)
     C.check_kv_cache(k_cache, v_cache, q.device)
+    C.check_query(q, k_cache, "[total_new_tokens, num_q_heads, head_dim]")
     C.check_device("cu_seqlens_q", cu_seqlens_q, q.device)
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_q: shape {list(cu_seqlens_q.shape)}, expected [batch + 1]")

@@ -52,7 +52,7 @@ def _fp8_block_scales(x, blocks, offsets, valid, scale_table):
     cand = (amax * factor)[valid]  # [T_valid, H]
     vb = blocks[valid]
     new = torch.zeros((nb, h), dtype=torch.float32, device=x.device)
-    new.index_reduce_(0, vb, cand, "amax", include_self=True)
+    new.scatter_reduce_(0, vb[:, None].expand(-1, h), cand, reduce="amax", include_self=True)
     leader = torch.zeros(nb, dtype=torch.bool, device=x.device)
     leader[vb[offsets[valid] == 0]] = True
     touched = torch.zeros(nb, dtype=torch.bool, device=x.device)

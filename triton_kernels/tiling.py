@@ -7,6 +7,8 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
   M; capped at 64, larger groups are split over programs) and block_n, the key tile, is clamped to
   [64, 128] for 1-2 byte storage: a decode step is a stream over K/V, and Hopper needs 8-16 KiB
   of K+V in flight per stage to approach HBM bandwidth.
+- registers: the fp32 output accumulator block_m x head_dim stays <= 128 x 128 (head_dim 256
+  halves block_m).
 - shared memory: the pipelined K and V tiles (num_stages copies each) plus the Q tile must fit
   SMEM_BUDGET; block_n is halved first (down to 32), then block_m. This is what shrinks tiles for
   head_dim 256 and for fp32 storage (or FP32_SAFE compute), and what grows them for fp8 KV.
@@ -144,6 +146,9 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
         block_m = min(64, max(16, next_pow2(q.group)))
         if q.elem_bytes <= 2:
             block_n = min(128, max(64, block_n))
+    # the fp32 accumulator [block_m, D]: <= 128 x 128 keeps it at 64 registers a thread (8 warps)
+    while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
+        block_m //= 2
     stages = select_num_stages(q)
     while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_n > 32:
         block_n //= 2
