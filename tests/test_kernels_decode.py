@@ -102,3 +102,13 @@ def test_decode_strided_q_and_out():
     paged_decode(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, out=out)
     assert_close_rel(out, _ref(p, q), torch.float32)
     assert torch.isnan(out_big[:, :3]).all() and torch.isnan(out_big[:, 7:]).all()
+
+
+def test_decode_float8_storage_equals_uint8_codes():
+    """torch.float8_e4m3fn caches (the GPU dtype) read exactly like their uint8 codes."""
+    p = make_paged([30, 47], 2, 64, 16, torch.uint8, seed=15)
+    q = randn((2, 4, 64), torch.float16, seed=16)
+    codes = _run(p, q, num_splits=2)
+    p.k_cache = p.k_cache.view(torch.float8_e4m3fn)
+    p.v_cache = p.v_cache.view(torch.float8_e4m3fn)
+    torch.testing.assert_close(_run(p, q, num_splits=2), codes, rtol=0, atol=0)

@@ -197,3 +197,9 @@ def patch_interpreter_scalars() -> None:
 
     patched._oxygen_scalar_index = True
     interpreter._patch_lang_tensor = patched
+
+
+def as_codes(cache: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn storage as its uint8 codes: the kernels bitcast uint8 to e4m3 in registers,
+    so the GPU runs the same code path as the CPU interpreter (which has no fp8 tensors)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

@@ -16,7 +16,6 @@ order: (1) slot-0 writers mark their block (scale = 0); (2) every token of a mar
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -163,7 +162,6 @@ def _store_one(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
-    KV_U8: tl.constexpr,
 ):
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -178,10 +176,7 @@ def _store_one(
         # every token of a freshly set block writes the same positive value: a benign race
         tl.store(sc_ptr + blk * num_heads + offs_h, sc, mask=h_mask)
         code = _e4m3_code(x.to(tl.float32) / sc[:, None])
-        if KV_U8:
-            tl.store(dst, code, mask=m)
-        else:
-            tl.store(dst, code.to(tl.float8e4nv, bitcast=True), mask=m)
+        tl.store(dst, code, mask=m)  # fp8 caches arrive as uint8 views
     else:
         tl.store(dst, x.to(c_ptr.dtype.element_ty), mask=m)
 
@@ -208,7 +203,6 @@ def _append_kernel(
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
-    KV_U8: tl.constexpr,
 ):
     t = tl.program_id(0)
     valid, blk, off = _token_coords(slot_ptr, t, BLOCK_TOKENS)
@@ -230,7 +224,6 @@ def _append_kernel(
         H_PAD,
         D_PAD,
         FP8,
-        KV_U8,
     )
     _store_one(
         v_ptr,
@@ -250,7 +243,6 @@ def _append_kernel(
         H_PAD,
         D_PAD,
         FP8,
-        KV_U8,
     )
 
 
@@ -318,8 +310,8 @@ def kv_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
     _append_kernel[(n,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        C.as_codes(k_cache),
+        C.as_codes(v_cache),
         slot_mapping,
         ks,
         vs,
@@ -336,6 +328,5 @@ def kv_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=Non
         H_PAD=h_pad,
         D_PAD=d_pad,
         FP8=fp8,
-        KV_U8=k_cache.dtype == torch.uint8,
         num_warps=warps,
     )

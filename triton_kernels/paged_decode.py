@@ -61,7 +61,6 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     FP8: tl.constexpr,
-    KV_U8: tl.constexpr,
     PRECISION: tl.constexpr,
     HALF_ACC: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -96,8 +95,8 @@ def _decode_kernel(
         # never touch positions outside [lo, seq_len): their blocks may be unmapped or freed
         valid = (pos < end) & (pos >= lo)
         rows, blk = kv_rows(bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
-        k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, KV_U8)
-        v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, KV_U8)
+        k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, FP8)
+        v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, FP8)
         k_sc = 1.0  # scales are only read when FP8
         v_sc = 1.0
         if FP8:
@@ -259,8 +258,8 @@ def paged_decode(
     vs = v_scale if fp8 else q
     _decode_kernel[(batch * hkv * group_tiles, splits)](
         q,
-        k_cache,
-        v_cache,
+        C.as_codes(k_cache),
+        C.as_codes(v_cache),
         ks,
         vs,
         block_table,
@@ -289,7 +288,6 @@ def paged_decode(
         BLOCK_N=cfg.block_n,
         BLOCK_TOKENS=bt,
         FP8=fp8,
-        KV_U8=k_cache.dtype == torch.uint8,
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         SPLIT=splits > 1,

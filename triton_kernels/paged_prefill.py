@@ -69,7 +69,6 @@ def _key_phase(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     FP8: tl.constexpr,
-    KV_U8: tl.constexpr,
     PRECISION: tl.constexpr,
     HALF_ACC: tl.constexpr,
 ):
@@ -81,8 +80,8 @@ def _key_phase(
         rows, blk = kv_rows(
             bt_row, pos, load_ok, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS
         )
-        k = load_kv(k_ptr, rows, offs_d, load_ok, HEAD_DIM, KV_U8)
-        v = load_kv(v_ptr, rows, offs_d, load_ok, HEAD_DIM, KV_U8)
+        k = load_kv(k_ptr, rows, offs_d, load_ok, HEAD_DIM, FP8)
+        v = load_kv(v_ptr, rows, offs_d, load_ok, HEAD_DIM, FP8)
         k_sc = 1.0  # scales are only read when FP8
         v_sc = 1.0
         if FP8:
@@ -134,7 +133,6 @@ def _prefill_kernel(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     FP8: tl.constexpr,
-    KV_U8: tl.constexpr,
     PRECISION: tl.constexpr,
     HALF_ACC: tl.constexpr,
 ):
@@ -200,7 +198,6 @@ def _prefill_kernel(
         CAUSAL,
         HAS_WINDOW,
         FP8,
-        KV_U8,
         PRECISION,
         HALF_ACC,
     )
@@ -234,7 +231,6 @@ def _prefill_kernel(
         CAUSAL,
         HAS_WINDOW,
         FP8,
-        KV_U8,
         PRECISION,
         HALF_ACC,
     )
@@ -337,8 +333,8 @@ def paged_prefill(
     grid = (hq, triton.cdiv(total, cfg.block_m) + batch)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        C.as_codes(k_cache),
+        C.as_codes(v_cache),
         ks,
         vs,
         block_table,
@@ -368,7 +364,6 @@ def paged_prefill(
         CAUSAL=causal,
         HAS_WINDOW=window > 0,
         FP8=fp8,
-        KV_U8=k_cache.dtype == torch.uint8,
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         num_warps=cfg.num_warps,
