@@ -9,7 +9,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <atomic>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -41,6 +43,11 @@ const std::string& last_error() { return g_last_error; }
 // mmap could take).
 
 namespace {
+
+std::atomic<std::uint64_t> g_host_events{0};
+std::atomic<bool> g_host_hold{false};
+std::mutex g_host_capture_mu;
+std::map<void*, std::uint64_t> g_host_capture;
 
 class HostBackend final : public Backend {
  public:
@@ -109,6 +116,26 @@ class HostBackend final : public Backend {
     }
     return OK;
   }
+  // Host memory is written synchronously, so an event is complete once recorded -- unless a test
+  // holds events back to exercise the stream-ordered paths.
+  Status event_create(EventHandle* event) override {
+    *event = ++g_host_events;
+    return OK;
+  }
+  Status event_destroy(EventHandle) override { return OK; }
+  Status event_record(EventHandle, void*) override { return OK; }
+  Status event_query(EventHandle, bool* done) override {
+    *done = !g_host_hold.load(std::memory_order_acquire);
+    return OK;
+  }
+  Status capture_info(void* stream, bool* capturing, std::uint64_t* id) override {
+    std::lock_guard<std::mutex> g(g_host_capture_mu);
+    auto it = g_host_capture.find(stream);
+    *id = it == g_host_capture.end() ? 0 : it->second;
+    *capturing = *id != 0;
+    return OK;
+  }
+  Status synchronize() override { return OK; }
 
  private:
   static Status invalid(const char* msg) {
@@ -119,6 +146,16 @@ class HostBackend final : public Backend {
 };
 
 }  // namespace
+
+void host_hold_events(bool hold) { g_host_hold.store(hold, std::memory_order_release); }
+
+void host_set_capture(void* stream, std::uint64_t id) {
+  std::lock_guard<std::mutex> g(g_host_capture_mu);
+  if (id)
+    g_host_capture[stream] = id;
+  else
+    g_host_capture.erase(stream);
+}
 
 std::unique_ptr<Backend> make_host_backend(std::size_t page_size, Status* status) {
   long os_page = sysconf(_SC_PAGESIZE);
@@ -165,6 +202,16 @@ struct Driver {
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
+  CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventQuery)(CUevent) = nullptr;
+  // The CUDA 12 ABI of cuStreamGetCaptureInfo (what cuGetProcAddress hands out for CUDA_VERSION
+  // 12.x, also on a CUDA 13 driver): status, sequence id, graph, dependencies, count.
+  CUresult (*cuStreamGetCaptureInfo)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*,
+                                     const CUgraphNode**, size_t*) = nullptr;
   bool ok = false;
 };
 
@@ -179,7 +226,13 @@ bool resolve(void* lib, const char* sym, F* out) {
     if (get_proc(sym, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS)
       fn = nullptr;
   }
-  if (!fn) fn = dlsym(lib, sym);
+  // Fallback without cuGetProcAddress: the bare symbol is the oldest ABI, which differs for a few
+  // entry points (cuStreamGetCaptureInfo, cuEventDestroy, cuMemGetInfo): ask for the _v2 names.
+  if (!fn) {
+    std::string v2 = std::string(sym) + "_v2";
+    fn = dlsym(lib, v2.c_str());
+    if (!fn) fn = dlsym(lib, sym);
+  }
   *out = reinterpret_cast<F>(fn);
   return fn != nullptr;
 }
@@ -209,7 +262,14 @@ Driver& driver() {
               resolve(d.lib, "cuMemMap", &d.cuMemMap) &&
               resolve(d.lib, "cuMemSetAccess", &d.cuMemSetAccess) &&
               resolve(d.lib, "cuMemUnmap", &d.cuMemUnmap) &&
-              resolve(d.lib, "cuGetErrorName", &d.cuGetErrorName);
+              resolve(d.lib, "cuGetErrorName", &d.cuGetErrorName) &&
+              resolve(d.lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent) &&
+              resolve(d.lib, "cuCtxSynchronize", &d.cuCtxSynchronize) &&
+              resolve(d.lib, "cuEventCreate", &d.cuEventCreate) &&
+              resolve(d.lib, "cuEventDestroy", &d.cuEventDestroy) &&
+              resolve(d.lib, "cuEventRecord", &d.cuEventRecord) &&
+              resolve(d.lib, "cuEventQuery", &d.cuEventQuery) &&
+              resolve(d.lib, "cuStreamGetCaptureInfo", &d.cuStreamGetCaptureInfo);
     d.ok = ok && d.cuInit(0) == CUDA_SUCCESS;
   });
   return d;
@@ -257,7 +317,15 @@ CUmemAllocationProp device_prop(int device) {
 // PyTorch uses the same primary context, so nothing new is created).
 class CtxGuard {
  public:
-  explicit CtxGuard(CUcontext ctx) { ok_ = driver().cuCtxPushCurrent(ctx) == CUDA_SUCCESS; }
+  // The allocator's hot path runs on PyTorch's threads, which already have the primary context
+  // current: skip the push/pop there.
+  explicit CtxGuard(CUcontext ctx) {
+    CUcontext cur = nullptr;
+    if (driver().cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx)
+      ok_ = false;
+    else
+      ok_ = driver().cuCtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
   ~CtxGuard() {
     CUcontext c;
     if (ok_) driver().cuCtxPopCurrent(&c);
@@ -324,6 +392,46 @@ class CudaBackend final : public Backend {
   Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) override {
     CtxGuard g(ctx_);
     OXY_CU(driver().cuMemGetInfo(free_bytes, total_bytes));
+    return OK;
+  }
+  Status event_create(EventHandle* event) override {
+    CtxGuard g(ctx_);
+    CUevent e = nullptr;
+    OXY_CU(driver().cuEventCreate(&e, CU_EVENT_DISABLE_TIMING));
+    *event = reinterpret_cast<EventHandle>(e);
+    return OK;
+  }
+  Status event_destroy(EventHandle event) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuEventDestroy(reinterpret_cast<CUevent>(event)));
+    return OK;
+  }
+  Status event_record(EventHandle event, void* stream) override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuEventRecord(reinterpret_cast<CUevent>(event),
+                                  static_cast<CUstream>(stream)));
+    return OK;
+  }
+  Status event_query(EventHandle event, bool* done) override {
+    CtxGuard g(ctx_);
+    CUresult r = driver().cuEventQuery(reinterpret_cast<CUevent>(event));
+    *done = r == CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS || r == CUDA_ERROR_NOT_READY) return OK;
+    return driver_error("cuEventQuery", r);
+  }
+  Status capture_info(void* stream, bool* capturing, std::uint64_t* id) override {
+    CtxGuard g(ctx_);
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    cuuint64_t seq = 0;
+    OXY_CU(driver().cuStreamGetCaptureInfo(static_cast<CUstream>(stream), &st, &seq, nullptr,
+                                           nullptr, nullptr));
+    *capturing = st != CU_STREAM_CAPTURE_STATUS_NONE;
+    *id = *capturing ? static_cast<std::uint64_t>(seq) : 0;
+    return OK;
+  }
+  Status synchronize() override {
+    CtxGuard g(ctx_);
+    OXY_CU(driver().cuCtxSynchronize());
     return OK;
   }
 

@@ -24,6 +24,10 @@ enum Status : int {
   ERR_UNSUPPORTED = 7,    // the device or build cannot do this (e.g. no VMM support)
 };
 
+// An opaque event (cuda: CUevent; host: a sequence number that completes at once unless a test
+// holds events back).
+using EventHandle = std::uint64_t;
+
 // Thread-local text of the last error, for the C ABI's oxygen_last_error().
 void set_last_error(const std::string& msg);
 const std::string& last_error();
@@ -47,7 +51,25 @@ class Backend {
   virtual Status unmap(std::uintptr_t va, std::size_t size) = 0;
   // Free and total physical memory of the device (host: MemAvailable / MemTotal).
   virtual Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) = 0;
+
+  // Stream-ordered reuse. Events are created without timing; query sets *done (true when the work
+  // before the record has completed). Never query or record while a stream capture may be in
+  // progress (H200: cuEventQuery returns 900 and invalidates the capture): see capture.h.
+  virtual Status event_create(EventHandle* event) = 0;
+  virtual Status event_destroy(EventHandle event) = 0;
+  virtual Status event_record(EventHandle event, void* stream) = 0;
+  virtual Status event_query(EventHandle event, bool* done) = 0;
+  // Whether `stream` is capturing (an invalidated but unterminated capture counts as capturing) and
+  // the capture sequence id. Safe to call during capture.
+  virtual Status capture_info(void* stream, bool* capturing, std::uint64_t* id) = 0;
+  // Waits for all work on the device (used only when a CUDA graph's memory is handed back).
+  virtual Status synchronize() = 0;
 };
+
+// Test knobs of the host backend: hold events pending (so stream-ordered reuse can be tested on a
+// CPU) and mark a fake stream as capturing with a given id (0 = not capturing).
+void host_hold_events(bool hold);
+void host_set_capture(void* stream, std::uint64_t id);
 
 // Factories. On failure they return nullptr and set *status and last_error().
 std::unique_ptr<Backend> make_host_backend(std::size_t page_size, Status* status);

@@ -77,6 +77,59 @@ def _declare(so: ctypes.CDLL) -> None:
         c.POINTER(c.c_int),
     ]
     so.oxygen_backend_selftest.argtypes = [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_size_t)]
+    _declare_pool(so)
+
+
+def _declare_pool(so: ctypes.CDLL) -> None:
+    """The pool's functions (csrc/pool_capi.cpp, csrc/arena.cpp)."""
+    c = ctypes
+    vp, sz, u64, i64 = c.c_void_p, c.c_size_t, c.c_uint64, c.c_int64
+    u64p = c.POINTER(c.c_uint64)
+    sig = {
+        "oxygen_configure": (c.c_int, [c.c_char_p, sz, c.c_double, sz, sz, sz, u64, c.c_int]),
+        "oxygen_malloc": (vp, [c.c_ssize_t, c.c_int, vp]),
+        "oxygen_free": (None, [vp, c.c_ssize_t, c.c_int, vp]),
+        "oxygen_global_pool": (vp, [c.c_int]),
+        "oxygen_pool_create": (
+            c.c_int,
+            [c.c_char_p, c.c_int, sz, sz, c.c_double, sz, sz, u64, c.POINTER(vp)],
+        ),
+        "oxygen_pool_destroy": (None, [vp]),
+        "oxygen_pool_malloc": (c.c_int, [vp, i64, vp, c.POINTER(vp)]),
+        "oxygen_pool_free": (c.c_int, [vp, vp, i64, vp]),
+        "oxygen_pool_empty_cache": (None, [vp]),
+        "oxygen_pool_reset_peak": (None, [vp]),
+        "oxygen_pool_prepare": (c.c_int, [vp, sz]),
+        "oxygen_pool_mem_info": (c.c_int, [vp, c.POINTER(sz), c.POINTER(sz)]),
+        "oxygen_pool_backend": (c.c_char_p, [vp]),
+        "oxygen_pool_device": (c.c_int, [vp]),
+        "oxygen_pool_base": (u64, [vp]),
+        "oxygen_stats_names": (c.c_char_p, []),
+        "oxygen_pool_stats": (c.c_int, [vp, u64p, c.c_int]),
+        "oxygen_pool_latency_hist": (c.c_int, [vp, u64p, c.c_int]),
+        "oxygen_pool_bench": (c.c_double, [vp, i64, c.c_int, vp]),
+        "oxygen_capture_begin": (u64, []),
+        "oxygen_capture_end": (None, [u64]),
+        "oxygen_capture_release": (None, [u64]),
+        "oxygen_capture_maybe_active": (c.c_int, []),
+        "oxygen_host_hold_events": (None, [c.c_int]),
+        "oxygen_host_set_capture": (None, [vp, u64]),
+        "oxygen_arena_create": (c.c_int, [c.c_char_p, c.c_int, sz, sz, c.c_double, c.POINTER(vp)]),
+        "oxygen_arena_destroy": (None, [vp]),
+        "oxygen_arena_base": (u64, [vp]),
+        "oxygen_arena_pages": (sz, [vp]),
+        "oxygen_arena_page_size": (sz, [vp]),
+        "oxygen_arena_map": (c.c_int, [vp, sz, sz]),
+        "oxygen_arena_unmap": (c.c_int, [vp, sz, sz]),
+        "oxygen_arena_is_mapped": (c.c_int, [vp, sz]),
+        "oxygen_arena_mapped_pages": (sz, [vp]),
+        "oxygen_arena_stats": (c.c_int, [vp, u64p, c.c_int]),
+        "oxygen_arena_latency_hist": (c.c_int, [vp, u64p, c.c_int]),
+    }
+    for name, (restype, argtypes) in sig.items():
+        fn = getattr(so, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
 
 
 def last_error() -> str:

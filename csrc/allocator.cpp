@@ -1,0 +1,307 @@
+// See allocator.h. Public entry points and block placement.
+#include "allocator.h"
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "capture.h"
+
+namespace oxygen {
+
+namespace {
+std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+std::unique_ptr<Allocator> Allocator::create(std::shared_ptr<DeviceCtx> ctx,
+                                             const AllocOptions& opt, Status* status) {
+  double factor = opt.va_factor < 1.0 ? 1.0 : opt.va_factor;
+  auto pages = static_cast<std::size_t>(static_cast<double>(ctx->max_pages()) * factor);
+  auto range = std::make_unique<PageRange>(ctx, pages, status);
+  if (*status != OK) return nullptr;
+  std::unique_ptr<Allocator> a(new Allocator(std::move(range), opt));
+  Allocator* raw = a.get();
+  a->ctx().add_sweeper(raw, [raw] { raw->sweep(); });
+  capture::add_release_listener(raw, [raw](std::uint64_t t) { raw->release_capture(t); });
+  return a;
+}
+
+Allocator::Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt)
+    : range_(std::move(range)),
+      page_(range_->page()),
+      slab_max_(std::min(kMaxSlabBlock, range_->page() / 2)),
+      opt_(opt),
+      streams_(range_->ctx().backend()),
+      refcnt_(range_->pages(), 0),
+      idle_since_(range_->pages(), 0) {
+  extents_.insert(range_->base(), range_->pages() * page_, Tag{});
+}
+
+Allocator::~Allocator() {
+  capture::remove_release_listener(this);
+  ctx().remove_sweeper(this);
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& kv : captures_)
+    if (kv.second->active) capture::note_detected(-1);
+  // range_ unmaps every page still mapped (leaked blocks included) and frees the reservation.
+}
+
+void Allocator::report(const char* kind, std::uintptr_t ptr, std::int64_t size) {
+  std::fprintf(stderr,
+               "oxygen_torch: %s (pointer 0x%" PRIxPTR ", size %" PRId64
+               "); ignored. Further cases are only counted in memory_stats().\n",
+               kind, ptr, size);
+}
+
+void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
+  if (size < 0 || static_cast<std::size_t>(size) > va_bytes()) {
+    bump(stats_.num_bad_sizes);
+    std::lock_guard<std::mutex> g(mu_);
+    if (!reported_bad_size_) report("absurd allocation size", 0, size);
+    reported_bad_size_ = true;
+    set_last_error("absurd allocation size " + std::to_string(size));
+    *status = ERR_INVALID;
+    return nullptr;
+  }
+  // PyTorch calls malloc(0): it gets a unique 512-byte block, never a shared address.
+  std::size_t bytes = round_up(size == 0 ? 1 : static_cast<std::size_t>(size), kMinBlock);
+  bool capturing = false;
+  std::uint64_t cid = 0;
+  if (ctx().backend().capture_info(stream, &capturing, &cid) != OK) capturing = false;
+
+  std::lock_guard<std::mutex> g(mu_);
+  if (!active_captures_.empty()) refresh_captures();
+  StreamState* st = streams_.get(stream);
+  CaptureState* cap = capturing ? capture_for(cid, stream) : nullptr;
+  std::uint64_t now = now_ns();
+  if (now - last_sweep_ > 4 * opt_.hysteresis_ns) sweep_locked(false);
+
+  Block b;
+  std::uintptr_t p = bytes <= ctx().max_pages() * page_ ? place(bytes, st, cap, &b) : 0;
+  if (!p && bytes <= ctx().max_pages() * page_) {
+    // Out of pages: wait for the device if allowed, drop cached slabs, unmap every safe idle page.
+    release_empty_slabs(false);
+    poll_events(true);
+    reclaim_idle(SIZE_MAX, false);
+    p = place(bytes, st, cap, &b);
+  }
+  if (!p) {
+    bump(stats_.num_ooms);
+    set_last_error("out of memory: requested " + std::to_string(size) + " bytes");
+    *status = ERR_OOM;
+    return nullptr;
+  }
+  b.addr = p;
+  b.requested = static_cast<std::size_t>(size);
+  b.bytes = bytes;
+  b.stream = st;
+  b.capture = cap ? cap->id : 0;
+  live_.emplace(p, b);
+  bump(stats_.num_allocs);
+  bump(stats_.live_blocks);
+  bump(stats_.requested_bytes, b.requested);
+  bump(stats_.allocated_bytes, bytes);
+  raise_peak(stats_.peak_allocated_bytes, get(stats_.allocated_bytes));
+  if (cap) bump(stats_.capture_allocs);
+  *status = OK;
+  return reinterpret_cast<void*>(p);
+}
+
+Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
+  auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(addr);
+  if (it == live_.end()) {
+    bump(stats_.num_bad_frees);
+    stats_.last_bad_pointer.store(addr, std::memory_order_relaxed);
+    if (!reported_bad_free_) report("free of an unknown pointer or double free", addr, size);
+    reported_bad_free_ = true;
+    set_last_error("free of an unknown pointer or double free");
+    return ERR_INVALID;
+  }
+  Block b = it->second;
+  live_.erase(it);
+  if (size > 0 && static_cast<std::size_t>(size) != b.requested) {
+    bump(stats_.num_size_mismatch);
+    if (!reported_mismatch_) report("free with a size other than the block's (block size used)",
+                                    addr, size);
+    reported_mismatch_ = true;
+  }
+  drop(stats_.live_blocks);
+  drop(stats_.requested_bytes, b.requested);
+  drop(stats_.allocated_bytes, b.bytes);
+  bump(stats_.num_frees);
+  if (!active_captures_.empty()) refresh_captures();
+  StreamState* fs = stream == b.stream->stream ? b.stream : streams_.get(stream);
+  free_block(b, fs);
+  if (now_ns() - last_sweep_ > 4 * opt_.hysteresis_ns) sweep_locked(false);
+  return OK;
+}
+
+void Allocator::free_block(const Block& b, StreamState* fs) {
+  if (b.capture) return free_capture_block(b, fs);
+  if (!b.slab) return large_free(b, fs);
+  Heap* h = b.slab->heap;
+  if (fs != h->stream) {
+    // Freed on another stream than the slab's: the slot waits until that stream has passed the
+    // free, then returns to its slab (process_deferred).
+    deferred_.push_back({b.slab, b.slot, streams_.on_free(fs)});
+    try_record(fs);
+    return;
+  }
+  slab_put(b.slab, b.slot);
+}
+
+std::uintptr_t Allocator::place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b) {
+  if (bytes <= slab_max_) {
+    int cls = size_class(bytes);
+    return slab_alloc(heap_for(st, cap ? cap->id : 0), cls, b);
+  }
+  return large_alloc(bytes, st, cap, b);
+}
+
+std::uintptr_t Allocator::large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap,
+                                      Block* b) {
+  if (cap) {
+    // Reuse inside the same capture: the graph replays in the order it was captured.
+    auto it = cap->reusable.lower_bound(bytes);
+    if (it != cap->reusable.end() && it->first <= bytes + bytes / 4) {
+      std::uintptr_t a = it->second;
+      b->span = it->first;
+      cap->reusable.erase(it);
+      return a;
+    }
+  }
+  std::uintptr_t a = 0;
+  Tag t;
+  // A capture takes only memory that no stream can still touch: its graph may replay anywhere.
+  if (!extents_.take(bytes, kMinBlock, cap ? nullptr : st, &a, &t)) return 0;
+  std::size_t p0 = (a - base()) / page_, p1 = (a + bytes - 1 - base()) / page_;
+  if (ref_pages(p0, p1) != OK) {
+    extents_.insert(a, bytes, t);
+    return 0;
+  }
+  b->span = bytes;
+  return a;
+}
+
+void Allocator::large_free(const Block& b, StreamState* fs) {
+  std::uintptr_t a = b.addr;
+  std::size_t p0 = (a - base()) / page_, p1 = (a + b.span - 1 - base()) / page_;
+  unref_pages(p0, p1);
+  extents_.insert(a, b.span, streams_.on_free(fs));
+  try_record(fs);
+}
+
+Heap* Allocator::heap_for(StreamState* st, std::uint64_t capture) {
+  if (last_heap_ && last_heap_->stream == st && last_heap_->capture == capture) return last_heap_;
+  auto& h = heaps_[{st, capture}];
+  if (!h) {
+    h = std::make_unique<Heap>();
+    h->stream = st;
+    h->capture = capture;
+    if (capture) captures_[capture]->heaps.push_back(h.get());
+  }
+  last_heap_ = h.get();
+  return h.get();
+}
+
+std::uintptr_t Allocator::slab_alloc(Heap* heap, int cls, Block* b) {
+  SlabPage* sp = nullptr;
+  if (!heap->partial[cls].empty()) {
+    sp = heap->partial[cls].back();
+  } else if (heap->empty[cls]) {
+    sp = heap->empty[cls];
+    heap->empty[cls] = nullptr;
+    drop(stats_.slab_cached_pages);
+    heap->add_partial(sp);
+  } else {
+    if (!(sp = new_slab_page(heap, cls))) return 0;
+    heap->add_partial(sp);
+  }
+  std::uint32_t slot = sp->pop();
+  if (sp->full()) heap->remove_partial(sp);
+  b->slab = sp;
+  b->slot = slot;
+  b->span = class_size(cls);
+  return base() + sp->page * page_ + slot * class_size(cls);
+}
+
+SlabPage* Allocator::new_slab_page(Heap* heap, int cls) {
+  std::uintptr_t a = 0;
+  Tag t;
+  if (!extents_.take(page_, page_, heap->capture ? nullptr : heap->stream, &a, &t)) return nullptr;
+  std::size_t pi = (a - base()) / page_;
+  if (ref_pages(pi, pi) != OK) {
+    extents_.insert(a, page_, t);
+    return nullptr;
+  }
+  auto sp = std::make_unique<SlabPage>();
+  sp->page = static_cast<std::uint32_t>(pi);
+  sp->cls = static_cast<std::uint16_t>(cls);
+  sp->nslots = sp->nfree = static_cast<std::uint32_t>(page_ / class_size(cls));
+  sp->heap = heap;
+  SlabPage* raw = sp.get();
+  slabs_[pi] = std::move(sp);
+  return raw;
+}
+
+void Allocator::slab_put(SlabPage* sp, std::uint32_t slot) {
+  Heap* h = sp->heap;
+  bool was_full = sp->full();
+  sp->push(slot);
+  if (was_full) h->add_partial(sp);
+  if (!sp->empty() || (h->capture && !h->released)) return;
+  h->remove_partial(sp);
+  if (h->released) return release_slab_page(sp, Tag{});
+  if (!h->empty[sp->cls]) {
+    // Keep one empty slab per class mapped for a while: a loop that frees and re-allocates one
+    // small tensor must not map and unmap a page each time.
+    h->empty[sp->cls] = sp;
+    sp->empty_since = now_ns();
+    bump(stats_.slab_cached_pages);
+    return;
+  }
+  release_slab_page(sp, streams_.on_free(h->stream));
+  try_record(h->stream);
+}
+
+void Allocator::release_slab_page(SlabPage* sp, Tag tag) {
+  std::size_t pi = sp->page;
+  extents_.insert(base() + pi * page_, page_, tag);
+  unref_pages(pi, pi);
+  slabs_.erase(pi);  // frees sp
+}
+
+void Allocator::empty_cache() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!active_captures_.empty()) refresh_captures();
+  release_empty_slabs(false);
+  poll_events(true);
+  reclaim_idle(SIZE_MAX, false);
+  if (!capture::maybe_active()) ctx().trim(0);
+}
+
+void Allocator::reset_peak() {
+  stats_.peak_allocated_bytes.store(get(stats_.allocated_bytes), std::memory_order_relaxed);
+  PhysCounters& p = ctx().stats();
+  p.peak_mapped_bytes.store(get(p.mapped_bytes), std::memory_order_relaxed);
+}
+
+void Allocator::sweep() {
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return;
+  if (!active_captures_.empty()) refresh_captures();
+  sweep_locked(false);
+}
+
+std::size_t Allocator::free_va_bytes() {
+  std::lock_guard<std::mutex> g(mu_);
+  return extents_.free_bytes();
+}
+
+std::size_t Allocator::largest_free_va() {
+  std::lock_guard<std::mutex> g(mu_);
+  return extents_.largest();
+}
+
+}  // namespace oxygen

@@ -1,0 +1,154 @@
+// The pool's sub-allocator: one reserved virtual range per pool, blocks placed in it, physical
+// pages mapped exactly while a live block (or a slab) touches them.
+//
+//   small (<= 1 MiB and <= half a page): size-classed slabs, one heap per (stream, capture);
+//   large: best fit over the free ranges at 512 B granularity, not rounded to pages, so the only
+//          waste is the unused part of boundary pages; a per-page reference count says when a page
+//          has nothing live (it then idles for a short hysteresis and is unmapped once safe).
+//
+// Stream order (streams.h), CUDA-graph captures (capture.h) and errors are handled here; all of it
+// under one lock per pool (PyTorch's caching allocator also serialises per device). Counters are
+// atomics in stats.h, read without the lock.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "extents.h"
+#include "page_pool.h"
+#include "slab.h"
+#include "stats.h"
+#include "streams.h"
+
+namespace oxygen {
+
+struct AllocOptions {
+  double va_factor = 2.0;                  // virtual range = capacity x this (holes never starve it)
+  std::uint64_t hysteresis_ns = 2000000;   // an idle page stays mapped this long (2 ms)
+  bool reclaim_on_grow = true;             // unmap safe idle pages before mapping new ones
+};
+
+struct Block {
+  std::uintptr_t addr = 0;
+  std::size_t requested = 0;  // as asked
+  std::size_t bytes = 0;      // rounded to 512 B: what allocated_bytes counts, as in PyTorch
+  std::size_t span = 0;       // virtual bytes held (slab: the class size)
+  StreamState* stream = nullptr;
+  SlabPage* slab = nullptr;   // small blocks
+  std::uint32_t slot = 0;
+  std::uint64_t capture = 0;  // capture sequence id that allocated it, 0 = general
+};
+
+struct CaptureState {
+  std::uint64_t id = 0;
+  void* stream = nullptr;
+  std::uint64_t token = 0;   // announced by Python (0: unannounced, see allocator_capture.cpp)
+  bool active = true;
+  bool released = false;
+  std::multimap<std::size_t, std::uintptr_t> reusable;           // large, freed inside capture
+  std::vector<std::pair<std::uintptr_t, std::size_t>> quarantine;  // freed after it ended
+  std::size_t quarantined = 0;  // bytes counted in quarantined_bytes for this capture
+  bool release_queued = false;
+  std::vector<Heap*> heaps;
+};
+
+class Allocator {
+ public:
+  static std::unique_ptr<Allocator> create(std::shared_ptr<DeviceCtx> ctx,
+                                           const AllocOptions& opt, Status* status);
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // nullptr with *status ERR_OOM (after reclaiming) or ERR_INVALID (absurd size, reported once).
+  void* malloc(std::int64_t size, void* stream, Status* status);
+  // ERR_INVALID for an unknown pointer or a double free (reported once, counted, ignored).
+  Status free(void* ptr, std::int64_t size, void* stream);
+  // Waits for the device, then unmaps every idle page, drops cached slabs and cached handles.
+  void empty_cache();
+  void reset_peak();
+  // Periodic hysteresis work (background thread); skips if the lock is busy.
+  void sweep();
+  void release_capture(std::uint64_t token);
+
+  AllocCounters& counters() { return stats_; }
+  DeviceCtx& ctx() { return range_->ctx(); }
+  std::uintptr_t base() const { return range_->base(); }
+  std::size_t va_bytes() const { return range_->pages() * page_; }
+  std::size_t free_va_bytes();
+  std::size_t largest_free_va();
+
+ private:
+  Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt);
+
+  // placement (allocator.cpp)
+  std::uintptr_t place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
+  std::uintptr_t large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
+  std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
+  SlabPage* new_slab_page(Heap* heap, int cls);
+  void slab_put(SlabPage* sp, std::uint32_t slot);
+  void release_slab_page(SlabPage* sp, Tag tag);
+  void large_free(const Block& b, StreamState* fs);
+  void free_block(const Block& b, StreamState* fs);
+  Heap* heap_for(StreamState* st, std::uint64_t capture);
+  void report(const char* kind, std::uintptr_t ptr, std::int64_t size);
+
+  // pages (allocator_pages.cpp)
+  Status ref_pages(std::size_t p0, std::size_t p1);
+  void unref_pages(std::size_t p0, std::size_t p1);
+  void make_idle(std::size_t p);
+  void unidle(std::size_t p);
+  Status map_missing(std::size_t p0, std::size_t p1);
+  std::size_t reclaim_idle(std::size_t max_pages, bool aged_only);
+  void release_empty_slabs(bool aged_only);
+  void sweep_locked(bool force);
+  void poll_events(bool sync);
+  void try_record(StreamState* s);
+  void process_deferred();
+
+  // captures (allocator_capture.cpp)
+  CaptureState* capture_for(std::uint64_t id, void* stream);
+  void refresh_captures();
+  void end_capture(CaptureState* c);
+  void free_capture_block(const Block& b, StreamState* fs);
+  void finish_release(CaptureState* c);
+  void process_pending_releases();
+
+  std::mutex mu_;
+  std::unique_ptr<PageRange> range_;
+  std::size_t page_;
+  std::size_t slab_max_;
+  AllocOptions opt_;
+  AllocCounters stats_;
+  Streams streams_;
+  FreeExtents extents_;
+  std::vector<std::uint32_t> refcnt_;      // live blocks / slabs touching each page
+  std::vector<std::uint64_t> idle_since_;  // when each idle page became idle
+  std::set<std::size_t> idle_;             // mapped pages with refcnt 0
+  std::unordered_map<std::uintptr_t, Block> live_;
+  std::unordered_map<std::size_t, std::unique_ptr<SlabPage>> slabs_;
+  std::map<std::pair<StreamState*, std::uint64_t>, std::unique_ptr<Heap>> heaps_;
+  Heap* last_heap_ = nullptr;
+  struct Deferred {
+    SlabPage* slab;
+    std::uint32_t slot;
+    Tag tag;
+  };
+  std::vector<Deferred> deferred_;  // slab slots freed on a stream other than their heap's
+  std::map<std::uint64_t, std::unique_ptr<CaptureState>> captures_;
+  std::vector<CaptureState*> active_captures_;
+  std::vector<CaptureState*> pending_release_;
+  std::uint64_t last_sweep_ = 0;
+  bool reported_bad_free_ = false;
+  bool reported_bad_size_ = false;
+  bool reported_mismatch_ = false;
+};
+
+}  // namespace oxygen

@@ -1,0 +1,136 @@
+// See allocator.h. Page reference counts, idle pages, hysteresis, event polling.
+#include <cstdint>
+
+#include "allocator.h"
+#include "capture.h"
+
+namespace oxygen {
+
+Status Allocator::map_missing(std::size_t p0, std::size_t p1) {
+  std::size_t p = p0;
+  while (p <= p1) {
+    if (range_->is_mapped(p)) {
+      ++p;
+      continue;
+    }
+    std::size_t q = p;
+    while (q + 1 <= p1 && !range_->is_mapped(q + 1)) ++q;
+    Status s = range_->map(p, q - p + 1);
+    if (s != OK) return s;
+    p = q + 1;
+  }
+  return OK;
+}
+
+Status Allocator::ref_pages(std::size_t p0, std::size_t p1) {
+  std::size_t need = 0;
+  for (std::size_t p = p0; p <= p1; ++p) {
+    if (refcnt_[p]++ != 0) continue;
+    if (range_->is_mapped(p))
+      unidle(p);
+    else
+      ++need;
+  }
+  if (need == 0) return OK;
+  if (opt_.reclaim_on_grow && !idle_.empty()) {
+    // Hand idle pages' handles to this block rather than grow: mapped bytes stay at what live
+    // blocks touch (plus pages not yet known safe), which is the fragmentation figure.
+    poll_events(false);
+    bump(stats_.reclaims, reclaim_idle(need, false));
+  }
+  Status s = map_missing(p0, p1);
+  if (s != OK) unref_pages(p0, p1);
+  return s;
+}
+
+void Allocator::unref_pages(std::size_t p0, std::size_t p1) {
+  for (std::size_t p = p0; p <= p1; ++p)
+    if (--refcnt_[p] == 0 && range_->is_mapped(p)) make_idle(p);
+}
+
+void Allocator::make_idle(std::size_t p) {
+  idle_since_[p] = now_ns();
+  if (idle_.insert(p).second) bump(stats_.idle_pages);
+}
+
+void Allocator::unidle(std::size_t p) {
+  if (idle_.erase(p)) drop(stats_.idle_pages);
+}
+
+std::size_t Allocator::reclaim_idle(std::size_t max_pages, bool aged_only) {
+  // A page is unmapped only when every free range on it is safe: no stream can still touch it
+  // (cuMemUnmap does not wait for kernels in flight).
+  std::uint64_t now = now_ns();
+  std::size_t n = 0;
+  for (auto it = idle_.begin(); it != idle_.end() && n < max_pages;) {
+    std::size_t p = *it;
+    std::uintptr_t lo = base() + p * page_;
+    if ((aged_only && now - idle_since_[p] < opt_.hysteresis_ns) ||
+        !extents_.all_safe(lo, lo + page_) || range_->unmap(p, 1) != OK) {
+      ++it;
+      continue;
+    }
+    it = idle_.erase(it);
+    drop(stats_.idle_pages);
+    ++n;
+  }
+  return n;
+}
+
+void Allocator::release_empty_slabs(bool aged_only) {
+  std::uint64_t now = now_ns();
+  for (auto& kv : heaps_) {
+    Heap* h = kv.second.get();
+    if (h->capture) continue;
+    bool released = false;
+    for (int c = 0; c < kNumClasses; ++c) {
+      SlabPage* sp = h->empty[c];
+      if (!sp || (aged_only && now - sp->empty_since < opt_.hysteresis_ns)) continue;
+      h->empty[c] = nullptr;
+      drop(stats_.slab_cached_pages);
+      release_slab_page(sp, streams_.on_free(h->stream));
+      released = true;
+    }
+    if (released) try_record(h->stream);
+  }
+}
+
+void Allocator::try_record(StreamState* s) {
+  if (s->issued <= s->recorded || s->inflight.size() >= 2) return;
+  capture::QueryGuard q;
+  if (q.allowed() && streams_.record(s)) bump(stats_.events_recorded);
+}
+
+void Allocator::poll_events(bool sync) {
+  capture::QueryGuard q;
+  if (!q.allowed()) return;  // a capture may be in progress: no event calls at all
+  if (sync && (streams_.any_unsafe() || !deferred_.empty())) {
+    if (ctx().backend().synchronize() == OK) streams_.all_complete();
+  } else {
+    streams_.poll();
+  }
+  process_deferred();
+  process_pending_releases();  // may synchronize: allowed, we hold the query guard
+}
+
+void Allocator::process_deferred() {
+  for (std::size_t i = 0; i < deferred_.size();) {
+    if (!is_safe(deferred_[i].tag)) {
+      ++i;
+      continue;
+    }
+    Deferred d = deferred_[i];
+    deferred_[i] = deferred_.back();
+    deferred_.pop_back();
+    slab_put(d.slab, d.slot);
+  }
+}
+
+void Allocator::sweep_locked(bool force) {
+  poll_events(false);
+  release_empty_slabs(!force);
+  reclaim_idle(SIZE_MAX, !force);
+  last_sweep_ = now_ns();
+}
+
+}  // namespace oxygen

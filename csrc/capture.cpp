@@ -1,0 +1,68 @@
+// See capture.h.
+#include "capture.h"
+
+#include <atomic>
+#include <utility>
+#include <vector>
+
+namespace oxygen {
+namespace capture {
+
+namespace {
+std::mutex g_query_mu;
+std::atomic<int> g_announced{0};
+std::atomic<int> g_detected{0};
+std::atomic<std::uint64_t> g_next_token{0};
+thread_local std::uint64_t t_token = 0;
+
+std::mutex g_listen_mu;
+std::vector<std::pair<void*, std::function<void(std::uint64_t)>>>& listeners() {
+  static auto* v = new std::vector<std::pair<void*, std::function<void(std::uint64_t)>>>();
+  return *v;  // leaked on purpose: allocators may unregister during static destruction
+}
+}  // namespace
+
+std::uint64_t announce_begin() {
+  std::lock_guard<std::mutex> g(g_query_mu);  // waits for an event query in flight to finish
+  g_announced.fetch_add(1, std::memory_order_acq_rel);
+  t_token = ++g_next_token;
+  return t_token;
+}
+
+void announce_end(std::uint64_t token) {
+  std::lock_guard<std::mutex> g(g_query_mu);
+  if (g_announced.load(std::memory_order_acquire) > 0)
+    g_announced.fetch_sub(1, std::memory_order_acq_rel);
+  if (t_token == token) t_token = 0;
+}
+
+std::uint64_t thread_token() { return t_token; }
+
+void release(std::uint64_t token) {
+  // Called under the lock so that an allocator being destroyed (remove_release_listener) waits.
+  std::lock_guard<std::mutex> g(g_listen_mu);
+  for (auto& kv : listeners()) kv.second(token);
+}
+
+void add_release_listener(void* key, std::function<void(std::uint64_t)> fn) {
+  std::lock_guard<std::mutex> g(g_listen_mu);
+  listeners().emplace_back(key, std::move(fn));
+}
+
+void remove_release_listener(void* key) {
+  std::lock_guard<std::mutex> g(g_listen_mu);
+  auto& v = listeners();
+  for (auto it = v.begin(); it != v.end();) it = it->first == key ? v.erase(it) : it + 1;
+}
+
+void note_detected(int delta) { g_detected.fetch_add(delta, std::memory_order_acq_rel); }
+
+bool maybe_active() {
+  return g_announced.load(std::memory_order_acquire) > 0 ||
+         g_detected.load(std::memory_order_acquire) > 0;
+}
+
+QueryGuard::QueryGuard() : lock_(g_query_mu), allowed_(!maybe_active()) {}
+
+}  // namespace capture
+}  // namespace oxygen

@@ -1,0 +1,74 @@
+// See extents.h.
+#include "extents.h"
+
+namespace oxygen {
+
+void FreeExtents::add(std::uintptr_t addr, std::size_t size, Tag tag) {
+  by_addr_.emplace(addr, Extent{size, tag});
+  by_size_.emplace(size, addr);
+  free_bytes_ += size;
+}
+
+void FreeExtents::erase(std::map<std::uintptr_t, Extent>::iterator it) {
+  by_size_.erase({it->second.size, it->first});
+  free_bytes_ -= it->second.size;
+  by_addr_.erase(it);
+}
+
+void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
+  if (size == 0) return;
+  auto next = by_addr_.lower_bound(addr);
+  // Join the left neighbour if it ends exactly here.
+  if (next != by_addr_.begin()) {
+    auto prev = std::prev(next);
+    Tag joined;
+    if (prev->first + prev->second.size == addr && merge_tags(prev->second.tag, tag, &joined)) {
+      addr = prev->first;
+      size += prev->second.size;
+      tag = joined;
+      erase(prev);
+    }
+  }
+  next = by_addr_.lower_bound(addr + size);
+  Tag joined;
+  if (next != by_addr_.end() && next->first == addr + size &&
+      merge_tags(tag, next->second.tag, &joined)) {
+    size += next->second.size;
+    tag = joined;
+    erase(next);
+  }
+  add(addr, size, tag);
+}
+
+bool FreeExtents::take(std::size_t size, std::size_t align, const StreamState* user,
+                       std::uintptr_t* addr, Tag* tag) {
+  for (auto it = by_size_.lower_bound({size, 0}); it != by_size_.end(); ++it) {
+    auto ext = by_addr_.find(it->second);
+    const Extent& e = ext->second;
+    if (user ? !usable_by(e.tag, user) : !is_safe(e.tag)) continue;
+    std::uintptr_t start = (ext->first + align - 1) / align * align;
+    std::uintptr_t end = ext->first + e.size;
+    if (start + size > end) continue;
+    Tag t = e.tag;
+    std::uintptr_t lo = ext->first;
+    erase(ext);
+    if (start > lo) add(lo, start - lo, t);
+    if (start + size < end) add(start + size, end - (start + size), t);
+    *addr = start;
+    *tag = t;
+    return true;
+  }
+  return false;
+}
+
+bool FreeExtents::all_safe(std::uintptr_t lo, std::uintptr_t hi) const {
+  auto it = by_addr_.upper_bound(lo);
+  if (it != by_addr_.begin()) --it;
+  for (; it != by_addr_.end() && it->first < hi; ++it) {
+    if (it->first + it->second.size <= lo) continue;
+    if (!is_safe(it->second.tag)) return false;
+  }
+  return true;
+}
+
+}  // namespace oxygen

@@ -1,0 +1,49 @@
+// Free virtual address ranges of the pool, each tagged with who freed it last (streams.h), indexed
+// by address (to merge neighbours and to ask "is this page all free and safe?") and by size (best
+// fit). Mapped or not does not matter here: the page layer maps exactly the pages live blocks touch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "streams.h"
+
+namespace oxygen {
+
+class FreeExtents {
+ public:
+  struct Extent {
+    std::size_t size;
+    Tag tag;
+  };
+
+  // Adds [addr, addr+size) and joins it with neighbours whose tags allow it.
+  void insert(std::uintptr_t addr, std::size_t size, Tag tag);
+
+  // Best fit: the smallest extent holding `size` bytes at an `align`-aligned address that `user`
+  // may use (nullptr user: only safe extents). Carves the block out, returns its address and the
+  // extent's tag; false if none.
+  bool take(std::size_t size, std::size_t align, const StreamState* user, std::uintptr_t* addr,
+            Tag* tag);
+
+  // True when every free range overlapping [lo, hi) is safe for everyone.
+  bool all_safe(std::uintptr_t lo, std::uintptr_t hi) const;
+
+  std::size_t count() const { return by_addr_.size(); }
+  std::size_t free_bytes() const { return free_bytes_; }
+  std::size_t largest() const { return by_size_.empty() ? 0 : by_size_.rbegin()->first; }
+
+ private:
+  void erase(std::map<std::uintptr_t, Extent>::iterator it);
+  void add(std::uintptr_t addr, std::size_t size, Tag tag);
+
+  std::map<std::uintptr_t, Extent> by_addr_;
+  std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;
+  std::size_t free_bytes_ = 0;
+};
+
+}  // namespace oxygen

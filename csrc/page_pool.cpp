@@ -1,0 +1,329 @@
+// See page_pool.h.
+#include "page_pool.h"
+
+#include <chrono>
+#include <map>
+#include <tuple>
+
+#include "capture.h"
+
+namespace oxygen {
+
+// ---------------------------------------------------------------------------------------------
+// DeviceCtx
+
+std::shared_ptr<DeviceCtx> DeviceCtx::create(const std::string& kind, int device,
+                                             const CtxOptions& opt, Status* status) {
+  std::unique_ptr<Backend> be;
+  if (kind == "host")
+    be = make_host_backend(opt.page_size, status);
+  else if (kind == "cuda")
+    be = make_cuda_backend(device, status);
+  else {
+    set_last_error("unknown backend '" + kind + "' (expected host or cuda)");
+    *status = ERR_INVALID;
+  }
+  if (!be) return nullptr;
+  if (opt.page_size % be->granularity() != 0) {
+    set_last_error("page size " + std::to_string(opt.page_size) +
+                   " is not a multiple of the backend granularity " +
+                   std::to_string(be->granularity()));
+    *status = ERR_INVALID;
+    return nullptr;
+  }
+  std::size_t cap = opt.capacity;
+  if (cap == 0) {
+    std::size_t free_b = 0, total_b = 0;
+    if ((*status = be->mem_info(&free_b, &total_b)) != OK) return nullptr;
+    double frac = opt.reserve_fraction > 0 && opt.reserve_fraction <= 1 ? opt.reserve_fraction : 0.9;
+    cap = static_cast<std::size_t>(static_cast<double>(total_b) * frac);
+  }
+  std::size_t max_pages = cap / opt.page_size;
+  if (max_pages == 0) {
+    set_last_error("capacity " + std::to_string(cap) + " is smaller than one page");
+    *status = ERR_INVALID;
+    return nullptr;
+  }
+  *status = OK;
+  return std::shared_ptr<DeviceCtx>(new DeviceCtx(std::move(be), kind, device, opt, max_pages));
+}
+
+std::shared_ptr<DeviceCtx> DeviceCtx::shared(const std::string& kind, int device,
+                                             const CtxOptions& opt, Status* status) {
+  static std::mutex mu;
+  static auto* registry =
+      new std::map<std::tuple<std::string, int, std::size_t>, std::weak_ptr<DeviceCtx>>();
+  std::lock_guard<std::mutex> g(mu);
+  auto key = std::make_tuple(kind, device, opt.page_size);
+  if (auto sp = (*registry)[key].lock()) {
+    *status = OK;
+    return sp;
+  }
+  auto sp = create(kind, device, opt, status);
+  if (sp) (*registry)[key] = sp;
+  return sp;
+}
+
+DeviceCtx::DeviceCtx(std::unique_ptr<Backend> be, std::string kind, int device,
+                     const CtxOptions& opt, std::size_t max_pages)
+    : backend_(std::move(be)),
+      kind_(std::move(kind)),
+      device_(device),
+      page_(opt.page_size),
+      max_pages_(max_pages),
+      low_(opt.low_pages),
+      high_(opt.high_pages < opt.low_pages ? opt.low_pages : opt.high_pages) {}
+
+DeviceCtx::~DeviceCtx() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  trim(0);
+}
+
+void DeviceCtx::start_thread() {
+  // Started at the first acquire, not at construction: an idle context holds no memory and no
+  // thread. Caller holds mu_.
+  if (!thread_.joinable() && !stop_) thread_ = std::thread([this] { run(); });
+}
+
+Status DeviceCtx::acquire(PhysHandle* handle) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    start_thread();
+    if (!cache_.empty()) {
+      *handle = cache_.back();
+      cache_.pop_back();
+      drop(stats_.handle_cache_pages);
+      if (cache_.size() < low_) cv_.notify_one();
+      return OK;
+    }
+    if (owned_.load() >= max_pages_) {
+      set_last_error("pool capacity reached (" + std::to_string(max_pages_) + " pages of " +
+                     std::to_string(page_) + " bytes)");
+      return ERR_OOM;
+    }
+    owned_.fetch_add(1);
+    cv_.notify_one();
+  }
+  // The refill thread was behind: create on this thread, outside the lock.
+  Status s = backend_->create(page_, handle);
+  if (s != OK) {
+    owned_.fetch_sub(1);
+    return s;
+  }
+  bump(stats_.handles_created);
+  bump(stats_.handles_created_inline);
+  return OK;
+}
+
+void DeviceCtx::give_back(PhysHandle handle) {
+  std::unique_lock<std::mutex> g(mu_);
+  refill_failed_ = false;
+  if (cache_.size() < high_ || capture::maybe_active()) {
+    cache_.push_back(handle);
+    bump(stats_.handle_cache_pages);
+    return;
+  }
+  owned_.fetch_sub(1);
+  g.unlock();
+  if (backend_->release(handle) == OK) bump(stats_.handles_released);
+}
+
+void DeviceCtx::trim(std::size_t keep) {
+  std::vector<PhysHandle> out;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    while (cache_.size() > keep) {
+      out.push_back(cache_.back());
+      cache_.pop_back();
+      drop(stats_.handle_cache_pages);
+    }
+  }
+  for (PhysHandle h : out) {
+    owned_.fetch_sub(1);
+    if (backend_->release(h) == OK) bump(stats_.handles_released);
+  }
+}
+
+Status DeviceCtx::prepare(std::size_t pages) {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (cache_.size() >= pages) return OK;
+      if (owned_.load() >= max_pages_) {
+        set_last_error("prepare: pool capacity reached");
+        return ERR_OOM;
+      }
+      owned_.fetch_add(1);
+    }
+    PhysHandle h = 0;
+    Status s = backend_->create(page_, &h);
+    if (s != OK) {
+      owned_.fetch_sub(1);
+      return s;
+    }
+    bump(stats_.handles_created);
+    std::lock_guard<std::mutex> g(mu_);
+    cache_.push_back(h);
+    bump(stats_.handle_cache_pages);
+  }
+}
+
+void DeviceCtx::refill() {
+  // Creates until the high watermark, one handle per lock round so that acquire() never waits
+  // behind a driver call.
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (stop_ || refill_failed_ || cache_.size() >= high_ || owned_.load() >= max_pages_) return;
+      owned_.fetch_add(1);
+    }
+    PhysHandle h = 0;
+    if (backend_->create(page_, &h) != OK) {
+      owned_.fetch_sub(1);
+      std::lock_guard<std::mutex> g(mu_);
+      refill_failed_ = true;  // device full: the allocating thread will reclaim and report
+      return;
+    }
+    bump(stats_.handles_created);
+    std::lock_guard<std::mutex> g(mu_);
+    cache_.push_back(h);
+    bump(stats_.handle_cache_pages);
+  }
+}
+
+void DeviceCtx::run() {
+  // Refill below the low watermark; every few milliseconds run the sweepers (hysteresis unmaps),
+  // so that memory is handed back even when the program stops allocating.
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait_for(g, std::chrono::milliseconds(5), [this] {
+        return stop_ || (!refill_failed_ && cache_.size() < low_ && owned_.load() < max_pages_);
+      });
+      if (stop_) return;
+    }
+    refill();
+    std::lock_guard<std::mutex> g(sweep_mu_);
+    for (auto& kv : sweepers_) kv.second();
+  }
+}
+
+void DeviceCtx::add_sweeper(void* key, std::function<void()> fn) {
+  std::lock_guard<std::mutex> g(sweep_mu_);
+  sweepers_.emplace_back(key, std::move(fn));
+}
+
+void DeviceCtx::remove_sweeper(void* key) {
+  std::lock_guard<std::mutex> g(sweep_mu_);  // waits for a sweep in progress
+  for (auto it = sweepers_.begin(); it != sweepers_.end();)
+    it = it->first == key ? sweepers_.erase(it) : it + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// PageRange
+
+PageRange::PageRange(std::shared_ptr<DeviceCtx> ctx, std::size_t pages, Status* status)
+    : ctx_(std::move(ctx)), pages_(pages), handles_(pages, 0),
+      mapped_(new std::atomic<std::uint8_t>[pages]) {
+  for (std::size_t i = 0; i < pages; ++i) mapped_[i].store(0, std::memory_order_relaxed);
+  *status = ctx_->backend().reserve(pages * ctx_->page(), &base_);
+  if (*status != OK) {
+    base_ = 0;
+    return;
+  }
+  bump(ctx_->stats().reserved_va_bytes, pages * ctx_->page());
+  bump(ctx_->stats().live_ranges);
+}
+
+PageRange::~PageRange() {
+  if (!base_) return;
+  for (std::size_t i = 0; i < pages_; ++i)
+    if (is_mapped(i)) unmap_one(i);
+  ctx_->backend().free_va(base_, pages_ * page());
+  drop(ctx_->stats().reserved_va_bytes, pages_ * page());
+  drop(ctx_->stats().live_ranges);
+}
+
+Status PageRange::map_one(std::size_t i) {
+  PhysHandle h = 0;
+  Status s = ctx_->acquire(&h);
+  if (s != OK) return s;
+  s = ctx_->backend().map(base_ + i * page(), page(), h);
+  if (s != OK) {
+    ctx_->give_back(h);
+    return s;
+  }
+  handles_[i] = h;
+  return OK;
+}
+
+Status PageRange::map(std::size_t first, std::size_t count) {
+  if (first + count > pages_ || count == 0) {
+    set_last_error("map: pages out of range");
+    return ERR_INVALID;
+  }
+  for (std::size_t i = first; i < first + count; ++i)
+    if (is_mapped(i)) {
+      set_last_error("map: page " + std::to_string(i) + " is already mapped");
+      return ERR_INVALID;
+    }
+  std::uint64_t t0 = now_ns();
+  std::size_t done = 0;
+  Status s = OK;
+  while (done < count && (s = map_one(first + done)) == OK) ++done;
+  // One set-access over the whole run: fewer driver calls (the H200 showed no per-page saving).
+  if (s == OK) s = ctx_->backend().set_access(base_ + first * page(), count * page());
+  if (s != OK) {
+    for (std::size_t i = first; i < first + done; ++i) {
+      ctx_->backend().unmap(base_ + i * page(), page());
+      ctx_->give_back(handles_[i]);
+      handles_[i] = 0;
+    }
+    return s;
+  }
+  std::uint64_t per_page = (now_ns() - t0) / count;
+  PhysCounters& st = ctx_->stats();
+  for (std::size_t i = first; i < first + count; ++i) mapped_[i].store(1, std::memory_order_release);
+  nmapped_.fetch_add(count, std::memory_order_relaxed);
+  bump(st.num_maps, count);
+  bump(st.map_ns, per_page * count);
+  bump(st.map_hist[latency_bucket(per_page)], count);
+  bump(st.mapped_bytes, count * page());
+  raise_peak(st.peak_mapped_bytes, get(st.mapped_bytes));
+  return OK;
+}
+
+void PageRange::unmap_one(std::size_t i) {
+  std::uint64_t t0 = now_ns();
+  Status s = ctx_->backend().unmap(base_ + i * page(), page());
+  mapped_[i].store(0, std::memory_order_release);
+  nmapped_.fetch_sub(1, std::memory_order_relaxed);
+  PhysCounters& st = ctx_->stats();
+  drop(st.mapped_bytes, page());
+  bump(st.num_unmaps);
+  bump(st.unmap_ns, now_ns() - t0);
+  // A handle whose unmap failed may still be mapped: leak it rather than reuse it.
+  if (s == OK) ctx_->give_back(handles_[i]);
+  handles_[i] = 0;
+}
+
+Status PageRange::unmap(std::size_t first, std::size_t count) {
+  if (first + count > pages_) {
+    set_last_error("unmap: pages out of range");
+    return ERR_INVALID;
+  }
+  for (std::size_t i = first; i < first + count; ++i)
+    if (!is_mapped(i)) {
+      set_last_error("unmap: page " + std::to_string(i) + " is not mapped");
+      return ERR_INVALID;
+    }
+  for (std::size_t i = first; i < first + count; ++i) unmap_one(i);
+  return OK;
+}
+
+}  // namespace oxygen
