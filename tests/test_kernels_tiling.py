@@ -51,7 +51,8 @@ def test_seed_rule(hidden, kind, expected):
         (dict(head_dim=256), (64, 64)),  # accumulator cap halves block_m, then smem
         (dict(head_dim=128, dtype=torch.float32), (128, 32)),
         (dict(head_dim=128, precision="fp32_safe"), (128, 32)),
-        (dict(head_dim=128, dtype=torch.uint8), (128, 128)),  # fp8 tiles are half the bytes
+        (dict(head_dim=64, dtype=torch.uint8), (128, 128)),
+        (dict(head_dim=128, dtype=torch.uint8), (128, 64)),  # + the K/V converted to half
         (dict(hidden_size=1024, head_dim=64), (64, 64)),
         (dict(attention_type="moe"), (32, 32)),
         (dict(seq_len=20), (32, 32)),

@@ -9,9 +9,10 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
   of K+V in flight per stage to approach HBM bandwidth.
 - registers: the fp32 output accumulator block_m x head_dim stays <= 128 x 128 (head_dim 256
   halves block_m).
-- shared memory: the pipelined K and V tiles (num_stages copies each) plus the Q tile must fit
-  SMEM_BUDGET; block_n is halved first (down to 32), then block_m. This is what shrinks tiles for
-  head_dim 256 and for fp32 storage (or FP32_SAFE compute), and what grows them for fp8 KV.
+- shared memory: the pipelined K and V tiles (num_stages copies each), the Q tile and, for fp8,
+  the K/V tiles converted to half must fit SMEM_BUDGET (180 KiB of 227); block_n is halved first
+  (down to 32), then block_m. This shrinks tiles for head_dim 256 and for fp32 storage (or
+  FP32_SAFE compute), and lets fp8 decode stream 128-token tiles.
 - seq_len: no tile is larger than the next power of two of the sequence (>= 16).
 - overrides block_m / block_n are used as given (they must be powers of two >= 16).
 
@@ -29,9 +30,9 @@ from .precision import PrecisionMode
 
 PHASES = ("decode", "prefill")
 ATTENTION_TYPES = ("dense", "moe", "sliding")
-# 160 KiB of the H100/H200's 227 KiB per block: the rest is left to layout conversions and the
-# softmax/accumulator scratch the compiler allocates.
-SMEM_BUDGET = 160 * 1024
+# 180 KiB of the H100/H200's 227 KiB per block: the rest is left to layout conversions and the
+# reduction scratch the compiler allocates.
+SMEM_BUDGET = 180 * 1024
 H200_SMS = 132
 
 
@@ -135,8 +136,14 @@ def select_num_stages(q: TileQuery) -> int:
 
 
 def _smem_bytes(q: TileQuery, block_m: int, block_n: int, stages: int) -> int:
+    """Shared memory of one program: the Q tile, `stages` pipelined K and V tiles in storage
+    precision, and for fp8 the K and V tiles converted to half for the dots (wgmma reads its B
+    operand from shared memory)."""
     d = next_pow2(q.head_dim)
-    return (block_m * d + stages * 2 * block_n * d) * q.elem_bytes
+    store = q.elem_bytes
+    compute = max(2, store)
+    converted = 2 * block_n * d * compute if store < compute else 0
+    return block_m * d * compute + stages * 2 * block_n * d * store + converted
 
 
 def select_block_size(q: TileQuery) -> tuple[int, int]:
