@@ -30,15 +30,15 @@ ENV_PATH, ENV_SOURCE, ENV_INTERVAL = (
 )
 MiB = 1 << 20
 _SITECUSTOMIZE = """\
-import importlib.util as _u, sys as _s
+import importlib.machinery as _mach, importlib.util as _u, sys as _s
 _spec = _u.spec_from_file_location("_oxygen_timeline", {path!r})
-_m = _u.module_from_spec(_spec); _spec.loader.exec_module(_m); _m.start_from_env()
-del _s.modules["sitecustomize"]
-_s.path[:] = [p for p in _s.path if p != {dir!r}]
-try:  # chain to the sitecustomize this one shadows, if any
-    import sitecustomize  # noqa
-except ImportError:
-    pass
+_m = _u.module_from_spec(_spec)
+_spec.loader.exec_module(_m)
+_m.start_from_env()
+# Chain to the sitecustomize this one shadows, if there is one.
+_other = _mach.PathFinder.find_spec("sitecustomize", [p for p in _s.path if p != {dir!r}])
+if _other is not None:
+    _other.loader.exec_module(_u.module_from_spec(_other))
 """
 
 

@@ -83,8 +83,8 @@ def pool_holdings(stats: dict) -> dict:
     """Live handles, reserved ranges and bytes a pool reports, from whichever keys it has."""
     page = int(stats.get("page_size", 2 * MiB)) or 2 * MiB
     mapped = int(stats.get("mapped_bytes", 0))
-    if "live_handles" in stats:
-        handles = int(stats["live_handles"])
+    if "live_handles" in stats or "owned_pages" in stats:  # created and not yet released
+        handles = int(stats.get("live_handles", stats.get("owned_pages", 0)))
     elif "handles_created" in stats:
         handles = int(stats["handles_created"]) - int(stats.get("handles_released", 0))
     else:
@@ -92,6 +92,7 @@ def pool_holdings(stats: dict) -> dict:
     reserved = int(stats.get("reserved_va_bytes", 0))
     ranges = int(stats.get("reserved_ranges", stats.get("live_ranges", 1 if reserved else 0)))
     return {
+        "page": page,
         "handles": handles,
         "ranges": ranges,
         "mapped": mapped,
@@ -103,32 +104,70 @@ def pool_holdings(stats: dict) -> dict:
 
 
 def check_process(expect_released: bool = True) -> LeakReport:
-    """Compare every reported pool with the OS / driver view. With ``expect_released`` (after
-    ``disable()``, at exit) anything still held is a leak; otherwise only contradictions are."""
+    """Compare every reported pool with itself and with the OS / driver view.
+
+    Always a leak: a handle created but neither mapped, cached nor released (lost), and counters
+    the OS or driver contradict. With ``expect_released`` (after ``disable()``, at exit) also
+    anything a pool still holds -- except the global pool's reserved range and handle cache,
+    which it keeps until exit by design (PyTorch may free tensors during shutdown); of the
+    global pool only mapped pages with no live block count then."""
     from .metrics import pool_snapshots
 
+    if expect_released:
+        _empty_global_cache()
     rep = LeakReport()
     host_handles = 0
     for label, stats in pool_snapshots():
         h = pool_holdings(stats)
-        if h["backend"] == "host":
-            host_handles += h["handles"]
+        host_handles += h["handles"] if h["backend"] == "host" else 0
         rep.checked.append(
             f"pool {label} ({h['backend']}, device {h['device']}): {h['handles']} handle(s), "
-            f"{_mib(h['mapped'])} mapped, {h['ranges']} reserved range(s) "
-            f"({_mib(h['reserved'])} of address space)"
+            f"{_mib(h['mapped'])} mapped, {h['cached']} cached, {h['ranges']} reserved "
+            f"range(s) ({_mib(h['reserved'])} of address space)"
         )
-        if expect_released and (h["handles"] or h["ranges"] or h["mapped"]):
+        lost = h["handles"] - h["mapped"] // h["page"] - h["cached"]
+        if lost > 0:
             rep.leaks.append(
-                f"pool {label} ({h['backend']}, device {h['device']}) still holds "
-                f"{h['handles']} physical handle(s) ({_mib(h['mapped'])} mapped, "
-                f"{h['cached']} cached unmapped) and {h['ranges']} reserved range(s) "
-                f"({_mib(h['reserved'])}) after it should have released them"
+                f"pool {label}: {lost} physical handle(s) were created and are neither mapped, "
+                "cached nor released: they are lost until the process exits"
             )
+        if expect_released:
+            _check_released(rep, label, h, int(stats.get("allocated_bytes", 0)))
         if h["backend"] == "cuda":
             _compare_driver(rep, label, h)
     _compare_host(rep, host_handles, expect_released)
     return rep
+
+
+def _empty_global_cache() -> None:
+    try:
+        from . import allocator
+
+        allocator.empty_cache()
+    except Exception:  # no pool in this install, or never created: nothing to empty
+        pass
+
+
+def _check_released(rep: LeakReport, label: str, h: dict, allocated: int) -> None:
+    where = f"pool {label} ({h['backend']}, device {h['device']})"
+    if label == "global":
+        if h["mapped"] and not allocated:
+            rep.leaks.append(
+                f"{where}: {_mib(h['mapped'])} stay mapped with no live block after "
+                "empty_cache(): pages were not unmapped"
+            )
+        elif allocated:
+            rep.leaks.append(
+                f"{where}: {_mib(allocated)} still allocated after disable() (tensors still "
+                "referenced, or blocks never freed)"
+            )
+        return
+    if h["handles"] or h["ranges"] or h["mapped"]:
+        rep.leaks.append(
+            f"{where} still holds {h['handles']} physical handle(s) ({_mib(h['mapped'])} "
+            f"mapped, {h['cached']} cached unmapped) and {h['ranges']} reserved range(s) "
+            f"({_mib(h['reserved'])}): it was not closed"
+        )
 
 
 def _compare_host(rep: LeakReport, pool_handles: int, expect_released: bool) -> None:

@@ -32,7 +32,8 @@ LATENCY_BUCKETS_US = [float(1 << i) for i in range(15)]
 WEIGHT_VARIANCE_BUCKETS = [0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0]
 
 _lock = threading.Lock()
-_pools: list[Callable[[], Any]] = []  # weak (or strong, if not weakref-able) references
+# (reference, label): weak references, or strong ones for objects that are not weak-referenceable
+_pools: list[tuple[Callable[[], Any], str | None]] = []
 _kv_sources: list[Callable[[], dict | None]] = []
 _tier_source: Callable[[], dict] | None = None
 _scheduler_source: Callable[[], dict] | None = None
@@ -42,19 +43,20 @@ _scheduler_source: Callable[[], dict] | None = None
 # Sources
 
 
-def register_pool(pool: Any) -> None:
-    """Report ``pool`` (anything with ``stats() -> dict``) until it is closed or collected."""
+def register_pool(pool: Any, name: str | None = None) -> None:
+    """Report ``pool`` (anything with ``stats() -> dict``) until it is closed or collected, with
+    label ``pool=name`` (default ``pool-<id>``)."""
     try:
         ref = weakref.ref(pool)
     except TypeError:
         ref = lambda p=pool: p  # not weak-referenceable: keep it until unregister_pool
     with _lock:
-        _pools.append(ref)
+        _pools.append((ref, name))
 
 
 def unregister_pool(pool: Any) -> None:
     with _lock:
-        _pools[:] = [r for r in _pools if r() is not None and r() is not pool]
+        _pools[:] = [(r, n) for r, n in _pools if r() is not None and r() is not pool]
 
 
 def register_kv_source(fn: Callable[[], dict | None]) -> None:
@@ -83,24 +85,39 @@ def register_scheduler_source(fn: Callable[[], dict] | None) -> None:
 
 
 def pool_snapshots() -> list[tuple[str, dict]]:
-    """``[(pool label, stats dict)]``: the global pool, then each registered live pool."""
-    out: list[tuple[str, dict]] = []
-    try:
-        from . import allocator
-
-        out.append(("global", dict(allocator.memory_stats())))
-    except Exception:  # pool not built/loaded here: the exporter must still answer
-        pass
+    """``[(pool label, stats dict)]``: the global pool of each device, then each registered live
+    pool. Stats carry ``map_latency_hist`` (pages per bucket) when the pool has one."""
+    out = [("global", s) for s in _global_stats()]
     with _lock:
-        _pools[:] = [r for r in _pools if r() is not None]
-        pools = [r() for r in _pools]
-    for pool in pools:
+        _pools[:] = [(r, n) for r, n in _pools if r() is not None]
+        pools = [(r(), n) for r, n in _pools]
+    for pool, name in pools:
         try:
             stats = dict(pool.stats())
+            if hasattr(pool, "latency_histogram"):
+                stats["map_latency_hist"] = list(pool.latency_histogram())
         except Exception:  # closed pool: stop reporting it
             unregister_pool(pool)
             continue
-        out.append((str(getattr(pool, "name", None) or f"pool-{id(pool):x}"), stats))
+        out.append((name or f"pool-{id(pool):x}", stats))
+    return out
+
+
+def _global_stats() -> list[dict]:
+    try:
+        import torch
+
+        from . import allocator
+    except Exception:  # pool not built here: the exporter must still answer
+        return []
+    out = []
+    for dev in range(max(1, torch.cuda.device_count())):  # counts devices without initialising
+        try:
+            stats = dict(allocator.memory_stats(dev))
+            stats["map_latency_hist"] = [n for _, n in allocator.map_latency_histogram(dev)]
+        except Exception:
+            continue
+        out.append(stats)
     return out
 
 
@@ -141,7 +158,7 @@ _POOL_GAUGES = [
     ("pool_mapped_bytes", "mapped_bytes", "Physical bytes mapped into the pool's virtual range."),
     ("pool_allocated_bytes", "allocated_bytes", "Bytes in live blocks handed out by the pool."),
     ("pool_reserved_va_bytes", "reserved_va_bytes", "Virtual address space reserved (no memory)."),
-    ("pool_fragmentation_ratio", "fragmentation", "1 - allocated / mapped (0 is no waste)."),
+    ("pool_fragmentation_ratio", "fragmentation", "1 - peak allocated / peak mapped."),
     ("pool_peak_allocated_bytes", "peak_allocated_bytes", "Highest allocated_bytes seen."),
     ("pool_peak_mapped_bytes", "peak_mapped_bytes", "Highest mapped_bytes seen."),
     ("pool_handle_cache_pages", "handle_cache_pages", "Physical pages created, not mapped."),
