@@ -112,6 +112,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         user_cache is None
         and type(cache) is DynamicCache
         and generation_config.cache_implementation in (None, "dynamic")
+        and not generation_config.output_attentions  # paged attention has no weights to give
     )
     text = self.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -210,6 +210,7 @@ class PagedKVCache(Cache):
         self._core.select([int(i) for i in torch.as_tensor(indices).tolist()])
 
     def crop(self, tokens_to_remove: int) -> None:
+        tokens_to_remove = int(tokens_to_remove)  # assisted decoding passes a 0-d tensor
         if tokens_to_remove > 0:  # legacy: the absolute length to keep
             tokens_to_remove = max(0, self._core.length - tokens_to_remove)
         else:

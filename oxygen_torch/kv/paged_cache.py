@@ -21,7 +21,7 @@ from ..attention import kv_write, paged_attention
 from ..triton_kernels.precision import PrecisionMode
 from .block_manager import SequenceBlocks
 from .pool import KVPool, PoolKey, get_pool
-from .storage import GUARD_BLOCK
+from .storage import GUARD_BLOCK, debug_checks_enabled
 
 MiB = 1 << 20
 
@@ -53,7 +53,7 @@ class PagedKVCore:
         self.num_layers = num_layers
         self.block_tokens = block_tokens
         self.backing, self.arena_bytes, self.page_size = backing, arena_bytes, page_size
-        self.debug, self.precision = debug, precision
+        self.debug, self.precision = debug_checks_enabled(debug), precision
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
         self._unbind()
@@ -92,7 +92,7 @@ class PagedKVCore:
             self.arena_bytes,
             self.page_size,
         )
-        self.pool = get_pool(key, self.debug)
+        self.pool = get_pool(key)
         self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
         self._table_host = torch.full((batch, 16), GUARD_BLOCK, dtype=torch.int32)
         self.table = self._to_device(self._table_host)
@@ -128,7 +128,7 @@ class PagedKVCore:
             self._bind(k)
         self._check_geometry(k)
         q = k.shape[2]
-        if self._layer_len[layer] == self.length:
+        if all(n == self.length for n in self._layer_len):  # every layer caught up: new step
             real = real_fn() if (real_fn is not None and q > 1) else None
             self._plan = self._begin_step(q, real)
             self.length += q
@@ -145,7 +145,7 @@ class PagedKVCore:
         else:
             kk = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])  # [B*q, Hkv, D]
             vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
-        if self.pool.debug:
+        if self.debug:
             st.check_blocks(self.table)
         kv_write(kk, vv, st.k[layer], st.v[layer], plan.slot_mapping)
         return plan
@@ -265,7 +265,7 @@ class PagedKVCore:
         """q: [B, Hq, q_len, D] -> attention output [B, q_len, Hq, D] (padding rows are 0)."""
         st = self.pool.storage
         batch, hq, q_len, d = q.shape
-        if self.pool.debug:
+        if self.debug:
             st.check_blocks(self.table)
         if plan.cu_seqlens_q is None:
             out = paged_attention(

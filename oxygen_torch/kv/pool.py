@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
-from .storage import GUARD_BLOCK, KVStorage, debug_checks_enabled, make_backing
+from .storage import GUARD_BLOCK, KVStorage, make_backing
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -36,7 +36,7 @@ class PoolKey:
 class KVPool:
     """Storage for one geometry plus the BlockManager that hands out its blocks."""
 
-    def __init__(self, key: PoolKey, debug: bool = False):
+    def __init__(self, key: PoolKey):
         self.key = key
         nbytes = key.arena_bytes or default_arena_bytes(key.device)
         backing = make_backing(key.backing, nbytes, key.device, key.page_size)
@@ -51,7 +51,6 @@ class KVPool:
         )
         # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
         self.lock = threading.RLock()
-        self.debug = debug_checks_enabled(debug)
 
     def stats(self) -> dict:
         s = self.storage
@@ -81,11 +80,11 @@ _pools: dict[PoolKey, KVPool] = {}
 _pools_lock = threading.Lock()
 
 
-def get_pool(key: PoolKey, debug: bool = False) -> KVPool:
+def get_pool(key: PoolKey) -> KVPool:
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = KVPool(key, debug)
+            pool = _pools[key] = KVPool(key)
         return pool
 
 

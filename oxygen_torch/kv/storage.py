@@ -24,6 +24,7 @@ import torch
 log = logging.getLogger("oxygen_torch")
 
 MiB = 1 << 20
+_ERR_OOM = 5  # status of _native.NativeError for out of memory (csrc/vmm_backend.h)
 GUARD_BLOCK = 0  # always mapped, never handed out: unused block-table entries point here
 
 
@@ -192,12 +193,27 @@ class KVStorage:
         if new:
             try:
                 self._apply(list(set(new)), self.backing.map_pages)
-            except BaseException:
+            except BaseException as exc:
                 for b in blocks:
                     for p in self._pages_of(b):
                         self._page_live[p] -= 1
+                self._unmap_partial(new)
+                if getattr(exc, "status", None) == _ERR_OOM:
+                    raise torch.OutOfMemoryError(
+                        f"oxygen KV cache: no device memory for {len(set(new))} more page(s) per "
+                        f"region ({2 * self.num_layers} regions); {self.mapped_bytes()} bytes "
+                        f"of KV mapped: {exc}"
+                    ) from exc
                 raise
             self.mapped_region_pages += len(set(new))
+
+    def _unmap_partial(self, pages: list[int]) -> None:
+        """After a failed map: unmap whichever of `pages` did get mapped, in any region."""
+        for r in range(2 * self.num_layers):
+            for p in set(pages):
+                page = r * self.region_pages + p
+                if self._page_live[p] == 0 and self.backing.is_mapped(page):
+                    self.backing.unmap_pages(page, 1)
 
     def on_free(self, blocks: list[int]) -> None:
         empty = []

@@ -1,0 +1,223 @@
+"""generate() on oxygen attention + PagedKVCache equals stock transformers (SDPA, DynamicCache).
+
+Tiny random-weight models in float32 on CPU (the float64 references run the attention there).
+Each test builds the stock answer first, then switches the same model with apply().
+"""
+
+import pytest
+import torch
+import transformers as T
+
+from oxygen_torch.integrations import hf
+from oxygen_torch.integrations.hf_cache import PagedKVCache
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+ARCHS = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    # window 8 < prompt 13 + 12 new tokens: the window really cuts
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": 8}),
+    "qwen2": (
+        T.Qwen2Config,
+        T.Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {}),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {}),
+    "gemma2": (
+        T.Gemma2Config,
+        T.Gemma2ForCausalLM,
+        {"attn_logit_softcapping": None, "sliding_window": 8},
+    ),
+    "gemma3": (
+        T.Gemma3TextConfig,
+        T.Gemma3ForCausalLM,
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+}
+
+
+def tiny(arch="llama", seed=0):
+    conf_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(conf_cls(**COMMON, **extra, attn_implementation="sdpa")).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def batch(b=3, n=13, seed=1, pads=(4, 2, 0)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (b, n), generator=g)
+    mask = torch.ones_like(ids)
+    for i, p in enumerate(pads[:b]):
+        mask[i, :p] = 0
+        ids[i, :p] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def oxygen():
+    yield hf
+    hf.disable_hf()
+
+
+def both(model, fn):
+    """fn(model) on stock attention, then on oxygen (apply); returns (stock, oxygen)."""
+    with torch.no_grad():
+        ref = fn(model)
+        hf.apply(model)
+        assert model.config._attn_implementation == "oxygen"
+        got = fn(model)
+    return ref, got
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_and_logits_with_left_padding(arch, oxygen):
+    model = tiny(arch)
+    ids, mask = batch()
+
+    def run(m):
+        out = m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        cache = PagedKVCache(config=m.config) if hf._uses_oxygen(m) else None
+        logits = m(ids, attention_mask=mask, past_key_values=cache).logits
+        return out, logits
+
+    (ref, ref_logits), (got, logits) = both(model, run)
+    assert isinstance(got.past_key_values, PagedKVCache)
+    assert torch.equal(got.sequences, ref.sequences)
+    real = mask.bool()
+    err = (logits - ref_logits)[real].abs().max() / ref_logits[real].abs().max()
+    assert err < 1e-5, f"{arch}: relative logit error {err:.2e}"
+
+
+def test_beam_search_with_several_returned(oxygen):
+    model = tiny()
+    ids, mask = batch(b=2, pads=(3, 0))
+
+    def run(m):
+        return m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            length_penalty=1.0,
+        )
+
+    ref, got = both(model, run)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_sampling_with_fixed_seed_and_num_return_sequences(arch, oxygen):
+    model = tiny(arch)
+    ids, mask = batch(b=2, pads=(5, 0))
+
+    def run(m):
+        torch.manual_seed(123)
+        return m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=True,
+            top_k=20,
+            temperature=0.9,
+            num_return_sequences=3,
+        )
+
+    ref, got = both(model, run)
+    assert got.shape == (6, 25) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_continue_from_returned_past_key_values(arch, oxygen):
+    model = tiny(arch)
+    ids, mask = batch(b=2, pads=(2, 0))
+    extra = torch.randint(1, 128, (2, 4), generator=torch.Generator().manual_seed(5))
+
+    def run(m):
+        first = m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        ids2 = torch.cat([first.sequences, extra], 1)
+        mask2 = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], 1)
+        return m.generate(
+            ids2,
+            attention_mask=mask2,
+            past_key_values=first.past_key_values,
+            max_new_tokens=6,
+            do_sample=False,
+        )
+
+    ref, got = both(model, run)
+    assert torch.equal(got, ref)
+
+
+def test_max_length_stops(oxygen):
+    model = tiny()
+    ids, mask = batch(b=2, pads=(1, 0))
+    ref, got = both(
+        model, lambda m: m.generate(ids, attention_mask=mask, max_length=17, do_sample=False)
+    )
+    assert got.shape == (2, 17) and torch.equal(got, ref)
+
+
+def test_crop_then_continue(oxygen):
+    model = tiny()
+    ids, mask = batch(b=2, pads=(0, 0))
+
+    def run(m):
+        out = m.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+        cache = out.past_key_values
+        n = cache.get_seq_length()
+        cache.crop(-3)
+        assert cache.get_seq_length() == n - 3
+        seq = out.sequences[:, : n - 3 + 1]
+        return m.generate(
+            seq,
+            attention_mask=torch.ones_like(seq),
+            past_key_values=cache,
+            max_new_tokens=5,
+            do_sample=False,
+        )
+
+    ref, got = both(model, run)
+    assert torch.equal(got, ref)
+
+
+def test_assisted_decoding_crops_the_paged_cache(oxygen):
+    model, assistant = tiny(seed=0), tiny(seed=7)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def run(m):
+        return m.generate(ids, assistant_model=assistant, max_new_tokens=12, do_sample=False)
+
+    ref, got = both(model, run)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, ref) and torch.equal(got, plain)

@@ -1,0 +1,196 @@
+"""KV storage page accounting and PagedKVCore against a dense float64 reference."""
+
+import gc
+
+import pytest
+import torch
+from oxygen_torch.triton_kernels.reference import dense_attention_ref
+
+from oxygen_torch.kv.paged_cache import PagedKVCore
+from oxygen_torch.kv.pool import pool_stats
+from oxygen_torch.kv.storage import GUARD_BLOCK, KVStorage
+
+KiB = 1 << 10
+
+
+class RecordingBacking:
+    """A torch buffer that records which pages are mapped."""
+
+    name = "recording"
+
+    def __init__(self, nbytes, page_size):
+        self.page_size, self.capacity = page_size, nbytes
+        self.flat = torch.zeros(nbytes, dtype=torch.uint8)
+        self.mapped = set()
+
+    def tensor(self):
+        return self.flat
+
+    def map_pages(self, first, count):
+        new = set(range(first, first + count))
+        assert not new & self.mapped, "page mapped twice"
+        self.mapped |= new
+
+    def unmap_pages(self, first, count):
+        gone = set(range(first, first + count))
+        assert gone <= self.mapped, "unmapping a page that is not mapped"
+        self.mapped -= gone
+
+    def is_mapped(self, page):
+        return page in self.mapped
+
+    def close(self):
+        pass
+
+
+def test_storage_maps_pages_of_live_blocks_in_every_region():
+    # block = 16 tokens x 2 heads x 64 x 4 B = 8 KiB; 16 KiB pages hold 2 blocks
+    backing = RecordingBacking(4 * 64 * KiB, 16 * KiB)
+    st = KVStorage(
+        backing, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_tokens=16
+    )
+    assert st.region_pages == 4 and st.num_blocks == 8
+    assert backing.mapped == {0, 4, 8, 12}  # the guard block's page, in the 4 regions
+    assert st.k[1].shape == (8, 16, 2, 64) and st.v[1].is_contiguous()
+    st.on_alloc([1, 2])  # block 1 shares page 0 with the guard; block 2 opens page 1
+    assert backing.mapped == {0, 1, 4, 5, 8, 9, 12, 13}
+    st.on_free([2])
+    assert backing.mapped == {0, 4, 8, 12}
+    st.on_free([1])
+    assert backing.mapped == {0, 4, 8, 12}  # the guard stays
+    st.on_alloc([7])
+    with pytest.raises(RuntimeError, match="unmapped page"):
+        st.check_blocks(torch.tensor([GUARD_BLOCK, 7, 5]))
+
+
+def _dense_out(q, keys, values, scale, window):
+    """q: [Hq, n_q, D] for the LAST n_q of keys [Hkv, n, D] -> [n_q, Hq, D]."""
+    o = dense_attention_ref(
+        q[None], keys[None], values[None], causal=True, scale=scale, sliding_window=window
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_core_prefill_with_padding_then_decode_matches_dense(window):
+    torch.manual_seed(0)
+    b, hq, hkv, d, L = 3, 4, 2, 64, 2
+    core = PagedKVCore(L, block_tokens=16, backing="torch")
+    real = torch.ones(b, 9, dtype=torch.bool)
+    real[0, :3] = False  # left padding
+    real[2, :8] = False
+    hist_k = [[torch.empty(hkv, 0, d) for _ in range(b)] for _ in range(L)]
+    hist_v = [[torch.empty(hkv, 0, d) for _ in range(b)] for _ in range(L)]
+    for step, q_len in enumerate([9, 1, 1, 7, 1]):
+        mask = real if step == 0 else torch.ones(b, q_len, dtype=torch.bool)
+        for layer in range(L):
+            q = torch.randn(b, hq, q_len, d)
+            k, v = torch.randn(b, hkv, q_len, d), torch.randn(b, hkv, q_len, d)
+            plan = core.write(layer, k, v, (lambda m=mask: None if m.all() else m))
+            out = core.attend(layer, q, plan, scale=0.125, sliding_window=window)
+            assert out.shape == (b, q_len, hq, d)
+            for i in range(b):
+                keep = mask[i]
+                hist_k[layer][i] = torch.cat([hist_k[layer][i], k[i][:, keep]], 1)
+                hist_v[layer][i] = torch.cat([hist_v[layer][i], v[i][:, keep]], 1)
+                want = _dense_out(q[i][:, keep], hist_k[layer][i], hist_v[layer][i], 0.125, window)
+                torch.testing.assert_close(out[i][keep], want, rtol=1e-5, atol=1e-5)
+                assert not out[i][~keep].any()  # padding rows are zeros
+    assert core.length == 19 and core.seqs.lens == [16, 19, 11]
+    core.release()
+
+
+def test_fork_shares_blocks_and_copy_on_write_keeps_the_original():
+    torch.manual_seed(1)
+    core = PagedKVCore(1, block_tokens=16, backing="torch")
+    k, v = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64)
+    core.write(0, k, v)
+    used = core.pool.manager.num_used
+    twin = core.fork()
+    assert core.pool.manager.num_used == used  # shared, not copied
+    q = torch.randn(1, 4, 1, 64)
+    k1, v1 = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    base = core.attend(0, q, core.write(0, k1, v1), scale=None, sliding_window=None)
+    k2 = torch.randn(1, 2, 1, 64)
+    other = twin.attend(0, q, twin.write(0, k2, v1), scale=None, sliding_window=None)
+    assert core.pool.manager.num_used == used + 1  # the half-full last block was copied once
+    assert not torch.allclose(base, other)
+    again = core.attend(0, q, core._plan, scale=None, sliding_window=None)
+    torch.testing.assert_close(again, base)  # the fork's write did not touch the original
+    twin.release()
+    core.release()
+
+
+def test_select_crop_and_dense_readback():
+    torch.manual_seed(2)
+    core = PagedKVCore(1, block_tokens=16, backing="torch")
+    k, v = torch.randn(3, 2, 21, 64), torch.randn(3, 2, 21, 64)
+    core.write(0, k, v)
+    core.select([2, 0, 0])  # beam reorder: 2 -> 0, 0 -> 1 and 2
+    kd, vd = core.dense(0)
+    torch.testing.assert_close(kd, k[[2, 0, 0]])
+    core.crop(6)
+    kd, vd = core.dense(0)
+    assert core.length == 15 and kd.shape == (3, 2, 15, 64)
+    torch.testing.assert_close(vd, v[[2, 0, 0], :, :15])
+    assert core.pool.manager.num_used == 2  # one block each for the two distinct sequences
+    core.release()
+
+
+def test_dense_readback_refuses_a_cache_with_skipped_padding():
+    core = PagedKVCore(1, block_tokens=16, backing="torch")
+    real = torch.tensor([[False, True, True], [True, True, True]])
+    core.write(0, torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64), lambda: real)
+    with pytest.raises(NotImplementedError, match="skipped padding"):
+        core.dense(0)
+    with pytest.raises(NotImplementedError, match="cannot cut"):
+        core.crop(2)
+    core.release()
+
+
+def test_layers_out_of_step_are_an_error():
+    core = PagedKVCore(2, block_tokens=16, backing="torch")
+    k = torch.randn(1, 2, 3, 64)
+    core.write(0, k, k)
+    core.write(1, k, k)
+    core.write(0, k, k)  # next forward pass
+    with pytest.raises(RuntimeError, match="once per forward"):
+        core.write(0, k, k)  # layer 0 again before layer 1
+    core.release()
+
+
+def test_blocks_return_when_the_cache_object_is_dropped():
+    from oxygen_torch.integrations.hf_cache import PagedKVCache
+
+    cache = PagedKVCache(num_layers=2, backing="torch")
+    k = torch.randn(2, 2, 40, 64)
+    cache.update(k, k, 0)
+    manager = cache._core.pool.manager
+    before = manager.num_used
+    cache.update(k, k, 1)
+    assert manager.num_used == before  # layers share the blocks (3 per sequence)
+    assert any(s["blocks_used"] >= 6 for s in pool_stats())
+    del cache
+    gc.collect()
+    assert manager.num_used == before - 6
+
+
+def test_host_arena_maps_pages_as_blocks_are_used_and_unmaps_them_after():
+    pytest.importorskip("oxygen_torch.allocator")
+    core = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20)
+    k = torch.randn(2, 2, 1, 64)
+    core.write(0, k, k)  # binds the pool: block 0 (guard) + one block per sequence
+    arena = core.pool.storage.backing.arena
+    guard_only = 4  # page 0 of each of the 4 regions (2 layers x K, V)
+    assert arena.mapped_pages() == guard_only
+    # 8 KiB blocks, 256 per 2 MiB page: 2 x 263 blocks + the guard span 3 pages per region
+    big = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20)
+    x = torch.randn(2, 2, 4200, 64)
+    big.write(0, x, x)
+    big.write(1, x, x)
+    assert arena is big.pool.storage.backing.arena and arena.mapped_pages() == 4 * 3
+    kd, _ = big.dense(1)
+    torch.testing.assert_close(kd, x)  # the data really went through the mapped arena
+    big.release()
+    assert arena.mapped_pages() == guard_only
+    core.release()
