@@ -1,0 +1,179 @@
+"""The Prometheus exporter: every named metric with its type, values that follow a host pool,
+loopback-only binding, and the KV / tier / scheduler sources."""
+
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from oxygen_torch import metrics
+from oxygen_torch.allocator import VirtualPool
+
+MiB = 1 << 20
+
+EXPECTED_TYPES = {
+    "oxygen:pool_mapped_bytes": "gauge",
+    "oxygen:pool_allocated_bytes": "gauge",
+    "oxygen:pool_reserved_va_bytes": "gauge",
+    "oxygen:pool_fragmentation_ratio": "gauge",
+    "oxygen:pool_maps": "counter",  # the parser strips _total from counter family names
+    "oxygen:pool_unmaps": "counter",
+    "oxygen:pool_map_latency_seconds": "histogram",
+    "oxygen:pool_oom": "counter",
+    "oxygen:kv_cache_usage_perc": "gauge",
+    "oxygen:kv_blocks": "gauge",
+    "oxygen:hot_zone_hit_ratio": "gauge",
+    "oxygen:migration_bytes": "counter",
+    "oxygen:scheduler_weight_variance": "histogram",
+}
+
+
+@pytest.fixture
+def pool():
+    p = VirtualPool(backend="host", capacity=128 * MiB)
+    metrics.register_pool(p, name="test")
+    yield p
+    metrics.unregister_pool(p)
+    p.close()
+
+
+def families(text=None):
+    return {f.name: f for f in text_string_to_metric_families(text or metrics.scrape())}
+
+
+def value(fams, family, sample_name=None, **labels):
+    """The one sample of ``family`` whose labels include ``labels``."""
+    found = [
+        s.value
+        for s in fams[family].samples
+        if (sample_name is None or s.name == sample_name)
+        and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, (family, labels, fams[family].samples)
+    return found[0]
+
+
+def test_every_named_metric_is_served_with_its_type(pool):
+    fams = families()
+    for name, kind in EXPECTED_TYPES.items():
+        assert name in fams, f"{name} missing"
+        assert fams[name].type == kind, (name, fams[name].type)
+        assert fams[name].samples, f"{name} has no sample"
+        assert all("device" in s.labels for s in fams[name].samples), name
+    text = metrics.scrape()
+    for counter in ("pool_maps", "pool_unmaps", "pool_oom", "migration_bytes"):
+        assert f"oxygen:{counter}_total{{" in text
+
+
+def test_values_follow_a_host_pool(pool):
+    before = families()
+    ptr = pool.malloc(8 * MiB)
+    during = families()
+    assert value(during, "oxygen:pool_allocated_bytes", pool="test") >= 8 * MiB
+    assert value(during, "oxygen:pool_mapped_bytes", pool="test") >= 8 * MiB
+    assert value(during, "oxygen:pool_reserved_va_bytes", pool="test") >= 128 * MiB
+    maps = value(during, "oxygen:pool_maps", "oxygen:pool_maps_total", pool="test")
+    assert maps >= 4 > value(before, "oxygen:pool_maps", "oxygen:pool_maps_total", pool="test")
+    count = "oxygen:pool_map_latency_seconds_count"
+    assert value(during, "oxygen:pool_map_latency_seconds", count, pool="test") == maps
+    inf = value(
+        during,
+        "oxygen:pool_map_latency_seconds",
+        "oxygen:pool_map_latency_seconds_bucket",
+        pool="test",
+        le="+Inf",
+    )
+    assert inf == maps  # the histogram's buckets account for every mapped page
+    pool.free(ptr)
+    pool.empty_cache()
+    after = families()
+    assert value(after, "oxygen:pool_allocated_bytes", pool="test") == 0
+    assert value(after, "oxygen:pool_mapped_bytes", pool="test") == 0
+    assert value(after, "oxygen:pool_unmaps", "oxygen:pool_unmaps_total", pool="test") >= 4
+    assert value(after, "oxygen:pool_peak_allocated_bytes", pool="test") >= 8 * MiB
+
+
+def test_closed_pool_is_no_longer_reported():
+    p = VirtualPool(backend="host", capacity=64 * MiB)
+    metrics.register_pool(p, name="closing")
+    assert 'pool="closing"' in metrics.scrape()
+    p.close()
+    assert 'pool="closing"' not in metrics.scrape()
+
+
+def test_server_answers_on_loopback_only(pool):
+    server = metrics.start_http_server(port=0)
+    try:
+        host, port = server.socket.getsockname()[:2]
+        assert host == "127.0.0.1"  # bound to loopback, not 0.0.0.0 or a public address
+        assert server.socket.family == socket.AF_INET
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert value(families(text), "oxygen:pool_reserved_va_bytes", pool="test") > 0
+        for addr in _non_loopback_addresses():
+            with pytest.raises(OSError):
+                socket.create_connection((addr, port), timeout=1).close()
+    finally:
+        metrics.stop_http_servers()
+
+
+def _non_loopback_addresses():
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        return []
+    return sorted({i[4][0] for i in infos if not i[4][0].startswith("127.")})
+
+
+def test_kv_source_is_reported_and_dropped_when_it_returns_none():
+    figures = {"device": 0, "tier": {"gpu": 0.25}, "blocks": {"free": 30, "used": 10, "shared": 2}}
+    answers = [figures, None]
+    fn = lambda: answers[0]
+    fams = families()
+    assert value(fams, "oxygen:kv_blocks", state="used") == 0  # nothing registered: zeros
+    metrics.register_kv_source(fn)
+    try:
+        fams = families()
+        assert value(fams, "oxygen:kv_blocks", state="used") == 10
+        assert value(fams, "oxygen:kv_blocks", state="shared") == 2
+        assert value(fams, "oxygen:kv_cache_usage_perc", tier="gpu") == 0.25
+        assert value(fams, "oxygen:kv_cache_usage_perc", tier="cpu") == 0.0
+        answers.pop(0)
+        families()  # the source answers None: unregistered
+        assert fn not in metrics._kv_sources
+    finally:
+        metrics.unregister_kv_source(fn)
+
+
+def test_tier_and_scheduler_sources():
+    metrics.register_tier_source(
+        lambda: {"hot_zone_hit_ratio": 0.9, "migration_bytes": {"gpu_to_cpu": 4096}}
+    )
+    counts = [0, 0, 0, 1, 5, 3, 1, 0, 0, 0, 0]  # one per bound, then +Inf
+    metrics.register_scheduler_source(lambda: {"buckets": counts, "sum": 10.0})
+    try:
+        fams = families()
+        assert value(fams, "oxygen:hot_zone_hit_ratio") == 0.9
+        mig = "oxygen:migration_bytes_total"
+        assert value(fams, "oxygen:migration_bytes", mig, direction="gpu_to_cpu") == 4096
+        assert value(fams, "oxygen:migration_bytes", mig, direction="cpu_to_gpu") == 0
+        var = "oxygen:scheduler_weight_variance"
+        assert value(fams, var, var + "_bucket", le="1.1") == 10
+        assert value(fams, var, var + "_count") == 10
+    finally:
+        metrics.register_tier_source(None)
+        metrics.register_scheduler_source(None)
+    assert value(families(), "oxygen:hot_zone_hit_ratio") == 0.0
+
+
+def test_latency_histogram_from_native_buckets():
+    raw = [0] * 16
+    raw[3], raw[5], raw[15] = 2, 1, 1  # < 8 us, < 32 us, slower than 2**14 us
+    buckets, total = metrics._latency_histogram(
+        {"num_maps": 4, "mean_map_latency_us": 10.0, "map_latency_hist": raw}
+    )
+    as_dict = dict(buckets)
+    assert as_dict[repr(8e-6)] == 2 and as_dict[repr(16e-6)] == 2 and as_dict[repr(32e-6)] == 3
+    assert as_dict["+Inf"] == 4 and len(buckets) == 16
+    assert total == pytest.approx(40e-6)
