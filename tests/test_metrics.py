@@ -111,11 +111,32 @@ def test_server_answers_on_loopback_only(pool):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert value(families(text), "oxygen:pool_reserved_va_bytes", pool="test") > 0
+        assert _listening_addresses(port) == {"127.0.0.1"}
         for addr in _non_loopback_addresses():
             with pytest.raises(OSError):
                 socket.create_connection((addr, port), timeout=1).close()
     finally:
         metrics.stop_http_servers()
+
+
+def _listening_addresses(port):
+    """Local addresses of the sockets listening on ``port``, as the kernel lists them."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:  # 0A: TCP_LISTEN
+                raw = bytes.fromhex(addr)
+                if len(raw) == 4:
+                    found.add(socket.inet_ntop(socket.AF_INET, raw[::-1]))
+                else:
+                    found.add(table + ":" + addr)  # any IPv6 listener is a failure here
+    return found
 
 
 def _non_loopback_addresses():
