@@ -72,7 +72,8 @@ class Sampler:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
         self.sample()
         self._file.close()
 

@@ -1,0 +1,83 @@
+"""`python -m oxygen_torch plot`: the demo and a recorded script write a real PNG."""
+
+import subprocess
+import sys
+import textwrap
+
+import matplotlib.image
+import pytest
+
+from oxygen_torch import cli_plot
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path):
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] >= 300 and img.shape[1] >= 800
+    assert img[..., :3].std() > 0.05  # something was drawn, not a blank canvas
+
+
+def run_plot(args, cwd, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "oxygen_torch", "plot", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def test_plot_demo_writes_a_png(tmp_path):
+    r = run_plot(["--demo", str(tmp_path / "demo.png")], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "wrote" in r.stdout
+    check_png(tmp_path / "demo.png")
+
+
+SCRIPT = """
+    import sys, time
+    from oxygen_torch import metrics
+    from oxygen_torch.allocator import VirtualPool
+
+    pool = VirtualPool(backend="host", capacity=256 << 20)
+    metrics.register_pool(pool, name="script")
+    live = []
+    for _ in range(12):
+        live.append(pool.malloc(4 << 20))
+        time.sleep(0.01)
+    for p in live:
+        pool.free(p)
+    print("args", sys.argv[1:])
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_plot_records_a_script_and_passes_its_exit_code(tmp_path, code):
+    (tmp_path / "work.py").write_text(textwrap.dedent(SCRIPT))
+    out = tmp_path / "work.png"
+    r = run_plot(["-o", str(out), "--", sys.executable, "work.py", str(code)], tmp_path)
+    assert f"args ['{code}']" in r.stdout  # the script ran with its arguments
+    assert "Error in sitecustomize" not in r.stderr
+    if code == 0:
+        assert r.returncode == 0, r.stdout + r.stderr
+        check_png(out)
+    else:
+        assert r.returncode == code and not out.exists()
+
+
+def test_sampler_records_allocated_and_mapped(tmp_path):
+    figures = iter([(1, 2), (3, 4)])
+    sampler = cli_plot.Sampler(tmp_path / "t.tl", lambda: next(figures, (5, 6)), interval=0.001)
+    sampler.sample()
+    sampler.sample()
+    sampler.stop()  # never started: stop still writes the final sample and closes
+    t, alloc, mapped = cli_plot.load(tmp_path / "t.tl")
+    assert alloc == [1, 3, 5] and mapped == [2, 4, 6] and t == sorted(t)
+
+
+def test_plot_needs_demo_or_a_command(tmp_path):
+    r = run_plot([], tmp_path, timeout=60)
+    assert r.returncode == 2 and "either --demo or a command" in r.stderr
