@@ -21,7 +21,8 @@ std::unique_ptr<Allocator> Allocator::create(std::shared_ptr<DeviceCtx> ctx,
   std::unique_ptr<Allocator> a(new Allocator(std::move(range), opt));
   Allocator* raw = a.get();
   a->ctx().add_sweeper(raw, [raw] { raw->sweep(); });
-  capture::add_release_listener(raw, [raw](std::uint64_t t) { raw->release_capture(t); });
+  capture::add_listener(
+      raw, [raw] { raw->before_capture(); }, [raw](std::uint64_t t) { raw->release_capture(t); });
   return a;
 }
 
@@ -37,7 +38,7 @@ Allocator::Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt)
 }
 
 Allocator::~Allocator() {
-  capture::remove_release_listener(this);
+  capture::remove_listener(this);
   ctx().remove_sweeper(this);
   std::lock_guard<std::mutex> g(mu_);
   for (auto& kv : captures_)
@@ -79,8 +80,8 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
   std::uintptr_t p = bytes <= ctx().max_pages() * page_ ? place(bytes, st, cap, &b) : 0;
   if (!p && bytes <= ctx().max_pages() * page_) {
     // Out of pages: wait for the device if allowed, drop cached slabs, unmap every safe idle page.
-    release_empty_slabs(false);
     poll_events(true);
+    release_empty_slabs(false);
     reclaim_idle(SIZE_MAX, false);
     p = place(bytes, st, cap, &b);
   }
@@ -148,7 +149,7 @@ void Allocator::free_block(const Block& b, StreamState* fs) {
     try_record(fs);
     return;
   }
-  slab_put(b.slab, b.slot);
+  slab_put(b.slab, b.slot, streams_.on_free(fs));
 }
 
 std::uintptr_t Allocator::place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b) {
@@ -245,14 +246,16 @@ SlabPage* Allocator::new_slab_page(Heap* heap, int cls) {
   return raw;
 }
 
-void Allocator::slab_put(SlabPage* sp, std::uint32_t slot) {
+void Allocator::slab_put(SlabPage* sp, std::uint32_t slot, Tag tag) {
   Heap* h = sp->heap;
   bool was_full = sp->full();
   sp->push(slot);
+  Tag joined;
+  sp->last_free = merge_tags(sp->last_free, tag, &joined) ? joined : tag;
   if (was_full) h->add_partial(sp);
   if (!sp->empty() || (h->capture && !h->released)) return;
   h->remove_partial(sp);
-  if (h->released) return release_slab_page(sp, Tag{});
+  if (h->released) return release_slab_page(sp, sp->last_free);
   if (!h->empty[sp->cls]) {
     // Keep one empty slab per class mapped for a while: a loop that frees and re-allocates one
     // small tensor must not map and unmap a page each time.
@@ -261,7 +264,7 @@ void Allocator::slab_put(SlabPage* sp, std::uint32_t slot) {
     bump(stats_.slab_cached_pages);
     return;
   }
-  release_slab_page(sp, streams_.on_free(h->stream));
+  release_slab_page(sp, sp->last_free);
   try_record(h->stream);
 }
 
@@ -275,8 +278,8 @@ void Allocator::release_slab_page(SlabPage* sp, Tag tag) {
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> g(mu_);
   if (!active_captures_.empty()) refresh_captures();
-  release_empty_slabs(false);
   poll_events(true);
+  release_empty_slabs(false);
   reclaim_idle(SIZE_MAX, false);
   if (!capture::maybe_active()) ctx().trim(0);
 }
@@ -285,6 +288,14 @@ void Allocator::reset_peak() {
   stats_.peak_allocated_bytes.store(get(stats_.allocated_bytes), std::memory_order_relaxed);
   PhysCounters& p = ctx().stats();
   p.peak_mapped_bytes.store(get(p.mapped_bytes), std::memory_order_relaxed);
+}
+
+void Allocator::before_capture() {
+  // torch.cuda.graph synchronizes before capture_begin: polling now marks those frees safe, so
+  // the capture (which takes only safe memory) can reuse them.
+  std::lock_guard<std::mutex> g(mu_);
+  poll_events(false);
+  extents_.coalesce();
 }
 
 void Allocator::sweep() {

@@ -77,6 +77,7 @@ class Allocator {
   // Periodic hysteresis work (background thread); skips if the lock is busy.
   void sweep();
   void release_capture(std::uint64_t token);
+  void before_capture();
 
   AllocCounters& counters() { return stats_; }
   DeviceCtx& ctx() { return range_->ctx(); }
@@ -93,7 +94,7 @@ class Allocator {
   std::uintptr_t large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
   std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
   SlabPage* new_slab_page(Heap* heap, int cls);
-  void slab_put(SlabPage* sp, std::uint32_t slot);
+  void slab_put(SlabPage* sp, std::uint32_t slot, Tag tag);
   void release_slab_page(SlabPage* sp, Tag tag);
   void large_free(const Block& b, StreamState* fs);
   void free_block(const Block& b, StreamState* fs);

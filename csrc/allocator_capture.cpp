@@ -60,7 +60,7 @@ void Allocator::end_capture(CaptureState* c) {
 void Allocator::free_capture_block(const Block& b, StreamState* fs) {
   CaptureState* c = captures_[b.capture].get();
   if (c->released) {  // its graph is gone: an ordinary free
-    if (b.slab) return slab_put(b.slab, b.slot);
+    if (b.slab) return slab_put(b.slab, b.slot, streams_.on_free(fs));
     return large_free(b, fs);
   }
   bool same_stream = fs->stream == c->stream;
@@ -68,7 +68,7 @@ void Allocator::free_capture_block(const Block& b, StreamState* fs) {
     if (!c->active || same_stream) {
       // Inside the capture: reusable by it. After it: the heap never allocates again, so the slot
       // simply waits in its page for the release.
-      slab_put(b.slab, b.slot);
+      slab_put(b.slab, b.slot, streams_.on_free(fs));
       if (!c->active) {
         c->quarantined += b.span;
         bump(stats_.quarantined_bytes, b.span);
@@ -130,7 +130,7 @@ void Allocator::finish_release(CaptureState* c) {
       for (SlabPage* sp : pages) {
         if (!sp->empty()) continue;
         h->remove_partial(sp);
-        release_slab_page(sp, Tag{});
+        release_slab_page(sp, Tag{});  // after the device synchronize
       }
     }
   }

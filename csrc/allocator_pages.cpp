@@ -88,7 +88,7 @@ void Allocator::release_empty_slabs(bool aged_only) {
       if (!sp || (aged_only && now - sp->empty_since < opt_.hysteresis_ns)) continue;
       h->empty[c] = nullptr;
       drop(stats_.slab_cached_pages);
-      release_slab_page(sp, streams_.on_free(h->stream));
+      release_slab_page(sp, sp->last_free);
       released = true;
     }
     if (released) try_record(h->stream);
@@ -122,12 +122,13 @@ void Allocator::process_deferred() {
     Deferred d = deferred_[i];
     deferred_[i] = deferred_.back();
     deferred_.pop_back();
-    slab_put(d.slab, d.slot);
+    slab_put(d.slab, d.slot, d.tag);
   }
 }
 
 void Allocator::sweep_locked(bool force) {
   poll_events(false);
+  extents_.coalesce();
   release_empty_slabs(!force);
   reclaim_idle(SIZE_MAX, !force);
   last_sweep_ = now_ns();

@@ -15,14 +15,23 @@ std::atomic<int> g_detected{0};
 std::atomic<std::uint64_t> g_next_token{0};
 thread_local std::uint64_t t_token = 0;
 
+struct Listener {
+  void* key;
+  std::function<void()> on_begin;
+  std::function<void(std::uint64_t)> on_release;
+};
 std::mutex g_listen_mu;
-std::vector<std::pair<void*, std::function<void(std::uint64_t)>>>& listeners() {
-  static auto* v = new std::vector<std::pair<void*, std::function<void(std::uint64_t)>>>();
+std::vector<Listener>& listeners() {
+  static auto* v = new std::vector<Listener>();
   return *v;  // leaked on purpose: allocators may unregister during static destruction
 }
 }  // namespace
 
 std::uint64_t announce_begin() {
+  {
+    std::lock_guard<std::mutex> g(g_listen_mu);
+    for (auto& l : listeners()) l.on_begin();
+  }
   std::lock_guard<std::mutex> g(g_query_mu);  // waits for an event query in flight to finish
   g_announced.fetch_add(1, std::memory_order_acq_rel);
   t_token = ++g_next_token;
@@ -41,18 +50,19 @@ std::uint64_t thread_token() { return t_token; }
 void release(std::uint64_t token) {
   // Called under the lock so that an allocator being destroyed (remove_release_listener) waits.
   std::lock_guard<std::mutex> g(g_listen_mu);
-  for (auto& kv : listeners()) kv.second(token);
+  for (auto& l : listeners()) l.on_release(token);
 }
 
-void add_release_listener(void* key, std::function<void(std::uint64_t)> fn) {
+void add_listener(void* key, std::function<void()> on_begin,
+                  std::function<void(std::uint64_t)> on_release) {
   std::lock_guard<std::mutex> g(g_listen_mu);
-  listeners().emplace_back(key, std::move(fn));
+  listeners().push_back({key, std::move(on_begin), std::move(on_release)});
 }
 
-void remove_release_listener(void* key) {
+void remove_listener(void* key) {
   std::lock_guard<std::mutex> g(g_listen_mu);
   auto& v = listeners();
-  for (auto it = v.begin(); it != v.end();) it = it->first == key ? v.erase(it) : it + 1;
+  for (auto it = v.begin(); it != v.end();) it = it->key == key ? v.erase(it) : it + 1;
 }
 
 void note_detected(int delta) { g_detected.fetch_add(delta, std::memory_order_acq_rel); }

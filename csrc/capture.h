@@ -28,8 +28,11 @@ std::uint64_t thread_token();
 
 // The graph of `token` is gone (reset or collected): allocators may reuse its memory.
 void release(std::uint64_t token);
-void add_release_listener(void* key, std::function<void(std::uint64_t)> fn);
-void remove_release_listener(void* key);
+// Allocators listen for two things: just before a capture is announced (a last chance to poll
+// events, so the capture can use everything already complete) and a released token.
+void add_listener(void* key, std::function<void()> on_begin,
+                  std::function<void(std::uint64_t)> on_release);
+void remove_listener(void* key);
 
 // Allocators add +1 when they first see a capture and -1 when they see it end.
 void note_detected(int delta);

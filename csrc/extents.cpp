@@ -61,6 +61,25 @@ bool FreeExtents::take(std::size_t size, std::size_t align, const StreamState* u
   return false;
 }
 
+void FreeExtents::coalesce() {
+  auto it = by_addr_.begin();
+  while (it != by_addr_.end()) {
+    auto next = std::next(it);
+    Tag joined;
+    if (next != by_addr_.end() && it->first + it->second.size == next->first &&
+        merge_tags(it->second.tag, next->second.tag, &joined)) {
+      std::uintptr_t addr = it->first;
+      std::size_t size = it->second.size + next->second.size;
+      erase(next);
+      erase(it);
+      add(addr, size, joined);
+      it = by_addr_.find(addr);  // may join the following one too
+      continue;
+    }
+    it = next;
+  }
+}
+
 bool FreeExtents::all_safe(std::uintptr_t lo, std::uintptr_t hi) const {
   auto it = by_addr_.upper_bound(lo);
   if (it != by_addr_.begin()) --it;

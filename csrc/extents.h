@@ -30,6 +30,9 @@ class FreeExtents {
   bool take(std::size_t size, std::size_t align, const StreamState* user, std::uintptr_t* addr,
             Tag* tag);
 
+  // Join neighbours whose tags became compatible (events completed since they were freed).
+  void coalesce();
+
   // True when every free range overlapping [lo, hi) is safe for everyone.
   bool all_safe(std::uintptr_t lo, std::uintptr_t hi) const;
 

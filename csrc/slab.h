@@ -35,6 +35,7 @@ struct SlabPage {
   Heap* heap = nullptr;
   std::int32_t partial_pos = -1;  // index in heap->partial[cls], -1 when full or cached empty
   std::uint64_t empty_since = 0;  // when it became the heap's cached empty page
+  Tag last_free;                  // ticket of the latest slot free: the page is safe after it
 
   bool full() const { return nfree == 0; }
   bool empty() const { return nfree == nslots; }

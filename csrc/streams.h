@@ -41,19 +41,18 @@ inline bool usable_by(const Tag& t, const StreamState* user) {
   return t.stream == user || is_safe(t);
 }
 
-// Tag of two adjacent free ranges joined into one, or false when they cannot join (two different
-// streams, both still in flight).
+// Tag of two adjacent free ranges joined into one, or false when they cannot join. Only frees of
+// one stream, or ranges already safe for everyone, join: joining a still-in-flight range with a
+// safe one would make the safe part unusable to other streams (and to captures) until the event
+// completes. FreeExtents::coalesce() joins what became compatible later.
 inline bool merge_tags(const Tag& a, const Tag& b, Tag* out) {
+  bool sa = is_safe(a), sb = is_safe(b);
+  if (sa && sb) {
+    *out = Tag{};
+    return true;
+  }
   if (a.stream == b.stream) {
     *out = {a.stream, a.ticket > b.ticket ? a.ticket : b.ticket};
-    return true;
-  }
-  if (is_safe(a)) {
-    *out = b;
-    return true;
-  }
-  if (is_safe(b)) {
-    *out = a;
     return true;
   }
   return false;

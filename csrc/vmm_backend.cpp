@@ -135,7 +135,11 @@ class HostBackend final : public Backend {
     *capturing = *id != 0;
     return OK;
   }
-  Status synchronize() override { return OK; }
+  Status synchronize() override {
+    if (!g_host_hold.load(std::memory_order_acquire)) return OK;
+    set_last_error("host backend: events are held (test knob), nothing completes");
+    return ERR_UNSUPPORTED;
+  }
 
  private:
   static Status invalid(const char* msg) {

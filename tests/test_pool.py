@@ -1,0 +1,215 @@
+"""The native pool on the host backend (memfd pages in a PROT_NONE reservation): life cycle, size
+classes, reuse, unmapping, stream order, capture arenas, errors. Runs on any Linux CPU."""
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+from oxygen_torch import _native
+from oxygen_torch.allocator import Arena, VirtualPool
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+
+
+def class_sizes():
+    """The 40 slab classes of csrc/slab.cpp: 512 B steps to 4 KiB, then 4 per power of two."""
+    out = [512 * (i + 1) for i in range(8)]
+    for k in range(12, 20):
+        out += [(1 << k) + i * (1 << k) // 4 for i in range(1, 5)]
+    return out
+
+
+def round512(n):
+    return max(512, (n + 511) // 512 * 512)
+
+
+def fill(ptr, n, seed):
+    """Write a pattern that depends on the block (first, middle and last bytes) and read it back."""
+    for off in {0, n // 2, max(n - 1, 0)}:
+        ctypes.c_uint8.from_address(ptr + off).value = (seed * 31 + off) & 0xFF
+
+
+def check(ptr, n, seed):
+    for off in {0, n // 2, max(n - 1, 0)}:
+        assert ctypes.c_uint8.from_address(ptr + off).value == (seed * 31 + off) & 0xFF
+
+
+@pytest.fixture
+def pool():
+    p = VirtualPool(backend="host", capacity=256 * MiB, hysteresis_us=1000)
+    yield p
+    p.close()
+
+
+def test_life_cycle_reserve_map_unmap(pool):
+    s = pool.stats()
+    assert s["backend"] == "host" and s["mapped_bytes"] == 0
+    assert s["reserved_va_bytes"] == 2 * pool.capacity  # VA = 2 x capacity
+    ptr = pool.malloc(5 * MiB)
+    assert pool.base <= ptr < pool.base + 2 * pool.capacity
+    ctypes.memset(ptr, 0xAB, 5 * MiB)
+    s = pool.stats()
+    assert s["mapped_bytes"] == 3 * PAGE  # 5 MiB at a page boundary touches 3 pages
+    assert s["allocated_bytes"] == 5 * MiB and s["live_blocks"] == 1
+    assert pool.free(ptr, 5 * MiB)
+    pool.empty_cache()
+    s = pool.stats()
+    assert s["mapped_bytes"] == 0 and s["allocated_bytes"] == 0
+    assert s["num_maps"] == s["num_unmaps"] == 3
+    assert s["handle_cache_pages"] == 0 and s["live_handles"] == 0
+
+
+@pytest.mark.parametrize("size", class_sizes())
+def test_every_size_class(pool, size):
+    ptrs = [pool.malloc(size) for _ in range(5)]
+    assert len(set(ptrs)) == 5
+    for i, p in enumerate(ptrs):
+        assert p % 512 == 0
+        fill(p, size, i)
+    for i, p in enumerate(ptrs):
+        check(p, size, i)
+    # slab pages of this class only: ceil(5 / slots per page) pages
+    assert pool.stats()["mapped_bytes"] == -(-5 // (PAGE // size)) * PAGE
+    assert pool.stats()["allocated_bytes"] == 5 * size
+    for p in ptrs:
+        assert pool.free(p, size)
+
+
+def test_size_between_classes_rounds_up(pool):
+    p = pool.malloc(4097)
+    q = pool.malloc(5120)
+    assert q - p == 5120  # both from the 5 KiB class, adjacent slots
+    assert pool.stats()["allocated_bytes"] == round512(4097) + 5120
+
+
+def test_slot_and_page_reuse_after_free(pool):
+    p = pool.malloc(1000)
+    pool.free(p)
+    assert pool.malloc(1000) == p  # same stream: reusable at once
+    big = pool.malloc(7 * MiB)
+    maps = pool.stats()["num_maps"]
+    pool.free(big)
+    assert pool.malloc(7 * MiB) == big
+    assert pool.stats()["num_maps"] == maps  # idle pages were still mapped: no new map
+
+
+def test_idle_pages_unmapped_after_hysteresis(pool):
+    ptr = pool.malloc(9 * MiB)
+    assert pool.stats()["mapped_bytes"] >= 5 * PAGE
+    pool.free(ptr)
+    deadline = time.time() + 5
+    while pool.stats()["mapped_bytes"] and time.time() < deadline:
+        time.sleep(0.01)  # the background sweep unmaps pages idle for > 1 ms
+    assert pool.stats()["mapped_bytes"] == 0
+
+
+def test_mapped_bytes_track_live_blocks(pool):
+    a = pool.malloc(4 * MiB)
+    b = pool.malloc(8 * MiB)
+    c = pool.malloc(4 * MiB)
+    assert (a, b, c) == (a, a + 4 * MiB, a + 12 * MiB)
+    pool.free(b)
+    pool.empty_cache()
+    # a: pages 0-1, c: pages 6-7; b's four pages are unmapped although a and c stay live
+    assert pool.stats()["mapped_bytes"] == 4 * PAGE
+    fill(a, 4 * MiB, 1)
+    fill(c, 4 * MiB, 2)
+    check(a, 4 * MiB, 1)
+    check(c, 4 * MiB, 2)
+
+
+def test_boundary_pages_shared_not_rounded(pool):
+    # 3 MiB blocks at 512 B granularity pack: 4 of them touch 6 pages, not 8
+    ptrs = [pool.malloc(3 * MiB) for _ in range(4)]
+    assert ptrs[1] - ptrs[0] == 3 * MiB
+    assert pool.stats()["mapped_bytes"] == 6 * PAGE
+
+
+def test_size_zero_gives_unique_pointers(pool):
+    ptrs = [pool.malloc(0) for _ in range(100)]
+    assert len(set(ptrs)) == 100 and 0 not in ptrs
+    for p in ptrs:
+        assert pool.free(p, 0)
+
+
+def test_bad_inputs_are_reported_counted_and_ignored(pool, capfd):
+    p = pool.malloc(4096)
+    assert pool.free(p)
+    assert not pool.free(p)  # double free
+    assert not pool.free(0xDEAD000)  # unknown pointer
+    assert not pool.free(pool.base + 12345)
+    err = capfd.readouterr().err
+    assert err.count("unknown pointer or double free") == 1  # reported once
+    with pytest.raises(_native.NativeError) as e:
+        pool.malloc(-5)
+    assert e.value.status == _native.ERR_INVALID
+    with pytest.raises(_native.NativeError):
+        pool.malloc(1 << 60)
+    s = pool.stats()
+    assert s["num_bad_frees"] == 3 and s["num_bad_sizes"] == 2
+    assert s["allocated_bytes"] == 0 and s["live_blocks"] == 0
+    q = pool.malloc(4096)  # still works
+    assert q == p
+
+
+def test_free_with_wrong_size_uses_block_size(pool):
+    p = pool.malloc(3 * MiB)
+    assert pool.free(p, 5)
+    assert pool.stats()["num_size_mismatch"] == 1 and pool.stats()["allocated_bytes"] == 0
+
+
+def test_oom_raises_with_figures_and_recovers():
+    with VirtualPool(backend="host", capacity=8 * MiB) as p:
+        a = p.malloc(6 * MiB)
+        with pytest.raises(torch.OutOfMemoryError) as e:
+            p.malloc(6 * MiB)
+        msg = str(e.value)
+        assert "requested 6.00 MiB" in msg and "live 6.00 MiB" in msg and "mapped 6.00" in msg
+        assert "reserved VA" in msg and "device free" in msg
+        assert p.stats()["num_ooms"] == 1
+        p.free(a)
+        p.free(p.malloc(6 * MiB))
+
+
+def test_growth_reclaims_idle_pages_before_oom():
+    with VirtualPool(backend="host", capacity=10 * MiB, hysteresis_us=10_000_000) as p:
+        a = p.malloc(4 * MiB)
+        b = p.malloc(4 * MiB)
+        p.free(a)  # a's 2 pages stay mapped (long hysteresis)
+        c = p.malloc(6 * MiB)  # 3 new pages next to b's 2: fits 5 pages only without a's
+        assert c == b + 4 * MiB
+        s = p.stats()
+        assert s["reclaims"] >= 1 and s["mapped_bytes"] == 10 * MiB and s["num_ooms"] == 0
+
+
+def test_arena_map_unmap_touch():
+    with Arena(16 * MiB, backend="host") as ar:
+        assert ar.capacity == 16 * MiB and ar.page_size == PAGE and ar.num_pages == 8
+        assert ar.mapped_pages() == 0 and not ar.is_mapped(3)
+        ar.map_pages(3, 2)
+        assert ar.is_mapped(3) and ar.is_mapped(4) and not ar.is_mapped(5)
+        t = ar.as_tensor(torch.float32)
+        lo = 3 * PAGE // 4
+        t[lo : lo + 1000] = torch.arange(1000, dtype=torch.float32)
+        assert torch.equal(t[lo : lo + 1000], torch.arange(1000, dtype=torch.float32))
+        assert ar.stats()["mapped_bytes"] >= 2 * PAGE
+        with pytest.raises(_native.NativeError):
+            ar.map_pages(4, 1)  # already mapped
+        ar.unmap_pages(3, 2)
+        assert ar.mapped_pages() == 0
+        with pytest.raises(_native.NativeError):
+            ar.unmap_pages(3, 1)
+        ar.map_pages(3, 1)  # a fresh page reads as zeros
+        assert float(t[lo : lo + 1000].abs().sum()) == 0.0
+
+
+def test_c_loop_and_prepare(pool):
+    assert pool.bench(4096, 1000) > 0
+    assert pool.bench(8 * MiB, 100) > 0
+    pool.prepare(16 * MiB)
+    assert pool.stats()["handle_cache_pages"] >= 8
+    hist = pool.latency_histogram()
+    assert len(hist) == 16 and sum(hist) == pool.stats()["num_maps"]

@@ -1,0 +1,128 @@
+"""Stream-ordered reuse and CUDA-graph capture arenas, on the host backend: its test knobs hold
+events pending (so "the free has not completed on the device yet" can be staged on a CPU) and mark
+fake streams as capturing."""
+
+import time
+
+import pytest
+
+from oxygen_torch import _native
+from oxygen_torch.allocator import VirtualPool
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+S1, S2, CAP = 0x1000, 0x2000, 0x3000  # fake stream handles
+
+
+@pytest.fixture
+def lib():
+    so = _native.lib()
+    yield so
+    so.oxygen_host_hold_events(0)
+    so.oxygen_host_set_capture(CAP, 0)
+
+
+def wait_until(cond, timeout=5.0):
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def overlaps(a, n, b, m):
+    return a < b + m and b < a + n
+
+
+def test_cross_stream_reuse_waits_for_the_event(lib):
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=1000) as p:
+        a = p.malloc(4 * MiB, stream=S1)
+        p.free(a, stream=S1)
+        b = p.malloc(4 * MiB, stream=S2)  # S1's free may still run on the device
+        assert not overlaps(a, 4 * MiB, b, 4 * MiB)
+        c = p.malloc(4 * MiB, stream=S1)  # same stream: stream order protects it
+        assert c == a
+        p.free(c, stream=S1)
+        time.sleep(0.05)
+        # a's pages are idle but not unmapped: the device may still touch them
+        assert p.stats()["mapped_bytes"] == 4 * PAGE
+        lib.oxygen_host_hold_events(0)
+        assert wait_until(lambda: p.stats()["mapped_bytes"] == 2 * PAGE)
+        d = p.malloc(4 * MiB, stream=S2)  # now safe for everyone
+        assert d == a
+
+
+def test_small_block_freed_on_another_stream_is_deferred(lib):
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB) as p:
+        x = p.malloc(4096, stream=S1)
+        p.free(x, stream=S2)  # used on S2 at the end: S1 must not get it before S2 passed
+        y = p.malloc(4096, stream=S1)
+        assert y != x
+        lib.oxygen_host_hold_events(0)
+        p.free(y, stream=S1)
+        p.empty_cache()
+        assert p.stats()["mapped_bytes"] == 0 and p.stats()["allocated_bytes"] == 0
+
+
+def test_capture_arena_private_and_quarantined_until_release(lib):
+    with VirtualPool(backend="host", capacity=64 * MiB) as p:
+        pre = p.malloc(4 * MiB, stream=CAP)
+        p.free(pre, stream=CAP)
+        token = lib.oxygen_capture_begin()
+        lib.oxygen_host_set_capture(CAP, 42)
+        assert lib.oxygen_capture_maybe_active()
+        t1 = p.malloc(3 * MiB, stream=CAP)  # a temporary inside the captured region
+        s1 = p.malloc(1000, stream=CAP)
+        p.free(t1, stream=CAP)
+        t2 = p.malloc(3 * MiB, stream=CAP)  # the same capture may reuse it (replay order)
+        assert t2 == t1
+        out = p.malloc(2 * MiB, stream=CAP)  # a graph output the user keeps
+        p.free(t2, stream=CAP)
+        p.free(s1, stream=CAP)
+        lib.oxygen_host_set_capture(CAP, 0)
+        lib.oxygen_capture_end(token)
+        assert p.stats()["capture_allocs"] == 4
+        # after the capture, nothing of the graph's memory goes to anyone else: replays write it
+        later = [p.malloc(3 * MiB, stream=CAP), p.malloc(1000, stream=CAP)]
+        assert not overlaps(later[0], 3 * MiB, t1, 3 * MiB)
+        assert not overlaps(later[1], 1000, s1, 1000)
+        assert p.stats()["quarantined_bytes"] >= 3 * MiB
+        p.free(out, stream=CAP)  # freed after the capture: quarantined too
+        assert p.stats()["quarantined_bytes"] >= 5 * MiB
+        lib.oxygen_capture_release(token)  # the graph is gone
+        assert p.stats()["quarantined_bytes"] == 0
+        for q in later:
+            p.free(q, stream=CAP)
+        p.empty_cache()
+        s = p.stats()
+        assert s["mapped_bytes"] == 0 and s["allocated_bytes"] == 0 and s["live_blocks"] == 0
+
+
+def test_capture_takes_only_memory_no_stream_can_touch(lib):
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB) as p:
+        a = p.malloc(4 * MiB, stream=S1)
+        p.free(a, stream=S1)  # S1 may still be using it
+        token = lib.oxygen_capture_begin()
+        lib.oxygen_host_set_capture(CAP, 7)
+        c = p.malloc(4 * MiB, stream=CAP)
+        assert not overlaps(a, 4 * MiB, c, 4 * MiB)
+        lib.oxygen_host_set_capture(CAP, 0)
+        lib.oxygen_capture_end(token)
+        lib.oxygen_host_hold_events(0)
+        lib.oxygen_capture_release(token)
+        p.free(c, stream=CAP)
+
+
+def test_unannounced_capture_memory_returns_when_it_ends(lib):
+    # The MemPool route: PyTorch's caching allocator owns graph lifetimes, we only see segments.
+    with VirtualPool(backend="host", capacity=64 * MiB) as p:
+        lib.oxygen_host_set_capture(CAP, 9)
+        seg = p.malloc(4 * MiB, stream=CAP)
+        lib.oxygen_host_set_capture(CAP, 0)
+        p.malloc(512, stream=S1)  # any call notices the capture ended
+        p.free(seg, stream=CAP)
+        p.empty_cache()
+        assert p.stats()["quarantined_bytes"] == 0
+        assert p.malloc(4 * MiB, stream=CAP) == seg
