@@ -50,7 +50,8 @@ def attention_ref(
         # the reference aligns causality bottom-right; SDPA's is_causal is top-left
         attn_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         causal = False
-    return _ref.dense_attention_ref(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask)
+    out = _ref.dense_attention_ref(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask)
+    return torch.empty_like(q).copy_(out)  # q's layout, as the fake kernel promises
 
 
 @attention_ref.register_fake
@@ -130,10 +131,12 @@ def paged_attention(
             **common,
         )
     if cu_seqlens_q is None:
-        return _ref.paged_decode_ref(q, k_cache, v_cache, block_table, seq_lens, **common)
-    return _ref.paged_prefill_ref(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, causal=True, **common
-    )
+        out = _ref.paged_decode_ref(q, k_cache, v_cache, block_table, seq_lens, **common)
+    else:
+        out = _ref.paged_prefill_ref(
+            q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, causal=True, **common
+        )
+    return torch.empty_like(q).copy_(out)  # q's layout, like the kernels and the fake
 
 
 @paged_attention.register_fake
