@@ -226,6 +226,7 @@ def exercise(backend: str, device: int = 0, rounds: int = 3) -> LeakReport:
     try:
         peak_mapped = _churn(pool, rounds)
         stats = dict(pool.stats())
+        va = (int(pool.base), int(stats.get("pool_va_bytes", stats.get("reserved_va_bytes", 0))))
     finally:
         pool.close()
     h = pool_holdings(stats)
@@ -236,6 +237,7 @@ def exercise(backend: str, device: int = 0, rounds: int = 3) -> LeakReport:
         )
     if backend == "host":
         _host_returned(rep, before_host, host_view())
+        _range_returned(rep, *va)
     else:
         _driver_returned(rep, device, before_drv, driver_used_bytes(device), peak_mapped)
     rep.checked.append(
@@ -265,6 +267,24 @@ def _host_returned(rep: LeakReport, before: HostView | None, after: HostView | N
             f"host pool: after close(), {after.handles - before.handles} page handle(s) are "
             f"still open and {_mib(after.mapped_bytes - before.mapped_bytes)} still mapped "
             "(OS view, /proc/self)"
+        )
+
+
+def _range_returned(rep: LeakReport, base: int, size: int) -> None:
+    """The host pool's reservation is a PROT_NONE mapping: after close() no mapping may remain
+    inside [base, base + size)."""
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return
+    left = 0
+    for line in maps:
+        lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+        left += max(0, min(hi, base + size) - max(lo, base))
+    if left:
+        rep.leaks.append(
+            f"host pool: after close(), {_mib(left)} of its reserved range "
+            f"[{base:#x}, {base + size:#x}) are still mapped: the range was not freed"
         )
 
 
