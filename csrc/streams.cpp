@@ -49,15 +49,18 @@ bool Streams::record(StreamState* s) {
 void Streams::poll() {
   for (auto& kv : map_) {
     StreamState* s = kv.second.get();
-    while (!s->inflight.empty()) {
-      bool done = false;
-      if (be_.event_query(s->inflight.front().event, &done) != OK || !done) break;
-      s->safe = s->inflight.front().ticket;
-      spare_.push_back(s->inflight.front().event);
-      s->inflight.pop_front();
+    // Pop what completed, cover the newest frees with an event, and look once more: when the
+    // device has caught up (after a synchronize, or on the host) the new event is done at once.
+    for (int round = 0; round < 2; ++round) {
+      while (!s->inflight.empty()) {
+        bool done = false;
+        if (be_.event_query(s->inflight.front().event, &done) != OK || !done) break;
+        s->safe = s->inflight.front().ticket;
+        spare_.push_back(s->inflight.front().event);
+        s->inflight.pop_front();
+      }
+      if (!record(s)) break;
     }
-    // Keep the newest frees moving towards safe without waiting for the next free on s.
-    record(s);
   }
 }
 

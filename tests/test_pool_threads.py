@@ -1,0 +1,91 @@
+"""Concurrency: 8 threads of random malloc/free on one pool, every block filled with its own
+pattern and checked before it is freed, stats read concurrently, and mapped bytes back to zero."""
+
+import ctypes
+import random
+import threading
+
+from oxygen_torch.allocator import VirtualPool
+
+MiB = 1 << 20
+SIZES = [0, 1, 512, 700, 4096, 5000, 65536, 300_000, 1 << 20, (1 << 20) + 1, 3 * MiB + 17, 9 * MiB]
+
+
+def stamp(ptr, n, tag):
+    """Fill the block with bytes derived from its tag (whole block when small, sampled when big)."""
+    if n == 0:
+        return
+    if n <= 8192:
+        ctypes.memset(ptr, tag & 0xFF, n)
+        return
+    for off in range(0, n, 4093):
+        ctypes.c_uint8.from_address(ptr + off).value = (tag + off) & 0xFF
+    ctypes.c_uint8.from_address(ptr + n - 1).value = (tag + n - 1) & 0xFF
+
+
+def verify(ptr, n, tag):
+    if n == 0:
+        return True
+    if n <= 8192:
+        return ctypes.string_at(ptr, n) == bytes([tag & 0xFF]) * n
+    ok = all(
+        ctypes.c_uint8.from_address(ptr + off).value == (tag + off) & 0xFF
+        for off in range(0, n, 4093)
+    )
+    return ok and ctypes.c_uint8.from_address(ptr + n - 1).value == (tag + n - 1) & 0xFF
+
+
+def worker(pool, seed, ops, errors):
+    rng = random.Random(seed)
+    live = []
+    stream = rng.choice([0, 0x10 * (seed + 1)])  # some threads on their own stream
+    try:
+        for i in range(ops):
+            if live and (rng.random() < 0.45 or len(live) > 40):
+                ptr, n, tag = live.pop(rng.randrange(len(live)))
+                if not verify(ptr, n, tag):
+                    errors.append(f"thread {seed}: block {ptr:#x} ({n} B) was overwritten")
+                pool.free(ptr, n, stream)
+            else:
+                n = rng.choice(SIZES)
+                ptr = pool.malloc(n, stream)
+                tag = seed * 1_000_003 + i
+                stamp(ptr, n, tag)
+                live.append((ptr, n, tag))
+        for ptr, n, tag in live:
+            if not verify(ptr, n, tag):
+                errors.append(f"thread {seed}: block {ptr:#x} ({n} B) was overwritten")
+            pool.free(ptr, n, stream)
+    except Exception as exc:  # surfaced in the main thread
+        errors.append(f"thread {seed}: {exc!r}")
+
+
+def test_eight_threads_random_malloc_free_with_content_checks():
+    with VirtualPool(backend="host", capacity=1024 * MiB, hysteresis_us=500) as pool:
+        errors: list[str] = []
+        threads = [threading.Thread(target=worker, args=(pool, s, 1000, errors)) for s in range(8)]
+        stop = threading.Event()
+        seen = []
+
+        def reader():  # stats readers never block writers (atomics)
+            while not stop.is_set():
+                s = pool.stats()
+                seen.append((s["allocated_bytes"], s["mapped_bytes"]))
+
+        r = threading.Thread(target=reader)
+        r.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        r.join()
+        assert not errors, errors[:5]
+        assert len(seen) > 10
+        s = pool.stats()
+        assert s["allocated_bytes"] == 0 and s["live_blocks"] == 0
+        assert s["num_allocs"] == s["num_frees"] and s["num_bad_frees"] == 0
+        assert s["peak_mapped_bytes"] <= pool.capacity
+        pool.empty_cache()
+        s = pool.stats()
+        assert s["mapped_bytes"] == 0 and s["idle_pages"] == 0 and s["slab_cached_pages"] == 0
