@@ -2,14 +2,32 @@
 inference. ``oxygen_torch.enable()`` before the first CUDA allocation; ``generate()`` unchanged.
 """
 
-from .api import active_config, disable, enable, is_enabled
+from .allocator import Arena, VirtualPool, pool
+from .api import active_config, apply, disable, empty_cache, enable, is_enabled, memory_stats
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
 from .triton_kernels.precision import PrecisionMode
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # PagedKVCache needs transformers (the optional `hf` extra): imported on first use
+    if name == "PagedKVCache":
+        from .integrations.hf_cache import PagedKVCache
+
+        return PagedKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "enable",
+    "apply",
+    "memory_stats",
+    "empty_cache",
+    "pool",
+    "VirtualPool",
+    "Arena",
+    "PagedKVCache",
     "disable",
     "is_enabled",
     "active_config",

@@ -15,9 +15,45 @@ _lock = threading.Lock()
 _active: OxygenConfig | None = None
 
 
+def _attach_allocator(cfg: OxygenConfig) -> None:
+    from .allocator import enable_allocator
+
+    enable_allocator(cfg.pool)
+
+
+def _detach_allocator() -> None:
+    from .allocator import disable_allocator
+
+    disable_allocator()
+
+
+def _hf_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def _attach_hf(cfg: OxygenConfig) -> None:
+    # transformers is optional (the `hf` extra): without it there is no model to integrate with
+    if _hf_available():
+        from .integrations.hf import enable_hf
+
+        enable_hf(cfg)
+
+
+def _detach_hf() -> None:
+    if _hf_available():
+        from .integrations.hf import disable_hf
+
+        disable_hf()
+
+
 def _attachments():
     """(name, attach(cfg), detach()) for each part enable() switches on, in order."""
-    return []
+    return [
+        ("allocator", _attach_allocator, _detach_allocator),
+        ("transformers", _attach_hf, _detach_hf),
+    ]
 
 
 def enable(**overrides: Any) -> OxygenConfig:
@@ -70,3 +106,29 @@ def is_enabled() -> bool:
 def active_config() -> OxygenConfig | None:
     """The configuration enable() put in force, or None."""
     return _active
+
+
+def memory_stats(device: int | None = None) -> dict:
+    """The pool's figures: allocated / mapped / reserved / peaks / fragmentation / maps / latency.
+
+    With enable() on a GPU these are the global pool's (the allocator PyTorch uses); on a CPU
+    machine, the host backend's."""
+    from .allocator import memory_stats as _stats
+
+    return _stats(device)
+
+
+def empty_cache() -> None:
+    """Unmap pages with nothing live and release cached physical handles."""
+    from .allocator import empty_cache as _empty
+
+    _empty()
+
+
+def apply(model, **overrides: Any):
+    """Switch a transformers model created before enable() to oxygen attention and paged KV."""
+    from .integrations.hf import apply as _apply
+
+    return _apply(
+        model, _active if _active is not None and not overrides else load_config(**overrides)
+    )
