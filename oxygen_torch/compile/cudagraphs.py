@@ -119,8 +119,16 @@ class _Captured:
 class GraphRunner:
     """Calls `fn` through CUDA graphs captured per input signature (module docstring)."""
 
-    def __init__(self, fn, mutated: frozenset[int], graph_factory=None, capture=None):
+    def __init__(
+        self,
+        fn,
+        mutated: frozenset[int],
+        graph_factory=None,
+        capture=None,
+        device_type: str = "cuda",
+    ):
         self.fn = fn
+        self.device_type = device_type  # tests drive the bookkeeping on CPU with a fake graph
         self.mutated = mutated
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.warm: set[tuple] = set()
@@ -130,7 +138,8 @@ class GraphRunner:
 
     def __call__(self, *args):
         key = self._key(args)
-        if key is None or key in self.plain or torch.cuda.is_current_stream_capturing():
+        capturing = self.device_type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if key is None or key in self.plain or capturing:
             return self.fn(*args)
         g = self.graphs.get(key)
         if g is None:
@@ -161,7 +170,7 @@ class GraphRunner:
         key, cuda = [], False
         for a in args:
             if isinstance(a, torch.Tensor):
-                cuda |= a.device.type == "cuda"
+                cuda |= a.device.type == self.device_type
                 static = is_static(a)
                 if not static and not a.is_non_overlapping_and_dense():
                     return None  # expanded/overlapping: no static buffer can stand in for it
@@ -181,7 +190,7 @@ class GraphRunner:
             for a in args
         ]
         graph = self._new_graph()
-        if torch.cuda.is_available():
+        if self.device_type == "cuda":
             torch.cuda.synchronize()
         with self._capture_ctx(graph):
             outputs = self.fn(*static_args)
