@@ -1,0 +1,123 @@
+"""The mixed HF generate() workload of the anchor (../shared/anchors/generate_mixed_workload.py),
+in one process per allocator: ``default``, ``expandable`` (expandable_segments:True) or ``oxygen``
+(the pool as PyTorch's allocator, installed before CUDA initialises).
+
+Same model shape (random-weight Llama-1.1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, bf16,
+sdpa), same 14 (batch, prompt, new tokens) draws from random.Random(1), greedy with
+min_new_tokens. One difference, for run time: the weights are created directly on the GPU in bf16
+(the anchor builds them on the CPU in fp32 and copies), which gives the same tensors in memory and
+saves ~15 s per process. ``--calls N`` keeps the first N calls (say so when quoting figures).
+
+Prints one JSON line; also writes $OUT/gen_<mode>.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import types
+
+MODES = ("default", "expandable", "oxygen")
+
+
+def workload(calls: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(1)
+    work = [
+        (rng.choice([1, 4, 8, 16, 32]), rng.randint(64, 2048), rng.choice([64, 128, 256]))
+        for _ in range(14)
+    ]
+    return work[:calls]
+
+
+def setup(mode: str):
+    if mode == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    if mode == "oxygen":
+        from oxygen_torch import allocator
+
+        allocator.enable_allocator(
+            types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
+        )
+    return torch
+
+
+def build(torch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model, cfg
+
+
+def run(mode: str, calls: int) -> dict:
+    torch = setup(mode)
+    model, cfg = build(torch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    toks = 0
+    t0 = time.perf_counter()
+    for b, p, n in workload(calls):
+        ids = torch.randint(0, cfg.vocab_size, (b, p), device="cuda")
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+        toks += b * n
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    pa, pr = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    end_now = torch.cuda.memory_reserved()
+    time.sleep(0.1)  # oxygen: idle pages leave after a 2 ms hysteresis (background sweep)
+    r = {
+        "mode": mode,
+        "calls": calls,
+        "weights_GiB": round(base / 2**30, 3),
+        "peak_alloc_GiB": round(pa / 2**30, 3),
+        "peak_reserved_GiB": round(pr / 2**30, 3),
+        "frag_pct": round(100 * (1 - pa / pr), 2),
+        "end_reserved_GiB": round(end_now / 2**30, 3),
+        "end_reserved_100ms_GiB": round(torch.cuda.memory_reserved() / 2**30, 3),
+        "end_allocated_GiB": round(torch.cuda.memory_allocated() / 2**30, 3),
+        "tok_per_s": round(toks / dt, 1),
+        "seconds": round(dt, 1),
+    }
+    if mode == "oxygen":
+        from oxygen_torch import allocator
+
+        s = allocator.memory_stats()
+        r["oxygen"] = {k: s[k] for k in (
+            "num_maps", "num_unmaps", "mean_map_latency_us", "mean_unmap_latency_us",
+            "handles_created_inline", "reclaims", "events_recorded", "handle_cache_pages",
+            "idle_pages", "slab_cached_pages", "num_ooms")}  # fmt: skip
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=MODES)
+    ap.add_argument("--calls", type=int, default=14)
+    args = ap.parse_args()
+    r = run(args.mode, args.calls)
+    print(json.dumps(r), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"gen_{args.mode}.json"), "w") as f:
+            json.dump(r, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
