@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "capture.h"
@@ -11,6 +12,28 @@ namespace oxygen {
 
 // ---------------------------------------------------------------------------------------------
 // DeviceCtx
+
+namespace {
+std::mutex g_live_mu;
+std::set<DeviceCtx*>& live_ctxs() {
+  static auto* s = new std::set<DeviceCtx*>();  // leaked: used during process exit
+  return *s;
+}
+}  // namespace
+
+void DeviceCtx::stop_all_threads() {
+  std::lock_guard<std::mutex> g(g_live_mu);
+  for (DeviceCtx* c : live_ctxs()) c->stop_thread();
+}
+
+void DeviceCtx::stop_thread() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
 
 std::shared_ptr<DeviceCtx> DeviceCtx::create(const std::string& kind, int device,
                                              const CtxOptions& opt, Status* status) {
@@ -72,15 +95,17 @@ DeviceCtx::DeviceCtx(std::unique_ptr<Backend> be, std::string kind, int device,
       page_(opt.page_size),
       max_pages_(max_pages),
       low_(opt.low_pages),
-      high_(opt.high_pages < opt.low_pages ? opt.low_pages : opt.high_pages) {}
+      high_(opt.high_pages < opt.low_pages ? opt.low_pages : opt.high_pages) {
+  std::lock_guard<std::mutex> g(g_live_mu);
+  live_ctxs().insert(this);
+}
 
 DeviceCtx::~DeviceCtx() {
   {
-    std::lock_guard<std::mutex> g(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> g(g_live_mu);
+    live_ctxs().erase(this);
   }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  stop_thread();
   trim(0);
 }
 

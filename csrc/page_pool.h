@@ -62,6 +62,11 @@ class DeviceCtx {
   // Create handles now until `pages` are cached (the benchmark's "prepared ahead").
   Status prepare(std::size_t pages);
 
+  // Stops the background thread for good (process exit: the driver may be torn down next).
+  void stop_thread();
+  // Every live context's stop_thread(): called from Python's atexit.
+  static void stop_all_threads();
+
   // Periodic work run on the background thread (the allocator's hysteresis sweep).
   void add_sweeper(void* key, std::function<void()> fn);
   void remove_sweeper(void* key);

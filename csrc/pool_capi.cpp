@@ -225,5 +225,7 @@ OXY_API uint64_t oxygen_capture_begin() { return capture::announce_begin(); }
 OXY_API void oxygen_capture_end(uint64_t token) { capture::announce_end(token); }
 OXY_API void oxygen_capture_release(uint64_t token) { capture::release(token); }
 OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 : 0; }
+// Python's atexit: stop the background threads before the interpreter and the driver go away.
+OXY_API void oxygen_shutdown() { DeviceCtx::stop_all_threads(); }
 OXY_API void oxygen_host_hold_events(int hold) { host_hold_events(hold != 0); }
 OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) { host_set_capture(stream, id); }

@@ -6,6 +6,7 @@ backend is asked for, so loading it always works on a CPU-only machine.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 from pathlib import Path
@@ -59,6 +60,8 @@ def lib() -> ctypes.CDLL:
     except OSError as exc:
         raise NativeLibraryError(f"could not load {LIB_PATH}: {exc}") from exc
     _declare(so)
+    # Stop the pool's background threads before the interpreter (and the driver) shut down.
+    atexit.register(so.oxygen_shutdown)
     return so
 
 
@@ -112,6 +115,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_capture_end": (None, [u64]),
         "oxygen_capture_release": (None, [u64]),
         "oxygen_capture_maybe_active": (c.c_int, []),
+        "oxygen_shutdown": (None, []),
         "oxygen_host_hold_events": (None, [c.c_int]),
         "oxygen_host_set_capture": (None, [vp, u64]),
         "oxygen_arena_create": (c.c_int, [c.c_char_p, c.c_int, sz, sz, c.c_double, c.POINTER(vp)]),
