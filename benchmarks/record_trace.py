@@ -2,7 +2,7 @@
 test (tests/test_pool_trace.py).
 
 The model and workload are the anchor script generate_mixed_workload.py (../shared/anchors/):
-random-weight Llama-1.1B shape, bf16, sdpa, greedy), cut to the first --calls generate() calls with
+random-weight Llama-1.1B shape, bf16, sdpa, greedy, cut to the first --calls generate() calls with
 at most --max-new new tokens each so the trace stays small. PyTorch's default caching allocator
 runs; torch.cuda.memory._record_memory_history records every block's alloc and free, and the trace
 keeps only (op, size, block id, stream): allocator-independent lifetimes.

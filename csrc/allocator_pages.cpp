@@ -130,7 +130,9 @@ void Allocator::sweep_locked(bool force) {
   poll_events(false);
   extents_.coalesce();
   release_empty_slabs(!force);
-  reclaim_idle(SIZE_MAX, !force);
+  // At most 128 unmaps (~2.5 ms at the H200's 19.9 us each) per periodic sweep: a large free
+  // (a KV cache at the end of generate) drains over a few sweeps instead of stalling one malloc.
+  reclaim_idle(force ? SIZE_MAX : 128, !force);
   last_sweep_ = now_ns();
 }
 
