@@ -1,6 +1,10 @@
-"""Device dispatch of the paged-attention primitives: Triton kernels on CUDA, float64 references
-on CPU. The HF integration calls only these two functions, so the custom ops of ops.py can take
-their place in one spot.
+"""Device dispatch of the paged-attention primitives. The HF integration calls only these two
+functions, so the custom ops of ops.py can take their place in one spot.
+
+CUDA: the Triton kernels. CPU: kv_append's reference, and attention as one batched SDPA over K/V
+gathered through the block table, with the kernels' semantics (causal, last tokens are the new
+ones, window (p - W, p]). The float64 references of triton_kernels.reference loop per sequence,
+which makes generate() on CPU about ten times slower; they remain the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -42,51 +46,47 @@ def paged_attention(
 ) -> torch.Tensor:
     """Decode (cu_seqlens_q None; q: [B, Hq, D]) or ragged prefill (q: [T, Hq, D]) over the
     paged cache. Returns q's shape and dtype."""
-    cuda = q.device.type == "cuda"
+    kw = dict(scale=scale, sliding_window=sliding_window)
+    if q.device.type != "cuda":
+        return _gathered_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **kw)
     if cu_seqlens_q is None:
-        if cuda:
-            from .triton_kernels.paged_decode import paged_decode
+        from .triton_kernels.paged_decode import paged_decode
 
-            return paged_decode(
-                q,
-                k_cache,
-                v_cache,
-                block_table,
-                seq_lens,
-                scale=scale,
-                sliding_window=sliding_window,
-                precision=precision,
-            )
-        from .triton_kernels.reference import paged_decode_ref
+        return paged_decode(q, k_cache, v_cache, block_table, seq_lens, precision=precision, **kw)
+    from .triton_kernels.paged_prefill import paged_prefill
 
-        return paged_decode_ref(
-            q, k_cache, v_cache, block_table, seq_lens, scale=scale, sliding_window=sliding_window
-        )
-    if cuda:
-        from .triton_kernels.paged_prefill import paged_prefill
-
-        return paged_prefill(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            cu_seqlens_q,
-            seq_lens,
-            causal=True,
-            scale=scale,
-            sliding_window=sliding_window,
-            precision=precision,
-        )
-    from .triton_kernels.reference import paged_prefill_ref
-
-    return paged_prefill_ref(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        cu_seqlens_q,
-        seq_lens,
-        causal=True,
-        scale=scale,
-        sliding_window=sliding_window,
+    return paged_prefill(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, precision=precision, **kw
     )
+
+
+def _gathered_sdpa(
+    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, sliding_window
+):
+    """CPU paged attention: gather each sequence's K/V through its table row, then one SDPA."""
+    batch, bt = seq_lens.shape[0], k_cache.shape[1]
+    lens = seq_lens.to(torch.int64)
+    n_k = max(int(lens.max()), 1) if batch else 1
+    idx = block_table[:, : -(-n_k // bt)].to(torch.int64)  # [B, nblk]
+    k = k_cache[idx].flatten(1, 2)[:, :n_k].transpose(1, 2)  # [B, Hkv, n_k, D]
+    v = v_cache[idx].flatten(1, 2)[:, :n_k].transpose(1, 2)
+    if cu_seqlens_q is None:
+        counts = torch.ones(batch, dtype=torch.int64)
+    else:
+        counts = cu_seqlens_q.to(torch.int64).diff()
+    m = max(int(counts.max()), 1) if batch else 1
+    j = torch.arange(m)
+    rows = j[None, :] < counts[:, None]  # [B, m]: the real query slots of a padded layout
+    qp = q.new_zeros(batch, m, q.shape[1], q.shape[2])
+    qp[rows] = q
+    q_pos = (lens - counts)[:, None] + j[None, :]  # [B, m]
+    k_pos = torch.arange(n_k)[None, None, :]
+    allowed = (k_pos <= q_pos[:, :, None]) & (k_pos < lens[:, None, None])  # [B, m, n_k]
+    if sliding_window:
+        allowed &= k_pos > q_pos[:, :, None] - sliding_window
+    empty = ~allowed.any(-1, keepdim=True)  # padding slots or empty sequences: nothing to see
+    allowed |= empty & (k_pos == 0)  # keeps SDPA's softmax finite; zeroed below
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+    ).transpose(1, 2)  # [B, m, Hq, D]
+    return out.masked_fill(empty[..., None], 0.0)[rows]

@@ -194,3 +194,24 @@ def test_host_arena_maps_pages_as_blocks_are_used_and_unmaps_them_after():
     big.release()
     assert arena.mapped_pages() == guard_only
     core.release()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_paged_attention_matches_the_float64_references(window):
+    from oxygen_torch.triton_kernels.reference import paged_decode_ref, paged_prefill_ref
+
+    from oxygen_torch.attention import paged_attention
+
+    torch.manual_seed(4)
+    k_cache, v_cache = torch.randn(12, 4, 2, 64), torch.randn(12, 4, 2, 64)
+    table = torch.randperm(12)[:9].view(3, 3).to(torch.int32)
+    lens = torch.tensor([9, 0, 12], dtype=torch.int32)
+    q = torch.randn(3, 4, 64)
+    want = paged_decode_ref(q, k_cache, v_cache, table, lens, sliding_window=window)
+    got = paged_attention(q, k_cache, v_cache, table, lens, sliding_window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)
+    q = torch.randn(11, 4, 64)
+    want = paged_prefill_ref(q, k_cache, v_cache, table, cu, lens, sliding_window=window, scale=0.2)
+    got = paged_attention(q, k_cache, v_cache, table, lens, cu, sliding_window=window, scale=0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

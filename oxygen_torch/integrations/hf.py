@@ -168,6 +168,11 @@ def _install() -> None:
 # --- public ------------------------------------------------------------------------------
 
 
+def is_enabled() -> bool:
+    """Whether enable_hf() is in force (new models default to oxygen attention)."""
+    return _defaulting
+
+
 def enable_hf(cfg=None) -> None:
     """Switch the transformers integration on (see the module docstring)."""
     global _cfg, _defaulting

@@ -40,6 +40,7 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._on_alloc = on_alloc
         self._on_free = on_free
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -71,6 +72,7 @@ class BlockManager:
                 raise
         for b in ids:
             self._ref[b] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return ids
 
     def incref(self, blocks: Iterable[int]) -> None:

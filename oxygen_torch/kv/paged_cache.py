@@ -162,9 +162,11 @@ class PagedKVCore:
                 if cow is not None:
                     cows.append(cow)
         self._grow_table(seqs.max_blocks())
-        for b, col, blk in added:
-            self._table_host[b, col] = blk
-            self._mark_dirty(col)
+        if added:
+            t = torch.tensor(added, dtype=torch.int64)  # [n, 3]: row, column, block id
+            self._table_host[t[:, 0], t[:, 1]] = t[:, 2].to(torch.int32)
+            self._mark_dirty(int(t[:, 1].min()))
+            self._mark_dirty(int(t[:, 1].max()))
         if cows:
             self._copy_blocks(cows)
         self._flush_table()

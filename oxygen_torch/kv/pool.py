@@ -61,7 +61,9 @@ class KVPool:
             "block_bytes_all_layers": s.block_bytes * 2 * s.num_layers,
             "blocks_total": self.manager.num_blocks - self.manager.first_id,
             "blocks_used": self.manager.num_used,
+            "peak_blocks_used": self.manager.peak_used,
             "mapped_bytes": s.mapped_bytes(),
+            "peak_mapped_bytes": s.mapped_bytes(peak=True),
             "reserved_bytes": s.backing.capacity,
         }
 

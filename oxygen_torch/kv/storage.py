@@ -153,7 +153,7 @@ class KVStorage:
                 f"{self.block_bytes} bytes per block (need ≥ {regions * page * 2} bytes)"
             )
         self._page_live = [0] * self.region_pages  # live blocks touching each region page
-        self.mapped_region_pages = 0
+        self.mapped_region_pages = self.peak_region_pages = 0
         self.on_alloc([GUARD_BLOCK])
         flat = backing.tensor()
         region_bytes = self.region_pages * page
@@ -206,6 +206,7 @@ class KVStorage:
                     ) from exc
                 raise
             self.mapped_region_pages += len(set(new))
+            self.peak_region_pages = max(self.peak_region_pages, self.mapped_region_pages)
 
     def _unmap_partial(self, pages: list[int]) -> None:
         """After a failed map: unmap whichever of `pages` did get mapped, in any region."""
@@ -226,8 +227,9 @@ class KVStorage:
             self._apply(list(set(empty)), self.backing.unmap_pages)
             self.mapped_region_pages -= len(set(empty))
 
-    def mapped_bytes(self) -> int:
-        return self.mapped_region_pages * 2 * self.num_layers * self.backing.page_size
+    def mapped_bytes(self, peak: bool = False) -> int:
+        pages = self.peak_region_pages if peak else self.mapped_region_pages
+        return pages * 2 * self.num_layers * self.backing.page_size
 
     def check_blocks(self, blocks: torch.Tensor) -> None:
         """Debug: every block id is in range and its pages are mapped (a host sync)."""

@@ -1,0 +1,282 @@
+"""generate() on the H200: oxygen (paged KV + Triton attention) vs HF dynamic (SDPA) vs HF static
+(compiled by transformers), and the capacity test under a 24 GiB cap. Same run, same weights.
+
+Workloads (as benchmarks/../shared/anchors/hf_generate.py and tiers_and_capacity.py): random
+Llama-1.1B shape, bf16; throughput: batch 16, prompt 512, 256 new tokens, the second of two
+calls timed; capacity: the largest batch of 4096-token prompts + 256 new tokens that completes.
+
+Each mode runs in its own subprocess (allocator state and peaks are its own). The table is
+printed last; with $OUT set, bench_generate.json and bench_generate.md are written there.
+
+    python benchmarks/bench_generate.py                 # every mode
+    python benchmarks/bench_generate.py --modes oxygen hf_dynamic
+    python benchmarks/bench_generate.py --smoke          # tiny model on CPU: checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import types
+
+import torch
+
+GIB = 1 << 30
+CAP_BYTES = 24 * GIB
+B, P, N = 16, 512, 256
+CAP_P, CAP_N = 4096, 256
+CAP_BATCHES = (32, 48, 64, 80, 96, 112, 128)
+MODES = ("hf_dynamic", "hf_static", "oxygen", "oxygen_static", "cap_hf", "cap_oxygen")
+TIMEOUTS = {"hf_static": 240, "oxygen_static": 240, "cap_hf": 200, "cap_oxygen": 240}
+
+
+SMOKE = os.environ.get("BENCH_GENERATE_SMOKE") == "1"  # tiny model on CPU: the plumbing only
+DEVICE = "cpu" if SMOKE else "cuda"
+if SMOKE:
+    B, P, N = 2, 24, 8
+
+
+def build_model():
+    import transformers as T
+
+    shape = dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+    if SMOKE:
+        shape.update(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    torch.manual_seed(0)
+    with torch.device(DEVICE):  # initialise on the GPU: seconds instead of a minute on the host
+        model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=8192))
+    model = model.to(torch.float32 if SMOKE else torch.bfloat16).eval()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompts(batch, length):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 32000, (batch, length), generator=g).to(DEVICE)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def kv_peak_bytes() -> int:
+    from oxygen_torch import kv
+
+    return max((p["peak_mapped_bytes"] for p in kv.pool_stats()), default=0)
+
+
+def switch_on(cfg=None):
+    """cfg None: the product path, oxygen_torch.enable() (+ the HF wiring, idempotent). With a
+    cfg: the HF integration only, torch's own allocator (the capacity test caps it)."""
+    import oxygen_torch
+    from oxygen_torch.integrations import hf
+
+    if cfg is None:
+        cfg = oxygen_torch.enable()
+    hf.enable_hf(cfg)
+
+
+def throughput(mode: str) -> dict:
+    if mode.startswith("oxygen"):
+        switch_on()
+    model = build_model()
+    ids = prompts(B, P)
+    kw = dict(
+        attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False
+    )
+    if mode.endswith("static"):
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        _, first = timed(lambda: model.generate(ids, **kw))
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out, dt = timed(lambda: model.generate(ids, **kw))
+    res = dict(
+        mode=mode,
+        attn=model.config._attn_implementation,
+        first_call_s=round(first, 1),
+        tok_per_s=round(B * N / dt, 1),
+        step_ms=round(dt / N * 1e3, 2),
+        tokens=out[:, P:].tolist(),
+    )
+    try:
+        if DEVICE == "cuda":
+            res["peak_reserved_GiB"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
+            res["peak_allocated_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    except RuntimeError as exc:  # a global pluggable allocator may not report device stats
+        res["torch_stats"] = str(exc)[:200]
+    if mode.startswith("oxygen"):
+        res["kv_peak_mapped_GiB"] = round(kv_peak_bytes() / GIB, 2)
+    return res
+
+
+def capacity_kv_bytes(batch: int, layers=16, kv_heads=8, head_dim=64, bt=16, page=2 << 20):
+    """Arena bytes that hold `batch` sequences of CAP_P + CAP_N tokens (+ the guard block)."""
+    blocks = batch * -(-(CAP_P + CAP_N) // bt) + 1
+    region = -(-blocks * bt * kv_heads * head_dim * 2 // page) * page
+    return 2 * layers * region
+
+
+def _long_generate(model, batch: int) -> float:
+    ids = prompts(batch, CAP_P)
+    with torch.no_grad():
+        _, dt = timed(
+            lambda: model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=CAP_N,
+                min_new_tokens=CAP_N,
+                do_sample=False,
+            )
+        )
+    return dt
+
+
+def capacity(mode: str) -> dict:
+    """Largest batch that completes with torch's allocator + the KV arena within CAP_BYTES."""
+    from oxygen_torch.kv import KVCacheFull, release_pools
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    model = build_model()
+    res, best = {"mode": mode, "runs": {}}, 0
+    for batch in CAP_BATCHES:
+        kv_bytes = 0
+        if mode == "cap_oxygen":
+            # The arena is outside torch's allocator: cap it at exactly the KV this batch needs
+            # and give torch only what is left of the 24 GiB.
+            from oxygen_torch.integrations import hf
+
+            kv_bytes = capacity_kv_bytes(batch)
+            switch_on(types.SimpleNamespace(kv=types.SimpleNamespace(arena_bytes=kv_bytes)))
+            hf.apply(model)
+        torch.cuda.set_per_process_memory_fraction((CAP_BYTES - kv_bytes) / total)
+        try:
+            dt = _long_generate(model, batch)
+            best = batch
+            res["runs"][batch] = f"ok {dt:.1f}s"
+        except (torch.OutOfMemoryError, KVCacheFull) as exc:
+            res["runs"][batch] = "OOM"
+            res["oom"] = str(exc).splitlines()[0][:200]
+            break
+        finally:
+            torch.cuda.empty_cache()
+            release_pools()
+        print(f"{mode} B={batch}: {res['runs'][batch]}", flush=True)
+    res["max_batch"] = best
+    return res
+
+
+def run_mode(mode: str) -> dict:
+    try:
+        return capacity(mode) if mode.startswith("cap_") else throughput(mode)
+    except Exception:
+        return {"mode": mode, "error": traceback.format_exc()[-1500:]}
+
+
+def spawn(mode: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--run", mode]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUTS.get(mode, 150))
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"timed out after {TIMEOUTS.get(mode, 150)} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"mode": mode, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def agreement(a, b) -> str:
+    a, b = torch.tensor(a), torch.tensor(b)
+    same = (a == b).int().cumprod(1).sum().item()
+    return f"{same}/{a.numel()}"
+
+
+def table(results: dict) -> str:
+    rows = [
+        "| mode | tok/s | ms/step | first call s | peak torch reserved GiB | KV mapped GiB "
+        "| tokens = hf_dynamic |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ref = results.get("hf_dynamic", {}).get("tokens")
+    for mode in ("hf_dynamic", "hf_static", "oxygen", "oxygen_static"):
+        r = results.get(mode)
+        if r is None:
+            continue
+        if "error" in r:
+            rows.append(f"| {mode} | error: {r['error'].strip().splitlines()[-1][:80]} |||||")
+            continue
+        agree = agreement(r["tokens"], ref) if ref and mode != "hf_dynamic" else "-"
+        rows.append(
+            f"| {mode} | {r['tok_per_s']} | {r['step_ms']} | {r['first_call_s']} | "
+            f"{r.get('peak_reserved_GiB', '?')} | {r.get('kv_peak_mapped_GiB', '-')} | "
+            f"{agree} |"
+        )
+    rows += ["", "| capacity (P=4096, N=256, 24 GiB) | max batch | runs |", "|---|---|---|"]
+    for mode in ("cap_hf", "cap_oxygen"):
+        r = results.get(mode)
+        if r is not None:
+            runs = r.get("runs", r.get("error", "")[-100:])
+            rows.append(f"| {mode} | {r.get('max_batch', '?')} | {runs} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, no capacity test")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["BENCH_GENERATE_SMOKE"] = "1"
+        args.modes = [m for m in args.modes if not m.startswith("cap_")]
+    if args.run:
+        print(json.dumps(run_mode(args.run)), flush=True)
+        return
+    results = {}
+    for mode in args.modes:
+        t = time.time()
+        results[mode] = spawn(mode)
+        brief = {k: v for k, v in results[mode].items() if k != "tokens"}
+        print(f"[{mode} {time.time() - t:.0f}s] {json.dumps(brief)[:600]}", flush=True)
+    md = table(results)
+    print("\n" + md)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_generate.json"), "w") as f:
+            json.dump(results, f)
+        with open(os.path.join(out, "bench_generate.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
