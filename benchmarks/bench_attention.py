@@ -1,0 +1,346 @@
+"""Paged attention on the H200 beside its anchors, all in one run and with one timer.
+
+bf16, 32 query heads, 8 KV heads, head dim 128, block_tokens 16 and 64 (shuffled block tables).
+Per case: our kernel, SDPA cuDNN and flash on contiguous K/V (enable_gqa), compiled
+FlexAttention, and a plain copy moving the same bytes (the ceiling). Decode is reported in TB/s
+of K+V read, prefill in causal TFLOP/s. Every time is triton.testing.do_bench's median (L2
+flushed before each call). Then: the error of every precision mode against float64, and a small
+sweep of decode launch choices (bounded by the time left) to feed the tiling rule.
+
+    python benchmarks/bench_attention.py [--no-flex] [--no-sweep]     # OUT=dir: json + md there
+    python benchmarks/bench_attention.py --cpu-errors   # only the error table, CPU interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+if "--cpu-errors" in sys.argv:  # the Triton interpreter must be on before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+import triton
+from oxygen_torch.triton_kernels import (
+    LaunchConfig,
+    PrecisionMode,
+    kv_append,
+    paged_decode,
+    paged_decode_ref,
+    paged_prefill,
+    paged_prefill_ref,
+)
+from oxygen_torch.triton_kernels.paged_decode import decode_launch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HQ, HKV, D = 32, 8, 128
+DECODE = [(32, 4096), (64, 1024), (8, 32768), (1, 32768)]
+PREFILL = [(4, 4096), (1, 16384)]
+FP8_CASE = (32, 4096)  # fp8 KV decode beside the bf16 one
+BLOCK_TOKENS = (16, 64)
+ERR_SHAPE, ERR_NEW = (4, 4096, 16), 512  # (batch, seq_len, block_tokens), new tokens (prefill)
+BUDGET_S = 225  # the whole run stays under ~4 minutes; optional parts stop when it is spent
+T0 = time.perf_counter()
+BF16 = torch.bfloat16
+DEV = "cuda"  # a CPU smoke run of this script's logic swaps it (with the Triton interpreter)
+ROWS: list[dict] = []
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def row(case, impl, ms, work, unit, err=None, note=""):
+    """work: bytes (decode, TB/s) or FLOPs (prefill, TFLOP/s)."""
+    value = work / (ms * 1e-3) / 1e12 if ms else None
+    ROWS.append(dict(case=case, impl=impl, ms=ms, value=value, unit=unit, err=err, note=note))
+    shown = f"{ms:8.3f} ms {value:7.2f} {unit}" if ms else f"{'-':>8}    {'-':>7} {unit}"
+    print(f"{case:28s} {impl:26s} {shown}  {'' if err is None else f'err {err:.1e}'} {note}",
+          flush=True)  # fmt: skip
+
+
+def paged_from_contiguous(x, bt, perm):
+    """x: [B, Hkv, L, D] -> cache [B*L/bt, bt, Hkv, D] with blocks stored at perm; the table
+    [B, L/bt] int32 maps each sequence's logical blocks to them."""
+    b, h, n, d = x.shape
+    blocks = x.transpose(1, 2).reshape(b * n // bt, bt, h, d)
+    cache = torch.empty_like(blocks)
+    cache[perm] = blocks
+    return cache
+
+
+def shuffled_table(b, n, bt, gen):
+    perm = torch.randperm(b * n // bt, generator=gen, device=DEV)
+    return perm, perm.view(b, n // bt).to(torch.int32)
+
+
+def anchors(case, q, k, v, causal, work, unit, our_out=None):
+    """SDPA cuDNN / flash, compiled Flex and the copy ceiling on contiguous [B, H, S, D]."""
+    ref = None
+    for name, backend in (("sdpa cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, enable_gqa=True
+                )
+                out = fn()
+                ms = bench(fn)
+            ref = out if ref is None else ref
+            row(case, name, ms, work, unit)
+        except Exception as e:  # a backend may not take this shape: say so, keep going
+            row(case, name, None, work, unit, note=f"failed: {type(e).__name__}: {e}"[:120])
+    if ARGS.flex and elapsed() < BUDGET_S - 90:
+        flex_row(case, q, k, v, causal, work, unit)
+    else:
+        row(case, "flex (compiled)", None, work, unit, note="skipped (time budget or --no-flex)")
+    copy_src = k if unit == "TB/s" else torch.cat([k, v])
+    dst = torch.empty_like(copy_src)
+    # read + write of copy_src = the K+V bytes of the case (decode) / a bandwidth reference
+    row(case, "copy (ceiling)", bench(lambda: dst.copy_(copy_src)), 2 * copy_src.nbytes, "TB/s")
+    return ref
+
+
+def flex_row(case, q, k, v, causal, work, unit):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    try:
+        fa = torch.compile(flex_attention, dynamic=False)
+        mask = None
+        if causal:
+            s = q.shape[2]
+            mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, s, s, device=DEV)
+        fn = lambda: fa(q, k, v, block_mask=mask, enable_gqa=True)
+        fn()
+        row(case, "flex (compiled)", bench(fn), work, unit)
+    except Exception as e:
+        row(case, "flex (compiled)", None, work, unit, note=f"failed: {type(e).__name__}"[:80])
+
+
+def decode_case(b, n, gen):
+    case = f"decode B={b} L={n}"
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=BF16, generator=gen)
+    k = torch.randn(b, HKV, n, D, device=DEV, dtype=BF16, generator=gen)
+    v = torch.randn(b, HKV, n, D, device=DEV, dtype=BF16, generator=gen)
+    nbytes = k.nbytes + v.nbytes
+    ref = anchors(case, q, k, v, False, nbytes, "TB/s")
+    q3 = q[:, :, 0].contiguous()  # [B, Hq, D]
+    lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+    for bt in BLOCK_TOKENS:
+        perm, table = shuffled_table(b, n, bt, gen)
+        kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
+        out = torch.empty_like(q3)
+        fn = functools.partial(paged_decode, q3, kc, vc, table, lens, out=out)
+        fn()
+        _, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
+        err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+        row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err, f"splits={splits}")
+        if (b, n) == FP8_CASE and bt == BLOCK_TOKENS[0]:
+            fp8_case(q3, k, v, table, perm, lens, bt, ref, ROWS[-1]["ms"])
+
+
+def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
+    """fp8 e4m3 KV written by kv_append (per-block scales), decoded on the same case."""
+    b, h, n, d = k.shape
+    kc = torch.zeros(b * n // bt, bt, h, d, device=DEV, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(b * n // bt, h, device=DEV)
+    vs = torch.zeros_like(ks)
+    pos = torch.arange(n, device=DEV)
+    slots = (table[:, pos // bt].long() * bt + pos % bt).reshape(-1)  # [B*L] token-major
+    kv_append(k.transpose(1, 2).reshape(-1, h, d), v.transpose(1, 2).reshape(-1, h, d), kc, vc,
+              slots, k_scale=ks, v_scale=vs)  # fmt: skip
+    out = torch.empty_like(q3)
+    fn = lambda: paged_decode(q3, kc, vc, table, lens, out=out, k_scale=ks, v_scale=vs)
+    fn()
+    nbytes = kc.nbytes + vc.nbytes + ks.nbytes + vs.nbytes
+    ms = bench(fn)
+    err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+    row(f"decode B={b} L={n} fp8 KV", f"ours fp8 bt={bt}", ms, nbytes, "TB/s", err,
+        f"time vs bf16 = {ms / bf16_ms:.2f}x (goal <= 0.6)")  # fmt: skip
+
+
+def prefill_case(b, s, gen):
+    case = f"prefill B={b} S={s}"
+    q = torch.randn(b, HQ, s, D, device=DEV, dtype=BF16, generator=gen)
+    k = torch.randn(b, HKV, s, D, device=DEV, dtype=BF16, generator=gen)
+    v = torch.randn(b, HKV, s, D, device=DEV, dtype=BF16, generator=gen)
+    flops = 4 * b * HQ * s * s * D / 2  # causal: half of QK^T and PV
+    ref = anchors(case, q, k, v, True, flops, "TFLOP/s")
+    qt = q.transpose(1, 2).reshape(b * s, HQ, D).contiguous()  # [T, Hq, D]
+    cu = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * s
+    lens = torch.full((b,), s, dtype=torch.int32, device=DEV)
+    for bt in BLOCK_TOKENS:
+        perm, table = shuffled_table(b, s, bt, gen)
+        kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
+        out = torch.empty_like(qt)
+        fn = functools.partial(paged_prefill, qt, kc, vc, table, cu, lens, out=out)
+        fn()
+        err = None
+        if ref is not None:
+            err = rel_err(out, ref.transpose(1, 2).reshape(b * s, HQ, D))
+        row(case, f"ours bt={bt}", bench(fn), flops, "TFLOP/s", err)
+
+
+def precision_errors(gen, kinds=("bf16", "fp16", "fp8")):
+    """Error of each mode against float64 computed from the same stored K/V (so it is the
+    kernel's arithmetic, not the storage rounding): decode of B sequences of n tokens, prefill of
+    their last ERR_NEW tokens."""
+    out = []
+    b, n, bt = ERR_SHAPE
+    perm, table = shuffled_table(b, n, bt, gen)
+    k = torch.randn(b, HKV, n, D, device=DEV, generator=gen)
+    v = torch.randn(b, HKV, n, D, device=DEV, generator=gen)
+    q = torch.randn(b * ERR_NEW, HQ, D, device=DEV, generator=gen)  # the last ERR_NEW tokens
+    lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+    cu = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * ERR_NEW
+    for kv in kinds:
+        dt = {"fp16": torch.float16, "fp32": torch.float32}.get(kv, BF16)
+        caches = _error_caches(k, v, bt, perm, table, kv)
+        modes = list(PrecisionMode)[:2] if kv == "fp8" else list(PrecisionMode)
+        for mode in modes:
+            qd = q.to(dt)
+            for phase in ("decode", "prefill"):
+                out.append(_one_error(phase, kv, mode, qd, caches, table, lens, cu))
+    return out
+
+
+def _error_caches(k, v, bt, perm, table, kv):
+    if kv != "fp8":
+        dt = {"fp16": torch.float16, "fp32": torch.float32}.get(kv, BF16)
+        return (paged_from_contiguous(k.to(dt), bt, perm),
+                paged_from_contiguous(v.to(dt), bt, perm), None, None)  # fmt: skip
+    b, h, n, d = k.shape
+    kc = torch.zeros(b * n // bt, bt, h, d, device=DEV, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(b * n // bt, h, device=DEV), torch.zeros(b * n // bt, h, device=DEV)
+    pos = torch.arange(n, device=DEV)
+    slots = (table[:, pos // bt].long() * bt + pos % bt).reshape(-1)
+    k_tok = k.transpose(1, 2).reshape(-1, h, d).to(BF16 if DEV == "cuda" else torch.float16)
+    v_tok = v.transpose(1, 2).reshape(-1, h, d).to(k_tok.dtype)
+    kv_append(k_tok, v_tok, kc, vc, slots, k_scale=ks, v_scale=vs)
+    return kc, vc, ks, vs
+
+
+def _one_error(phase, kv, mode, q, caches, table, lens, cu):
+    kc, vc, ks, vs = caches
+    kw = dict(k_scale=ks, v_scale=vs)
+    if phase == "decode":
+        qd = q[ERR_NEW - 1 :: ERR_NEW].contiguous()  # one query per sequence
+        out = paged_decode(qd, kc, vc, table, lens, precision=mode, **kw)
+        ref = paged_decode_ref(qd.double(), kc, vc, table, lens, **kw)
+    else:
+        out = paged_prefill(q, kc, vc, table, cu, lens, precision=mode, **kw)
+        ref = paged_prefill_ref(q.double(), kc, vc, table, cu, lens, **kw)
+    diff = (out.double() - ref).abs()
+    res = dict(phase=phase, kv=kv, mode=mode.name, max_rel=(diff.max() / ref.abs().max()).item(),
+               mean_rel=(diff.mean() / ref.abs().mean()).item())  # fmt: skip
+    print(f"error {phase:8s} kv={kv:5s} {mode.name:11s} max_rel {res['max_rel']:.2e} "
+          f"mean_rel {res['mean_rel']:.2e}", flush=True)  # fmt: skip
+    return res
+
+
+SWEEP = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
+         (32, 4, 4), (64, 8, 3)]  # fmt: skip
+
+
+def sweep(gen):
+    """Decode (block_n, warps, stages) x splits {auto, 2 x auto} at bt=16, while time is left."""
+    best = {}
+    for b, n in DECODE:
+        k = torch.randn(b * n // 16, 16, HKV, D, device=DEV, dtype=BF16, generator=gen)
+        v = torch.randn_like(k)
+        _, table = shuffled_table(b, n, 16, gen)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=BF16, generator=gen)
+        lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+        _, _, auto = decode_launch(q, k, table, 0, PrecisionMode.AUTO_MIXED, None, None)
+        for bn, warps, stages in SWEEP:
+            for splits in sorted({auto, 2 * auto}):
+                if elapsed() > BUDGET_S:
+                    return best
+                cfg = LaunchConfig(16, bn, warps, stages, num_splits=splits)
+                fn = functools.partial(paged_decode, q, k, v, table, lens, launch=cfg)
+                ms = bench(fn)
+                tbs = 2 * k.nbytes / (ms * 1e-3) / 1e12
+                print(f"sweep decode B={b} L={n} {cfg}: {ms:.3f} ms {tbs:.2f} TB/s", flush=True)
+                key = f"decode B={b} L={n}"
+                if key not in best or ms < best[key]["ms"]:
+                    best[key] = dict(ms=ms, tbps=tbs, bn=bn, warps=warps, stages=stages,
+                                     splits=splits)  # fmt: skip
+    return best
+
+
+def table_md() -> str:
+    lines = ["| case | impl | ms | value | unit | ours/cuDNN | rel err vs SDPA | note |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    cudnn = {r["case"]: r["ms"] for r in ROWS if r["impl"] == "sdpa cuDNN" and r["ms"]}
+    for r in ROWS:
+        base = cudnn.get(r["case"].replace(" fp8 KV", ""))
+        ratio = f"{base / r['ms']:.2f}" if base and r["ms"] and r["impl"].startswith("ours") else ""
+        ms = f"{r['ms']:.3f}" if r["ms"] else "-"
+        val = f"{r['value']:.2f}" if r["value"] else "-"
+        err = f"{r['err']:.1e}" if r["err"] is not None else ""
+        lines.append(f"| {r['case']} | {r['impl']} | {ms} | {val} | {r['unit']} | {ratio} | "
+                     f"{err} | {r['note']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def cpu_errors():
+    """The error table on the CPU interpreter (fp32/fp16/fp8 codes; its bf16 dots are wrong)."""
+    global DEV, BF16, ERR_SHAPE, ERR_NEW
+    DEV, BF16, ERR_SHAPE, ERR_NEW = "cpu", torch.float16, (2, 512, 16), 64
+    errors = precision_errors(torch.Generator().manual_seed(0), ("fp32", "fp16", "fp8"))
+    print("\n| phase | KV | mode | max rel | mean rel |\n|---|---|---|---|---|")
+    for e in errors:
+        print(f"| {e['phase']} | {e['kv']} | {e['mode']} | {e['max_rel']:.1e} | "
+              f"{e['mean_rel']:.1e} |")  # fmt: skip
+
+
+def main():
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    env = dict(torch=torch.__version__, triton=triton.__version__)
+    if DEV == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count)
+    print(env, flush=True)
+    errors = precision_errors(gen)  # first: the README's error table must not be crowded out
+    for b, n in DECODE:
+        decode_case(b, n, gen)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    for b, s in PREFILL:
+        prefill_case(b, s, gen)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    best = sweep(gen) if ARGS.sweep else {}
+    md = table_md()
+    print("\n" + md + f"\n\nsweep best: {json.dumps(best)}\ntotal {elapsed():.0f} s")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+            json.dump(dict(env=env, rows=ROWS, errors=errors, sweep=best), f, indent=1)
+        with open(os.path.join(out_dir, "bench_attention.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--no-flex", dest="flex", action="store_false")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--cpu-errors", action="store_true")
+    ARGS = parser.parse_args()
+    cpu_errors() if ARGS.cpu_errors else main()
