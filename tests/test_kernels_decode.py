@@ -60,7 +60,7 @@ def test_decode_precision_modes(precision):
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("precision", [PrecisionMode.FP16_ONLY, PrecisionMode.AUTO_MIXED])
+@pytest.mark.parametrize("precision", list(PrecisionMode))
 def test_decode_fp8_codes(splits, precision):
     p = make_paged([29, 81, 16], 2, 64, 16, torch.uint8, seed=5)
     q = randn((3, 6, 64), torch.float16, seed=6)
