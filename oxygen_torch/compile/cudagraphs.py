@@ -59,6 +59,16 @@ _VIEW_FUNCS = (
 _INPLACE_FUNCS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """No two elements share memory and none is skipped (a permuted contiguous tensor)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def is_static(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or hasattr(t, "_dynamo_static_input_type")
 
@@ -172,7 +182,7 @@ class GraphRunner:
             if isinstance(a, torch.Tensor):
                 cuda |= a.device.type == self.device_type
                 static = is_static(a)
-                if not static and not a.is_non_overlapping_and_dense():
+                if not static and not _dense(a):
                     return None  # expanded/overlapping: no static buffer can stand in for it
                 ptr = a.data_ptr() if static else None
                 key.append((tuple(a.shape), a.stride(), a.dtype, a.device, ptr))

@@ -127,12 +127,21 @@ def _rewrite_sdpa(gm: GraphModule, node: Node, opts, report: GraphReport, privat
     report.rewritten[pattern] += 1
 
 
+def _overload(node: Node) -> None:
+    """torch.ops.aten.x in a Dynamo graph is the packet; its default overload has the schema."""
+    node.target = node.target.default
+
+
 def rewrite_attention(gm: GraphModule, opts: CompileOptions) -> GraphReport:
     """Rewrites gm in place; returns what was found, rewritten and left (with reasons)."""
     report = GraphReport()
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
+        if isinstance(node.target, torch._ops.OpOverloadPacket) and (
+            getattr(node.target, "default", None) in SDPA_FUNCTIONS + SDPA_PRIVATE
+        ):
+            _overload(node)
         if node.target in SDPA_FUNCTIONS:
             _rewrite_sdpa(gm, node, opts, report, private=False)
         elif node.target in SDPA_PRIVATE:

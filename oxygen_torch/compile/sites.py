@@ -42,7 +42,12 @@ def hint(size) -> int:
 
 
 def same(a, b) -> bool:
-    return statically_known_true(a == b)
+    """a == b for sizes the op needs equal. Where only the hint says so (two inputs with their
+    own symbols, e.g. k and v lengths under dynamic shapes), evaluating adds a guard that unifies
+    them: the graph was only valid for equal sizes anyway (SDPA requires it)."""
+    if statically_known_true(a == b):
+        return True
+    return bool(a == b)
 
 
 def where(node: Node) -> str:

@@ -1,0 +1,108 @@
+"""The CUDA-graph runner's bookkeeping (mode="reduce-overhead"), driven on CPU with a stand-in
+graph: a capture records the function, a replay re-runs it on the captured inputs and writes the
+captured outputs in place, which is what a real graph does to its buffers. The real capture runs
+in test_compile_cuda.py on the GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from oxygen_torch.compile import cudagraphs
+from oxygen_torch.compile.cudagraphs import GraphRunner, mutated_inputs
+
+
+class FakeGraph:
+    def __init__(self):
+        self.fn = self.args = self.outs = None
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        new = self.fn(*self.args)
+        for o, n in zip(self.outs, new):
+            o.copy_(n)
+
+
+def _runner(fn, mutated=frozenset()):
+    graphs = []
+
+    def factory():
+        graphs.append(FakeGraph())
+        return graphs[-1]
+
+    @contextlib.contextmanager
+    def capture(graph):
+        yield
+        graph.fn = fn
+
+    runner = GraphRunner(_recording(fn, graphs), mutated, factory, capture, device_type="cpu")
+    return runner, graphs
+
+
+def _recording(fn, graphs):
+    """fn, remembering its last inputs and outputs on the newest fake graph (the 'capture')."""
+
+    def run(*args):
+        outs = fn(*args)
+        if graphs and graphs[-1].args is None:
+            graphs[-1].args, graphs[-1].outs = args, outs
+        return outs
+
+    return run
+
+
+def test_runner_warms_up_captures_then_replays_with_fresh_inputs():
+    w = nn.Parameter(torch.randn(4))
+
+    def fn(x, w):
+        return (x * w + 1,)
+
+    runner, graphs = _runner(fn)
+    x1, x2, x3 = torch.randn(4), torch.randn(4), torch.randn(4)
+    out1 = runner(x1, w)  # warm-up: plain call
+    assert not graphs
+    out2 = runner(x2, w)  # capture + replay
+    out3 = runner(x3, w)  # replay
+    assert len(graphs) == 1 and graphs[0].replays == 2
+    for x, out in ((x1, out1), (x2, out2), (x3, out3)):
+        torch.testing.assert_close(out[0], x * w + 1)
+    assert graphs[0].args[1] is w  # the parameter is used in place, not copied
+    assert graphs[0].args[0] is not x2  # the activation was copied into a static buffer
+    assert out2[0].data_ptr() != graphs[0].outs[0].data_ptr()  # outputs survive the next replay
+
+
+def test_runner_copies_back_mutated_inputs_and_keys_on_shape():
+    def fn(x, y):
+        x.add_(y)
+        return (x * 2,)
+
+    runner, graphs = _runner(fn, mutated=frozenset({0}))
+    for n in (3, 3, 3, 5, 5):
+        x, y = torch.ones(n), torch.full((n,), 2.0)
+        out = runner(x, y)
+        torch.testing.assert_close(x, torch.full((n,), 3.0))  # the caller sees the mutation
+        torch.testing.assert_close(out[0], torch.full((n,), 6.0))
+    assert len(graphs) == 2  # one graph per shape signature
+
+
+def test_runner_drops_oldest_graph_past_the_limit(monkeypatch):
+    monkeypatch.setattr(cudagraphs, "MAX_GRAPHS", 2)
+    runner, graphs = _runner(lambda x: (x + 1,))
+    for n in (1, 1, 2, 2, 3, 3):
+        runner(torch.zeros(n))
+    assert len(runner.graphs) == 2 and len(graphs) == 3
+
+
+def test_mutated_inputs_follow_views():
+    def f(cache, x, idx):
+        cache[:, 0].index_copy_(0, idx, x)
+        torch.ops.oxygen.kv_append(x[:, None], x[:, None], cache[None], cache[None], idx)
+        return cache.sum() + x.sum()
+
+    import oxygen_torch.ops  # noqa: F401
+
+    gm = torch.fx.symbolic_trace(f)
+    assert mutated_inputs(gm) == frozenset({0})
