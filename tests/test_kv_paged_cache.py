@@ -215,3 +215,27 @@ def test_cpu_paged_attention_matches_the_float64_references(window):
     want = paged_prefill_ref(q, k_cache, v_cache, table, cu, lens, sliding_window=window, scale=0.2)
     got = paged_attention(q, k_cache, v_cache, table, lens, cu, sliding_window=window, scale=0.2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_emptied_pages_wait_for_their_event_and_can_be_reused_before():
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    backing = RecordingBacking(4 * 64 * KiB, 16 * KiB)
+    st = KVStorage(
+        backing, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_tokens=16
+    )
+    st.on_alloc([2, 4])  # pages 1 and 2
+    ev = Event()
+    st._page_live[1] -= 1  # free blocks 2 and 4 as on_free does on a GPU: retire, no unmap
+    st._page_live[2] -= 1
+    st._retired.append((ev, [1, 2]))
+    st._reap()
+    assert {1, 2} <= backing.mapped  # kernels queued before the free may still read them
+    st.on_alloc([3])  # page 1 comes back into use while still mapped: no second map
+    ev.done = True
+    st._reap()
+    assert 1 in backing.mapped and 2 not in backing.mapped and 6 not in backing.mapped

@@ -19,6 +19,7 @@ from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..kv.pool import release_pools
 from .hf_attention import oxygen_attention_forward, oxygen_mask
 from .hf_cache import PagedKVCache
 
@@ -224,3 +225,4 @@ def disable_hf() -> None:
             AttentionMaskInterface._global_mapping.pop(NAME, None)
             _installed = False
         _cfg = None
+        release_pools()  # pools still holding a live cache's blocks stay

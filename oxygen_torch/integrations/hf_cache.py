@@ -104,6 +104,14 @@ class PagedKVCache(Cache):
             from . import hf
 
             cfg = hf.active_cfg()
+        kv_dtype = _cfg_value(cfg, "kv", "kv_dtype", "auto")
+        if kv_dtype != "auto":
+            from .hf import _warn_once
+
+            _warn_once(
+                f"oxygen_torch: kv.kv_dtype={kv_dtype!r} is not wired into the HF cache "
+                "yet; the KV cache keeps the model's dtype"
+            )
         layer_types = self._layer_types(config, num_layers)
         self._config = config
         self._any_sliding = any(t != "full_attention" for t in layer_types)

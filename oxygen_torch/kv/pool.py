@@ -68,6 +68,8 @@ class KVPool:
         }
 
     def close(self) -> None:
+        if self.key.device.type == "cuda":
+            torch.cuda.synchronize(self.key.device)  # no queued kernel may read what we unmap
         self.storage.backing.close()
 
 

@@ -37,6 +37,7 @@ class TorchBacking:
         self.page_size = page_size
         self.capacity = nbytes - nbytes % page_size
         self.flat = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+        self.device = self.flat.device
 
     def tensor(self) -> torch.Tensor:
         return self.flat
@@ -153,6 +154,9 @@ class KVStorage:
                 f"{self.block_bytes} bytes per block (need ≥ {regions * page * 2} bytes)"
             )
         self._page_live = [0] * self.region_pages  # live blocks touching each region page
+        self._mapped: set[int] = set()  # region pages mapped (in every region)
+        self._retired: list = []  # (event or None, pages): emptied, unmapped when the GPU is past
+        self._device = getattr(backing, "device", torch.device("cpu"))
         self.mapped_region_pages = self.peak_region_pages = 0
         self.on_alloc([GUARD_BLOCK])
         flat = backing.tensor()
@@ -184,48 +188,91 @@ class KVStorage:
                 fn(r * self.region_pages + first, count)
 
     def on_alloc(self, blocks: list[int]) -> None:
-        new = []
+        self._reap()
+        need = []
         for b in blocks:
             for p in self._pages_of(b):
-                if self._page_live[p] == 0:
-                    new.append(p)
+                if self._page_live[p] == 0 and p not in self._mapped:
+                    need.append(p)
                 self._page_live[p] += 1
-        if new:
-            try:
-                self._apply(list(set(new)), self.backing.map_pages)
-            except BaseException as exc:
-                for b in blocks:
-                    for p in self._pages_of(b):
-                        self._page_live[p] -= 1
-                self._unmap_partial(new)
-                if getattr(exc, "status", None) == _ERR_OOM:
-                    raise torch.OutOfMemoryError(
-                        f"oxygen KV cache: no device memory for {len(set(new))} more page(s) per "
-                        f"region ({2 * self.num_layers} regions); {self.mapped_bytes()} bytes "
-                        f"of KV mapped: {exc}"
-                    ) from exc
+        if not need:
+            return
+        need = sorted(set(need))
+        try:
+            self._map(need)
+        except torch.OutOfMemoryError:
+            if not self._retired:
+                self._undo_alloc(blocks)
                 raise
-            self.mapped_region_pages += len(set(new))
-            self.peak_region_pages = max(self.peak_region_pages, self.mapped_region_pages)
+            self._reap(force=True)  # pages waiting for in-flight kernels: wait, unmap, retry
+            try:
+                self._map(need)
+            except BaseException:
+                self._undo_alloc(blocks)
+                raise
+        except BaseException:
+            self._undo_alloc(blocks)
+            raise
 
-    def _unmap_partial(self, pages: list[int]) -> None:
-        """After a failed map: unmap whichever of `pages` did get mapped, in any region."""
-        for r in range(2 * self.num_layers):
-            for p in set(pages):
-                page = r * self.region_pages + p
-                if self._page_live[p] == 0 and self.backing.is_mapped(page):
-                    self.backing.unmap_pages(page, 1)
+    def _undo_alloc(self, blocks: list[int]) -> None:
+        for b in blocks:
+            for p in self._pages_of(b):
+                self._page_live[p] -= 1
+
+    def _map(self, pages: list[int]) -> None:
+        try:
+            self._apply(list(pages), self.backing.map_pages)
+        except BaseException as exc:
+            for r in range(2 * self.num_layers):  # roll back the regions that did get mapped
+                for p in pages:
+                    if self.backing.is_mapped(r * self.region_pages + p):
+                        self.backing.unmap_pages(r * self.region_pages + p, 1)
+            if getattr(exc, "status", None) == _ERR_OOM:
+                raise torch.OutOfMemoryError(
+                    f"oxygen KV cache: no device memory for {len(pages)} more page(s) in each of "
+                    f"{2 * self.num_layers} regions; {self.mapped_bytes()} bytes of KV mapped "
+                    f"({exc})"
+                ) from exc
+            raise
+        self._mapped.update(pages)
+        self.mapped_region_pages = len(self._mapped)
+        self.peak_region_pages = max(self.peak_region_pages, self.mapped_region_pages)
 
     def on_free(self, blocks: list[int]) -> None:
-        empty = []
+        empty = set()
         for b in blocks:
             for p in self._pages_of(b):
                 self._page_live[p] -= 1
                 if self._page_live[p] == 0:
-                    empty.append(p)
+                    empty.add(p)
         if empty:
-            self._apply(list(set(empty)), self.backing.unmap_pages)
-            self.mapped_region_pages -= len(set(empty))
+            # On a GPU the host runs ahead: kernels already queued may still read these blocks,
+            # and touching an unmapped page poisons the context. Unmap once the stream is past
+            # this point (an event), or at once on the host, where ops are synchronous.
+            event = None
+            if self._device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self._device))
+            self._retired.append((event, sorted(empty)))
+            self._reap()
+
+    def _reap(self, force: bool = False) -> None:
+        """Unmaps retired pages that are still empty once their event has completed."""
+        if not self._retired:
+            return
+        if force and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        keep = []
+        for event, pages in self._retired:
+            if force or event is None or event.query():
+                gone = [p for p in pages if self._page_live[p] == 0 and p in self._mapped]
+                if gone:
+                    self._apply(gone, self.backing.unmap_pages)
+                    self._mapped.difference_update(gone)
+            else:
+                keep.append((event, pages))
+        self._retired = keep
+        self.mapped_region_pages = len(self._mapped)
 
     def mapped_bytes(self, peak: bool = False) -> int:
         pages = self.peak_region_pages if peak else self.mapped_region_pages
@@ -240,5 +287,5 @@ class KVStorage:
                     f"oxygen KV debug: block id {b} out of range [0, {self.num_blocks})"
                 )
             for p in self._pages_of(b):
-                if self._page_live[p] == 0 or not self.backing.is_mapped(p):
+                if p not in self._mapped or not self.backing.is_mapped(p):
                     raise RuntimeError(f"oxygen KV debug: block {b} lies on unmapped page {p}")
