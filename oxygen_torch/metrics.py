@@ -9,6 +9,7 @@ layers register; until they do, those metrics report zero.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -61,7 +62,8 @@ def unregister_pool(pool: Any) -> None:
 
 def register_kv_source(fn: Callable[[], dict | None]) -> None:
     """``fn()`` -> ``{"device": 0, "tier": {"gpu": frac, "cpu": frac},
-    "blocks": {"free": n, "used": n, "shared": n}}``; returning None unregisters it."""
+    "blocks": {"free": n, "used": n, "shared": n}}``; returning None unregisters it. Until one
+    is registered, the pools of ``oxygen_torch.kv`` are reported (with no shared-block count)."""
     with _lock:
         _kv_sources.append(fn)
 
@@ -133,7 +135,7 @@ def pool_totals() -> tuple[int, int]:
 def _kv_figures() -> dict[str, dict]:
     """Per device: blocks summed over caches, tier usage the highest among them (for alerts)."""
     with _lock:
-        sources = list(_kv_sources)
+        sources = list(_kv_sources) or [_kv_pools_figures]
     per_dev: dict[str, dict] = {}
     for fn in sources:
         try:
@@ -143,12 +145,39 @@ def _kv_figures() -> dict[str, dict]:
         if fig is None:
             unregister_kv_source(fn)
             continue
+        if fig == {}:  # the built-in source with no KV pool yet
+            continue
         d = per_dev.setdefault(str(fig.get("device", 0)), {"tier": {}, "blocks": {}})
         for tier, frac in fig.get("tier", {}).items():
             d["tier"][tier] = max(d["tier"].get(tier, 0.0), float(frac))
         for state, n in fig.get("blocks", {}).items():
             d["blocks"][state] = d["blocks"].get(state, 0) + int(n)
     return per_dev or {"0": {"tier": {}, "blocks": {}}}
+
+
+def _kv_pools_figures() -> dict:
+    """Default KV source: oxygen_torch.kv's pools, if the program uses them (never imported here:
+    a scrape must not load the KV layer). Blocks summed over pools; tier usage = used / total of
+    the pools on GPUs (tier gpu) or on the CPU (tier cpu)."""
+    kv_pool = sys.modules.get("oxygen_torch.kv.pool")
+    pools = kv_pool.pool_stats() if kv_pool is not None else []
+    if not pools:
+        return {}
+    used = {"gpu": 0, "cpu": 0}
+    total = {"gpu": 0, "cpu": 0}
+    device = 0
+    for p in pools:
+        dev = str(p.get("device", "cpu"))
+        tier = "cpu" if dev.startswith("cpu") else "gpu"
+        device = int(dev.split(":")[1]) if ":" in dev else device
+        used[tier] += int(p.get("blocks_used", 0))
+        total[tier] += int(p.get("blocks_total", 0))
+    n_used, n_total = sum(used.values()), sum(total.values())
+    return {
+        "device": device,
+        "tier": {t: used[t] / total[t] for t in used if total[t]},
+        "blocks": {"used": n_used, "free": n_total - n_used, "shared": 0},
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 loopback-only binding, and the KV / tier / scheduler sources."""
 
 import socket
+import sys
 import urllib.request
 
 import pytest
@@ -198,3 +199,20 @@ def test_latency_histogram_from_native_buckets():
     assert as_dict[repr(8e-6)] == 2 and as_dict[repr(16e-6)] == 2 and as_dict[repr(32e-6)] == 3
     assert as_dict["+Inf"] == 4 and len(buckets) == 16
     assert total == pytest.approx(40e-6)
+
+
+def test_kv_pools_are_reported_until_a_source_registers(monkeypatch):
+    import types
+
+    fake = types.SimpleNamespace(
+        pool_stats=lambda: [
+            {"device": "cuda:0", "blocks_total": 100, "blocks_used": 25},
+            {"device": "cpu", "blocks_total": 10, "blocks_used": 5},
+        ]
+    )
+    monkeypatch.setitem(sys.modules, "oxygen_torch.kv.pool", fake)
+    fams = families()
+    assert value(fams, "oxygen:kv_blocks", state="used") == 30
+    assert value(fams, "oxygen:kv_blocks", state="free") == 80
+    assert value(fams, "oxygen:kv_cache_usage_perc", tier="gpu") == 0.25
+    assert value(fams, "oxygen:kv_cache_usage_perc", tier="cpu") == 0.5
