@@ -129,8 +129,11 @@ def run_side(args) -> dict:
         "peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
     }
     if cuda:
-        res["peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GIB
-        res["peak_reserved_GiB"] = torch.cuda.max_memory_reserved() / GIB
+        try:
+            res["peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GIB
+            res["peak_reserved_GiB"] = torch.cuda.max_memory_reserved() / GIB
+        except RuntimeError:  # a pluggable allocator without device stats: memory_stats() below
+            res["peak_allocated_GiB"] = res["peak_reserved_GiB"] = float("nan")
     if args.side == "oxygen":
         res.update(oxygen_stats(args.device))
     return res
@@ -152,7 +155,7 @@ def report(args, stock: dict, ox: dict) -> None:
         ("tokens/s", f"{stock['tok_per_s']:.1f}", f"{ox['tok_per_s']:.1f}"),
     ]
     for key in ("peak_allocated_GiB", "peak_reserved_GiB", "peak_rss_GiB"):
-        if key in stock:
+        if key in stock and key in ox:
             rows.append((key.replace("_GiB", " (GiB)"), f"{stock[key]:.2f}", f"{ox[key]:.2f}"))
     print(
         f"\nLlama generate(): batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
