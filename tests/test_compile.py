@@ -308,3 +308,34 @@ def test_decode_steps_do_not_recompile_every_step(mark):
     s = oc.stats()
     assert 1 <= s["graphs_compiled"] <= (1 if mark else 3), s
     assert s["rewritten"] == s["graphs_compiled"] and s["left"] == 0
+
+
+class RepeatKV(nn.Module):
+    """transformers' repeat_kv before SDPA (what HF does whenever a mask is passed)."""
+
+    def forward(self, q, k, v, mask):
+        def rep(x):
+            b, h, s, d = x.shape
+            return x[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+
+        return F.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask)
+
+
+def test_repeat_kv_is_folded_into_gqa():
+    seen = []
+
+    def grab(gm, ex, patches):
+        attn = torch.ops.oxygen.attention.default
+        seen.extend(n for n in gm.graph.nodes if n.target is attn)
+        seen.append(sum(n.target == "expand" for n in gm.graph.nodes))
+        return aot_eager(gm, ex)
+
+    backend_mod.final_compiler = grab
+    q, k, v = _randn(2, 4, 5, 16, seed=0), _randn(2, 2, 5, 16, seed=1), _randn(2, 2, 5, 16, seed=2)
+    mask = _randn(2, 1, 5, 5, seed=3) > -0.5
+    mask[..., 0] = True
+    s = _check(RepeatKV(), q, k, v, mask)
+    _assert_all_rewritten(s, 1)
+    node, expands = seen
+    assert node.args[1].meta["example_value"].shape[1] == 2  # the op reads the 2 KV heads
+    assert expands == 0  # and the repeated copies are gone

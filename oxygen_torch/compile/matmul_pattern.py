@@ -17,7 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .sites import Attn, call, check, emit, is_tensor_node, same, value, where
+from .sites import (
+    Attn,
+    call,
+    check,
+    emit,
+    erase_dead,
+    is_tensor_node,
+    same,
+    strip_repeat_kv,
+    value,
+    where,
+)
 from .stats import GraphReport
 
 _FUNCS = {
@@ -215,18 +226,17 @@ def rewrite(gm: GraphModule, sm: Node, opts, report: GraphReport) -> None:
     a = None
     if reason is None:
         a = Attn(up.q, _transposed(up.kt), pv.args[1], up.mask, False, up.scale, gqa=True)
-        reason = check(a) or _out_dtype(a, pv)
+        reason = _out_dtype(a, pv) or check(a)
     if reason:
         report.leave("matmul_softmax", reason, where(sm))
         return
+    repeats = strip_repeat_kv(a) if len(up.kt.users) == 1 else []
     with gm.graph.inserting_before(pv):
         if up.mask_is_fill:
             a.mask = call(gm.graph, torch.logical_not, (a.mask,), sm)
         out = emit(gm.graph, a, opts, sm)
     pv.replace_all_uses_with(out)
-    for node in [pv, *reversed(down), sm, *up.nodes, up.kt]:
-        if not node.users:
-            gm.graph.erase_node(node)
+    erase_dead(gm.graph, [pv, *reversed(down), sm, *up.nodes, up.kt, *repeats])
     report.rewritten["matmul_softmax"] += 1
 
 

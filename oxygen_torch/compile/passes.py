@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from . import matmul_pattern, mha
 from .options import CompileOptions
-from .sites import Attn, check, emit, value, where
+from .sites import Attn, check, emit, erase_dead, strip_repeat_kv, value, where
 from .stats import GraphReport
 
 aten = torch.ops.aten
@@ -110,6 +110,7 @@ def _rewrite_sdpa(gm: GraphModule, node: Node, opts, report: GraphReport, privat
         users = list(node.users)
         if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
             reason = "uses outputs other than the attention result (logsumexp, rng state)"
+    repeats = strip_repeat_kv(a) if reason is None else []
     reason = reason or check(a)
     report.found += 1
     if reason:
@@ -124,6 +125,7 @@ def _rewrite_sdpa(gm: GraphModule, node: Node, opts, report: GraphReport, privat
     else:
         node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
+    erase_dead(gm.graph, repeats)
     report.rewritten[pattern] += 1
 
 

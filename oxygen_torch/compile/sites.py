@@ -8,6 +8,7 @@ sizes under dynamic shapes). Nothing here guards on a symbolic size: shapes are 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,46 @@ class Attn:
     causal: bool = False
     scale: float | None = None
     gqa: bool = False  # heads may differ (SDPA enable_gqa)
+
+
+_ALL = slice(None)
+_REPEAT_INDEX = (_ALL, _ALL, None, _ALL, _ALL)  # x[:, :, None, :, :] in transformers' repeat_kv
+
+
+def _unrepeat(x: Node) -> tuple[Node, list[Node]] | None:
+    """(source [B, Hkv, S, D], nodes made dead) when x repeats its source's heads: transformers'
+    repeat_kv (x[:, :, None].expand(...).reshape(...)) or repeat_interleave(x, n, dim=1)."""
+    if x.op == "call_method" and x.target in ("reshape", "view") and isinstance(x.args[0], Node):
+        exp = x.args[0]
+        if exp.op == "call_method" and exp.target == "expand" and isinstance(exp.args[0], Node):
+            gi = exp.args[0]
+            if gi.target is operator.getitem and gi.args[1] == _REPEAT_INDEX:
+                src = gi.args[0]
+                if is_tensor_node(src) and value(src).dim() == 4:
+                    return src, [x, exp, gi]
+    if x.target in ("repeat_interleave", torch.repeat_interleave) and len(x.args) >= 2:
+        dim = x.args[2] if len(x.args) > 2 else x.kwargs.get("dim")
+        if isinstance(x.args[1], int) and dim in (1, -3) and value(x).dim() == 4:
+            return x.args[0], [x]
+    return None
+
+
+def strip_repeat_kv(a: Attn) -> list[Node]:
+    """Feed the un-repeated K/V to the op (it does GQA itself): the repeat was a full copy of
+    K/V per step. Returns the repeat nodes, to erase once the attention is replaced."""
+    if not (is_tensor_node(a.k) and is_tensor_node(a.v)) or value(a.k).dim() != 4:
+        return []
+    rk, rv = _unrepeat(a.k), _unrepeat(a.v)
+    if rk is None or rv is None or len(a.k.users) != 1 or len(a.v.users) != 1:
+        return []
+    a.k, a.v, a.gqa = rk[0], rv[0], True
+    return rk[1] + rv[1]
+
+
+def erase_dead(graph: Graph, nodes: list[Node]) -> None:
+    for node in nodes:
+        if not node.users:
+            graph.erase_node(node)
 
 
 def check(a: Attn) -> str | None:
