@@ -339,3 +339,23 @@ def test_repeat_kv_is_folded_into_gqa():
     node, expands = seen
     assert node.args[1].meta["example_value"].shape[1] == 2  # the op reads the 2 KV heads
     assert expands == 0  # and the repeated copies are gone
+
+
+def test_hf_static_cache_generate_through_the_backend():
+    """transformers' own compiled decode (static cache, generation_config.compile_config) with
+    backend="oxygen": the same greedy tokens as uncompiled generate, every attention rewritten."""
+    from test_compile_inductor import tiny_llama
+    from transformers import CompileConfig
+
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        config = CompileConfig(backend="oxygen", mode="reduce-overhead", fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+        out = model.generate(ids, cache_implementation="static", compile_config=config, **kw)
+    assert torch.equal(out, ref)
+    s = oc.stats()
+    assert s["graphs_compiled"] >= 1 and s["left"] == 0, s
+    assert s["rewritten"] == 2 * s["graphs_compiled"], s  # two layers per compiled graph
