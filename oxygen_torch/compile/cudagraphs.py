@@ -21,6 +21,7 @@ compiles without graphs and `GraphRunner` wraps the compiled callable:
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 from collections import OrderedDict
@@ -144,7 +145,10 @@ class GraphRunner:
         self.warm: set[tuple] = set()
         self.plain: set[tuple] = set()  # signatures that cannot be captured
         self._new_graph = graph_factory or torch.cuda.CUDAGraph
-        self._capture_ctx = capture or torch.cuda.graph
+        # thread_local: other threads (the pool's refill thread) may keep calling CUDA meanwhile
+        self._capture_ctx = capture or functools.partial(
+            torch.cuda.graph, capture_error_mode="thread_local"
+        )
 
     def __call__(self, *args):
         key = self._key(args)
