@@ -212,10 +212,13 @@ struct Driver {
   CUresult (*cuEventDestroy)(CUevent) = nullptr;
   CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
   CUresult (*cuEventQuery)(CUevent) = nullptr;
-  // The CUDA 12 ABI of cuStreamGetCaptureInfo (what cuGetProcAddress hands out for CUDA_VERSION
-  // 12.x, also on a CUDA 13 driver): status, sequence id, graph, dependencies, count.
+  // cuGetProcAddress hands out cuStreamGetCaptureInfo_v3 for CUDA_VERSION >= 12.3 (status, id,
+  // graph, dependencies, edge data, count: 7 arguments); the _v2 fallback takes 6. Declaring the
+  // 7-argument form and passing null for every output past the id is right for both on x86-64
+  // (the caller owns the argument registers); calling v3 through a 6-argument type left its
+  // count pointer as register garbage and crashed on the H200.
   CUresult (*cuStreamGetCaptureInfo)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*,
-                                     const CUgraphNode**, size_t*) = nullptr;
+                                     const CUgraphNode**, const void**, size_t*) = nullptr;
   bool ok = false;
 };
 
@@ -428,7 +431,7 @@ class CudaBackend final : public Backend {
     CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
     cuuint64_t seq = 0;
     OXY_CU(driver().cuStreamGetCaptureInfo(static_cast<CUstream>(stream), &st, &seq, nullptr,
-                                           nullptr, nullptr));
+                                           nullptr, nullptr, nullptr));
     *capturing = st != CU_STREAM_CAPTURE_STATUS_NONE;
     *id = *capturing ? static_cast<std::uint64_t>(seq) : 0;
     return OK;
