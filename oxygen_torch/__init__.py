@@ -2,6 +2,7 @@
 inference. ``oxygen_torch.enable()`` before the first CUDA allocation; ``generate()`` unchanged.
 """
 
+from . import compile  # noqa: F401  (registers the torch.compile backend "oxygen")
 from .allocator import Arena, VirtualPool, pool
 from .api import active_config, apply, disable, empty_cache, enable, is_enabled, memory_stats
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
@@ -28,6 +29,7 @@ __all__ = [
     "VirtualPool",
     "Arena",
     "PagedKVCache",
+    "compile",
     "disable",
     "is_enabled",
     "active_config",
