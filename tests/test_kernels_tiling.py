@@ -50,7 +50,8 @@ def test_seed_rule(hidden, kind, expected):
         (dict(head_dim=80), (128, 64)),  # padded to 128
         (dict(head_dim=256), (64, 64)),  # accumulator cap halves block_m, then smem
         (dict(head_dim=128, dtype=torch.float32), (128, 32)),
-        (dict(head_dim=128, precision="fp32_safe"), (128, 32)),
+        (dict(head_dim=128, precision="fp32_safe"), (64, 32)),
+        (dict(phase="decode", precision="fp32_safe"), (16, 32)),
         (dict(head_dim=64, dtype=torch.uint8), (128, 128)),
         (dict(head_dim=128, dtype=torch.uint8), (128, 64)),  # + the K/V converted to half
         (dict(hidden_size=1024, head_dim=64), (64, 64)),
@@ -98,6 +99,8 @@ def test_warps_stages_and_splits():
     q = tq()
     assert select_num_warps(q, 128, 64) == 8 and select_num_warps(q, 64, 64) == 4
     assert select_num_warps(tq(phase="decode"), 16, 64) == 4
+    assert select_num_warps(tq(phase="decode", dtype=torch.uint8), 16, 128) == 8
+    assert select_num_warps(tq(precision="fp32_safe"), 64, 32) == 8
     assert select_num_stages(q) == 3 and select_num_stages(tq(head_dim=256)) == 2
     # batch x kv_heads programs vs 2 x 132 SMs on the H200 anchor cases
     assert select_num_splits(32 * 8, 4096, 64) == 2

@@ -32,10 +32,15 @@ def kv_rows(
 
 
 @triton.jit
-def load_kv(ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+def load_kv(
+    ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr
+):
     """[BLOCK_N, D_PAD] tile. fp8 caches arrive as uint8 views (the host reinterprets
     float8_e4m3fn storage), so one code path serves the GPU and the CPU interpreter."""
-    m = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if HEAD_DIM == D_PAD:
+        m = mask[:, None]  # a row mask is constant along D: the loads stay 16-byte vectors
+    else:
+        m = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m, other=0)
     if FP8:
         x = x.to(tl.float8e4nv, bitcast=True)

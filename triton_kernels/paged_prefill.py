@@ -80,8 +80,8 @@ def _key_phase(
         rows, blk = kv_rows(
             bt_row, pos, load_ok, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS
         )
-        k = load_kv(k_ptr, rows, offs_d, load_ok, HEAD_DIM, FP8)
-        v = load_kv(v_ptr, rows, offs_d, load_ok, HEAD_DIM, FP8)
+        k = load_kv(k_ptr, rows, offs_d, load_ok, HEAD_DIM, D_PAD, FP8)
+        v = load_kv(v_ptr, rows, offs_d, load_ok, HEAD_DIM, D_PAD, FP8)
         k_sc = 1.0  # scales are only read when FP8
         v_sc = 1.0
         if FP8:

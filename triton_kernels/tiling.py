@@ -13,6 +13,8 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
   the K/V tiles converted to half must fit SMEM_BUDGET (180 KiB of 227); block_n is halved first
   (down to 32), then block_m. This shrinks tiles for head_dim 256 and for fp32 storage (or
   FP32_SAFE compute), and lets fp8 decode stream 128-token tiles.
+- FP32_SAFE: block_n <= 32 (and block_m <= 64 in prefill) with 8 warps: its ieee dots run on
+  FMA units out of registers.
 - seq_len: no tile is larger than the next power of two of the sequence (>= 16).
 - overrides block_m / block_n are used as given (they must be powers of two >= 16).
 
@@ -161,6 +163,13 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
         block_n //= 2
     while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_m > 16:
         block_m //= 2
+    if q.phase == "prefill" and q.elem_bytes == 1:
+        block_n = min(block_n, 64)  # fp8 K/V converted in registers: 128-key tiles spill (sm_90)
+    if q.precision == PrecisionMode.FP32_SAFE:
+        # ieee fp32 dots run on FMA units from registers: sm_90 builds of larger tiles spill
+        # kilobytes per thread (ptxas), so the safe mode takes small tiles
+        block_n = min(block_n, 32)
+        block_m = block_m if q.phase == "decode" else min(block_m, 64)
     cap = max(16, next_pow2(q.seq_len))
     block_n = min(block_n, cap)
     if q.phase == "prefill":
@@ -169,10 +178,18 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
 
 
 def select_num_warps(q: TileQuery, block_m: int, block_n: int) -> int:
-    """8 warps for tiles of >= 128x64 (prefill), else 4: more warps share the register file."""
-    if q.phase == "prefill" and block_m * block_n >= 128 * 64:
+    """8 warps where one program's tiles are large, else 4: more warps share the register file.
+
+    Measured with sm_90 builds (ptxas -v): fp8 decode at 128 x 128 K/V tiles needs 255 registers
+    and spills at 4 warps, 216 without spills at 8; prefill at head_dim 256 (64 x 64 tiles)
+    spills at 4 warps; FP32_SAFE spills least at 8."""
+    if q.precision == PrecisionMode.FP32_SAFE:
         return 8
-    if q.phase == "decode" and block_n * next_pow2(q.head_dim) >= 128 * 256:
+    if q.phase == "prefill" and (
+        block_m * block_n >= 128 * 64 or block_m * next_pow2(q.head_dim) >= 128 * 128
+    ):
+        return 8
+    if q.phase == "decode" and block_n * next_pow2(q.head_dim) >= 128 * 128:
         return 8
     return 4
 
