@@ -52,8 +52,8 @@ def test_seed_rule(hidden, kind, expected):
         (dict(head_dim=128, dtype=torch.float32), (128, 32)),
         (dict(head_dim=128, precision="fp32_safe"), (64, 32)),
         (dict(phase="decode", precision="fp32_safe"), (16, 32)),
-        (dict(head_dim=64, dtype=torch.uint8), (128, 128)),
-        (dict(head_dim=128, dtype=torch.uint8), (128, 64)),  # + the K/V converted to half
+        (dict(head_dim=64, dtype=torch.uint8), (128, 64)),  # fp8 prefill: block_n <= 64
+        (dict(head_dim=128, dtype=torch.uint8), (128, 64)),
         (dict(hidden_size=1024, head_dim=64), (64, 64)),
         (dict(attention_type="moe"), (32, 32)),
         (dict(seq_len=20), (32, 32)),
