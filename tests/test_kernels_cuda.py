@@ -204,7 +204,7 @@ def test_every_common_choice_compiles_and_is_correct(phase, launch, d, dt):
     kw = dict(k_scale=p.k_scale, v_scale=p.v_scale, launch=launch)
     if phase == "decode":
         q = randn((2, 28, d), BF16, seed=16, device=CUDA)
-        out, ref = _decode(p, q, **kw)
+        out, ref = _decode(p, q, launch=launch)  # _decode passes p's scales itself
     else:
         cu = torch.tensor([0, 200, 329], dtype=torch.int32, device=CUDA)
         q = randn((329, 28, d), BF16, seed=17, device=CUDA)
