@@ -70,7 +70,7 @@ def scores(
         s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)))
     if FP8:
         s = s * k_sc[None, :]
-    return s * qk_scale
+    return (s * qk_scale).to(tl.float32)  # Inductor may pass the scale as fp64
 
 
 @triton.jit
