@@ -13,7 +13,6 @@
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <sstream>
 
 #include <cuda.h>
 
@@ -22,10 +21,13 @@ namespace oxygen {
 namespace {
 thread_local std::string g_last_error;
 
+// Messages are formatted with snprintf, not iostreams: on the H200 an ostringstream in this
+// library crashed inside libstdc++'s locale code when formatting a driver error.
 std::string errno_text(const char* what) {
-  std::ostringstream s;
-  s << what << " failed: " << std::strerror(errno) << " (errno " << errno << ")";
-  return s.str();
+  int err = errno;
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%s failed: %s (errno %d)", what, std::strerror(err), err);
+  return buf;
 }
 
 Status os_error(const char* what) {
@@ -207,7 +209,10 @@ struct Driver {
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuGetErrorName)(CUresult, const char**) = nullptr;
   CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
-  CUresult (*cuCtxSynchronize)() = nullptr;
+  // The CUDA 13 driver hands out cuCtxSynchronize_v2, which takes the context to synchronize
+  // (called without it, it reported CONTEXT_IS_DESTROYED on the H200). Passing the context is
+  // right for both forms: the v1 form ignores the extra argument register.
+  CUresult (*cuCtxSynchronize)(CUcontext) = nullptr;
   CUresult (*cuEventCreate)(CUevent*, unsigned) = nullptr;
   CUresult (*cuEventDestroy)(CUevent) = nullptr;
   CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
@@ -285,9 +290,9 @@ Driver& driver() {
 Status driver_error(const char* call, CUresult r) {
   const char* nm = "?";
   if (driver().cuGetErrorName) driver().cuGetErrorName(r, &nm);
-  std::ostringstream s;
-  s << call << " failed: " << nm << " (" << static_cast<int>(r) << ")";
-  set_last_error(s.str());
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%s failed: %s (%d)", call, nm, static_cast<int>(r));
+  set_last_error(buf);
   return r == CUDA_ERROR_OUT_OF_MEMORY ? ERR_OOM : ERR_DRIVER;
 }
 
@@ -438,7 +443,7 @@ class CudaBackend final : public Backend {
   }
   Status synchronize() override {
     CtxGuard g(ctx_);
-    OXY_CU(driver().cuCtxSynchronize());
+    OXY_CU(driver().cuCtxSynchronize(ctx_));
     return OK;
   }
 
