@@ -162,7 +162,7 @@ def _paged_attention_fake(
 @torch.library.custom_op(
     "oxygen::kv_append", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale")
 )
-def kv_append(
+def _kv_append_op(
     k: Tensor,
     v: Tensor,
     k_cache: Tensor,
@@ -183,9 +183,26 @@ def kv_append(
         )
 
 
-@kv_append.register_fake
+@_kv_append_op.register_fake
 def _kv_append_fake(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
+
+class _DefaultsFilled:
+    """Calls the op with every argument given. torch 2.11's ADInplaceOrView kernel for custom ops
+    indexes mutated arguments by position without filling defaults, so a call that left out the
+    optional k_scale/v_scale raised IndexError on the H200 (torch 2.13 fills them itself)."""
+
+    def __init__(self, op):
+        self._op = op
+
+    def __call__(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        return self._op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+
+kv_append = _DefaultsFilled(_kv_append_op)
 
 __all__ = ["attention", "attention_ref", "paged_attention", "kv_append"]
