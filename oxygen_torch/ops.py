@@ -168,8 +168,8 @@ def _kv_append_op(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
 ) -> None:
     """k, v: [T, Hkv, D] -> k_cache/v_cache slots slot_mapping [T] (negative = skip), in place;
     fp8 caches also update k_scale/v_scale [num_blocks, Hkv]."""
@@ -184,14 +184,15 @@ def _kv_append_op(
 
 
 @_kv_append_op.register_fake
-def _kv_append_fake(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def _kv_append_fake(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     return None
 
 
 class _DefaultsFilled:
     """Calls the op with every argument given. torch 2.11's ADInplaceOrView kernel for custom ops
-    indexes mutated arguments by position without filling defaults, so a call that left out the
-    optional k_scale/v_scale raised IndexError on the H200 (torch 2.13 fills them itself)."""
+    indexes mutated arguments by position, and the dispatcher drops trailing arguments equal to
+    their defaults, so optional k_scale/v_scale raised IndexError on the H200: the schema has no
+    defaults, and this wrapper supplies them."""
 
     def __init__(self, op):
         self._op = op

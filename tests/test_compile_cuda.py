@@ -14,6 +14,8 @@ import oxygen_torch.compile as oc
 
 pytestmark = pytest.mark.cuda
 ops = torch.ops.oxygen
+# kv_append through the Python wrapper, which passes the optional scales (see oxygen_torch.ops)
+from oxygen_torch.ops import kv_append  # noqa: E402
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -156,7 +158,7 @@ def _paged_setup(b=4, hq=32, hkv=8, d=64, bt=16, max_len=256, dtype=torch.bfloat
 
 
 def _decode_step(q, k, v, k_cache, v_cache, table, seq_lens, slots):
-    ops.kv_append(k, v, k_cache, v_cache, slots)
+    kv_append(k, v, k_cache, v_cache, slots)
     return ops.paged_attention(q, k_cache, v_cache, table, seq_lens)
 
 
@@ -176,7 +178,7 @@ def test_paged_decode_step_in_a_cuda_graph():
         n = int(start[i])
         pos = torch.arange(n, device="cuda")
         slots = table[i, pos // 16].long() * 16 + pos % 16
-        ops.kv_append(
+        kv_append(
             _randn((n, hkv, d), torch.bfloat16, 10 + i),
             _randn((n, hkv, d), torch.bfloat16, 20 + i),
             k_cache,
