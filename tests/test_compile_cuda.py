@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from oxygen_torch.triton_kernels.reference import paged_decode_ref
 
 import oxygen_torch.compile as oc
+from oxygen_torch.ops import kv_append  # the wrapper supplies the optional scales
 
 pytestmark = pytest.mark.cuda
 ops = torch.ops.oxygen
-# kv_append through the Python wrapper, which passes the optional scales (see oxygen_torch.ops)
-from oxygen_torch.ops import kv_append  # noqa: E402
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 DTYPES = [torch.bfloat16, torch.float16]
 

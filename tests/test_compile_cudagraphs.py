@@ -99,7 +99,8 @@ def test_runner_drops_oldest_graph_past_the_limit(monkeypatch):
 def test_mutated_inputs_follow_views():
     def f(cache, x, idx):
         cache[:, 0].index_copy_(0, idx, x)
-        torch.ops.oxygen.kv_append(x[:, None], x[:, None], cache[None], cache[None], idx, None, None)
+        x3 = x[:, None]
+        torch.ops.oxygen.kv_append(x3, x3, cache[None], cache[None], idx, None, None)
         return cache.sum() + x.sum()
 
     import oxygen_torch.ops  # noqa: F401

@@ -88,7 +88,7 @@ def _paged(lens, hkv, d, bt=16, seed=0):
         pos = torch.arange(n)
         slots = torch.tensor(blocks, dtype=torch.int64)[pos // bt] * bt + pos % bt
         k, v = _randn(n, hkv, d, seed=seed + 2 * b), _randn(n, hkv, d, seed=seed + 2 * b + 1)
-        ops.kv_append(k, v, k_cache, v_cache, slots)
+        ops.kv_append(k, v, k_cache, v_cache, slots, None, None)
         dense.append((k, v))
     return k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), dense
 
@@ -97,7 +97,7 @@ def test_kv_append_writes_in_place_and_skips_negative_slots():
     k_cache = torch.zeros(4, 16, 2, 16)
     v_cache = torch.zeros_like(k_cache)
     k, v = _randn(3, 2, 16, seed=1), _randn(3, 2, 16, seed=2)
-    ops.kv_append(k, v, k_cache, v_cache, torch.tensor([17, -1, 63]))
+    ops.kv_append(k, v, k_cache, v_cache, torch.tensor([17, -1, 63]), None, None)
     torch.testing.assert_close(k_cache[1, 1], k[0])
     torch.testing.assert_close(v_cache[3, 15], v[2])
     assert k_cache.count_nonzero() == 2 * 2 * 16  # the skipped token wrote nothing
@@ -134,7 +134,9 @@ def test_paged_ops_opcheck():
     qp = _randn(3, 4, 16, seed=4)
     torch.library.opcheck(ops.paged_attention.default, (qp, k_cache, v_cache, table, seq_lens, cu))
     k, v = _randn(2, 2, 16, seed=5), _randn(2, 2, 16, seed=6)
-    torch.library.opcheck(ops.kv_append.default, (k, v, k_cache, v_cache, torch.tensor([3, 40])))
+    torch.library.opcheck(
+        ops.kv_append.default, (k, v, k_cache, v_cache, torch.tensor([3, 40]), None, None)
+    )
 
 
 def test_paged_step_compiles_without_graph_breaks():
@@ -143,7 +145,7 @@ def test_paged_step_compiles_without_graph_breaks():
     k_cache, v_cache, table, seq_lens, _ = _paged([15, 30], 2, 16)
 
     def step(q, k, v, kc, vc, slots, table, lens):
-        ops.kv_append(k, v, kc, vc, slots)
+        ops.kv_append(k, v, kc, vc, slots, None, None)
         return ops.paged_attention(q, kc, vc, table, lens)
 
     q, k, v = _randn(2, 4, 16, seed=1), _randn(2, 2, 16, seed=2), _randn(2, 2, 16, seed=3)
