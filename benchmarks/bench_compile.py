@@ -36,24 +36,10 @@ CHILD_TIMEOUT_S = 300
 
 
 def build_model():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from oxygen_torch.demo_models import random_llama
 
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=8192,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).cuda().eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model, cfg
+    model = random_llama(attn_implementation="sdpa")
+    return model, model.config
 
 
 def compile_config(mode: str):

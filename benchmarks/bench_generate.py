@@ -42,16 +42,9 @@ if SMOKE:
 
 
 def build_model():
-    import transformers as T
+    from oxygen_torch.demo_models import LLAMA_1B, random_llama
 
-    shape = dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    )
+    shape = dict(LLAMA_1B)
     if SMOKE:
         shape.update(
             hidden_size=128,
@@ -60,14 +53,10 @@ def build_model():
             num_attention_heads=2,
             num_key_value_heads=1,
         )
-    torch.manual_seed(0)
-    with torch.device(DEVICE):  # initialise on the GPU: seconds instead of a minute on the host
-        model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=8192))
-    model = model.to(torch.float32 if SMOKE else torch.bfloat16).eval()
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    model = random_llama(shape, dtype=dtype, device=DEVICE, init_on_device=True)
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
     return model
 
 

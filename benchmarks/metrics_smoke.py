@@ -42,35 +42,15 @@ KEYS = [
 
 
 def build(device: str):
-    import transformers as T
+    from oxygen_torch.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
 
     big = device == "cuda"
-    shape = (
-        dict(
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=32000,
-        )
-        if big
-        else dict(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=1024,
-        )
+    return random_llama(
+        LLAMA_1B if big else TINY_LLAMA,
+        dtype=torch.bfloat16 if big else torch.float32,
+        device=device,
+        max_position_embeddings=4096,
     )
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
-    model = model.to(torch.bfloat16 if big else torch.float32).to(device).eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None  # fixed length
-    return model
 
 
 def scrape(url: str) -> dict[tuple, float]:

@@ -36,22 +36,11 @@ def workload(calls: int, max_new: int) -> list[tuple[int, int, int]]:
 
 
 def build_model():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from oxygen_torch.demo_models import random_llama
 
-    cfg = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=8192,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).cuda().eval()
+    model = random_llama()
     model.config._attn_implementation = "sdpa"
-    return model, cfg
+    return model, model.config
 
 
 def compact(events: list[dict]) -> tuple[list[list], dict]:

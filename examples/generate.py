@@ -26,32 +26,14 @@ GIB = 1 << 30
 def build_model(args):
     import transformers as T
 
+    from oxygen_torch.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
+
     dtype = getattr(torch, args.dtype)
-    if args.checkpoint:
-        model = T.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype)
-    else:
-        if args.device == "cuda":  # the Llama-1.1B shape of the benchmarks
-            shape = dict(
-                hidden_size=2048,
-                intermediate_size=5632,
-                num_hidden_layers=16,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                vocab_size=32000,
-            )
-        else:  # tiny: a few seconds on two cores
-            shape = dict(
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-                vocab_size=1024,
-            )
-        torch.manual_seed(0)
-        model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
-        model = model.to(dtype)
+    if not args.checkpoint:
+        # the Llama-1.1B shape of the benchmarks on a GPU; tiny (seconds on two cores) on CPU
+        shape = LLAMA_1B if args.device == "cuda" else TINY_LLAMA
+        return random_llama(shape, dtype=dtype, device=args.device, max_position_embeddings=4096)
+    model = T.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype)
     model = model.to(args.device).eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
     model.generation_config.eos_token_id = None  # fixed length: both sides make the same work

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers as T
 
+from oxygen_torch.demo_models import random_llama
 from oxygen_torch.integrations import hf
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
@@ -91,21 +92,7 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
 
 
 def _llama_1b(dtype):
-    cfg = T.LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = T.LlamaForCausalLM(cfg).to(dtype).cuda().eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model
+    return random_llama(dtype=dtype, max_position_embeddings=4096, attn_implementation="sdpa")
 
 
 def _agreement(a, b, start):
