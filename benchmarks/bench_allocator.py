@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from oxygen_torch.progress import progress
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20]
@@ -112,7 +114,7 @@ def bench_latency() -> dict:
 
 def bench_workload(calls: int) -> dict:
     out = {}
-    for mode in ("default", "expandable", "oxygen"):
+    for mode in progress(("default", "expandable", "oxygen"), "mixed workload"):
         code = (
             f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import mixed_workload as m; "
             f"print(json.dumps(m.run({mode!r}, {calls})))"

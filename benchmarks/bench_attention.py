@@ -38,6 +38,8 @@ from oxygen_torch.triton_kernels import (
 from oxygen_torch.triton_kernels.paged_decode import decode_launch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from oxygen_torch.progress import progress
+
 HQ, HKV, D = 32, 8, 128
 DECODE = [(32, 4096), (64, 1024), (8, 32768), (1, 32768)]
 PREFILL = [(4, 4096), (1, 16384)]
@@ -318,11 +320,11 @@ def main():
         env.update(gpu=props.name, sms=props.multi_processor_count)
     print(env, flush=True)
     errors = precision_errors(gen)  # first: the README's error table must not be crowded out
-    for b, n in DECODE:
+    for b, n in progress(DECODE, "decode cases"):
         decode_case(b, n, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    for b, s in PREFILL:
+    for b, s in progress(PREFILL, "prefill cases"):
         prefill_case(b, s, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()

@@ -29,6 +29,8 @@ import sys
 import time
 import traceback
 
+from oxygen_torch.progress import progress
+
 B, P, N = 16, 512, 256
 MODES = ("hf_static", "oxygen", "oxygen_default", "oxygen_enabled")
 DEFAULT_MODES = ("hf_static", "oxygen", "oxygen_default")
@@ -149,7 +151,7 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         return
     rows = []
-    for mode in args.modes:
+    for mode in progress(args.modes, "compile modes"):
         rows.append(run_child(mode, args.new))
         print(json.dumps(rows[-1]), flush=True)
     md = (

@@ -26,6 +26,8 @@ import types
 
 import torch
 
+from oxygen_torch.progress import progress
+
 GIB = 1 << 30
 CAP_BYTES = 24 * GIB
 B, P, N = 16, 512, 256
@@ -252,7 +254,7 @@ def main() -> None:
         print(json.dumps(run_mode(args.run)), flush=True)
         return
     results = {}
-    for mode in args.modes:
+    for mode in progress(args.modes, "generate modes"):
         t = time.time()
         results[mode] = spawn(mode)
         brief = {k: v for k, v in results[mode].items() if k != "tokens"}
