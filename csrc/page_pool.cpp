@@ -119,6 +119,7 @@ Status DeviceCtx::acquire(PhysHandle* handle) {
   {
     std::lock_guard<std::mutex> g(mu_);
     start_thread();
+    refill_paused_ = false;
     if (!cache_.empty()) {
       *handle = cache_.back();
       cache_.pop_back();
@@ -162,6 +163,7 @@ void DeviceCtx::trim(std::size_t keep) {
   std::vector<PhysHandle> out;
   {
     std::lock_guard<std::mutex> g(mu_);
+    if (keep == 0) refill_paused_ = true;
     while (cache_.size() > keep) {
       out.push_back(cache_.back());
       cache_.pop_back();
@@ -193,6 +195,7 @@ Status DeviceCtx::prepare(std::size_t pages) {
     }
     bump(stats_.handles_created);
     std::lock_guard<std::mutex> g(mu_);
+    refill_paused_ = false;  // an explicit request for handles ahead
     cache_.push_back(h);
     bump(stats_.handle_cache_pages);
   }
@@ -204,7 +207,9 @@ void DeviceCtx::refill() {
   for (;;) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (stop_ || refill_failed_ || cache_.size() >= high_ || owned_.load() >= max_pages_) return;
+      if (stop_ || refill_failed_ || refill_paused_ || cache_.size() >= high_ ||
+          owned_.load() >= max_pages_)
+        return;
       owned_.fetch_add(1);
     }
     PhysHandle h = 0;
@@ -215,7 +220,13 @@ void DeviceCtx::refill() {
       return;
     }
     bump(stats_.handles_created);
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
+    if (refill_paused_) {  // trim(0) ran while this handle was being created: hand it back too
+      owned_.fetch_sub(1);
+      g.unlock();
+      if (backend_->release(h) == OK) bump(stats_.handles_released);
+      return;
+    }
     cache_.push_back(h);
     bump(stats_.handle_cache_pages);
   }
@@ -228,7 +239,8 @@ void DeviceCtx::run() {
     {
       std::unique_lock<std::mutex> g(mu_);
       cv_.wait_for(g, std::chrono::milliseconds(5), [this] {
-        return stop_ || (!refill_failed_ && cache_.size() < low_ && owned_.load() < max_pages_);
+        return stop_ || (!refill_failed_ && !refill_paused_ && cache_.size() < low_ &&
+                         owned_.load() < max_pages_);
       });
       if (stop_) return;
     }

@@ -92,6 +92,9 @@ class DeviceCtx {
   std::atomic<std::size_t> owned_{0};  // handles alive: mapped + cached
   bool stop_ = false;
   bool refill_failed_ = false;  // device out of memory: wait for a give_back before retrying
+  // trim(0) (empty_cache, teardown) asked for every cached handle back: the refill thread stays
+  // idle until the next acquire or prepare, instead of re-creating 32 MiB a few ms later.
+  bool refill_paused_ = false;
   std::thread thread_;
 
   std::mutex sweep_mu_;

@@ -86,10 +86,37 @@ def _oom(message: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(message)
 
 
-class VirtualPool:
+class _NativeObject:
+    """A native pool or arena: released by close(), at the end of a with-block, or when collected.
+    close() releases everything: blocks still live are unmapped, do not touch them afterwards."""
+
+    _h = None
+    _destroy = ""  # name of the C function that releases the handle
+
+    def close(self) -> None:
+        if self._h:
+            getattr(_native.lib(), self._destroy)(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules it needs may already be gone
+            pass
+
+
+class VirtualPool(_NativeObject):
     """One pool as a Python object (tests, benchmarks, the KV cache). ``capacity`` is the physical
     limit in bytes (default: device memory x ``reserve_fraction``); the virtual range reserved is
     twice that, so that holes never starve it."""
+
+    _destroy = "oxygen_pool_destroy"
 
     def __init__(
         self,
@@ -197,32 +224,18 @@ class VirtualPool:
         n = _native.lib().oxygen_pool_latency_hist(self._handle(), arr, 16)
         return list(arr[:n])
 
-    def close(self) -> None:
-        """Release everything (blocks still live are unmapped: do not touch them afterwards)."""
-        if self._h:
-            _native.lib().oxygen_pool_destroy(self._h)
-            self._h = None
-
-    def __enter__(self) -> VirtualPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
 
 _arenas: weakref.WeakSet = weakref.WeakSet()
 
 
-class Arena:
+class Arena(_NativeObject):
     """A reserved virtual range for the KV cache; its pages are mapped explicitly. Handles come
     from the device context shared with the global pool and count in the same mapped bytes.
 
     Touching an unmapped page is fatal (SIGSEGV on the host backend, an illegal address that
     poisons the CUDA context on a GPU): unmap only pages no kernel can still read."""
+
+    _destroy = "oxygen_arena_destroy"
 
     def __init__(
         self,
@@ -300,21 +313,6 @@ class Arena:
             "version": 3,
             "strides": None,
         }
-
-    def close(self) -> None:
-        if self._h:
-            _native.lib().oxygen_arena_destroy(self._h)
-            self._h = None
-
-    def __enter__(self) -> Arena:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 # ---------------------------------------------------------------------------------------------
