@@ -1,5 +1,6 @@
 """The native library: loading, the host backend life cycle, and errors without a driver."""
 
+import os
 import subprocess
 import sys
 
@@ -58,13 +59,23 @@ def test_cuda_device_reports_2mib_granularity():
     assert _native.backend_selftest("cuda", 0) == 2 << 20
 
 
-def test_doctor_runs_and_exits_zero():
-    r = subprocess.run(
+def _doctor(oxygen_conf: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m oxygen_torch doctor` in a fresh process, with OXYGEN_CONF set if given."""
+    env = dict(os.environ)
+    env.pop("OXYGEN_CONF", None)
+    if oxygen_conf is not None:
+        env["OXYGEN_CONF"] = oxygen_conf
+    return subprocess.run(
         [sys.executable, "-m", "oxygen_torch", "doctor"],
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
+
+
+def test_doctor_runs_and_exits_zero():
+    r = _doctor()
     assert r.returncode == 0, r.stdout + r.stderr
     assert "usable: yes" in r.stdout
     assert "host backend   : reserve/create/map/access/unmap/release OK" in r.stdout
@@ -73,44 +84,17 @@ def test_doctor_runs_and_exits_zero():
 
 
 def test_doctor_fails_clearly_on_bad_config():
-    import os
-
-    env = dict(os.environ, OXYGEN_CONF="hot_zone_ratio:7")
-    r = subprocess.run(
-        [sys.executable, "-m", "oxygen_torch", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    r = _doctor("hot_zone_ratio:7")
     assert r.returncode == 1
     assert "NOT USABLE" in r.stdout and "pool.hot_zone_ratio: 7.0 is out of range" in r.stdout
 
 
 def test_doctor_reports_sources_of_non_defaults():
-    import os
-
-    env = dict(os.environ, OXYGEN_CONF="kv.block_tokens:32")
-    r = subprocess.run(
-        [sys.executable, "-m", "oxygen_torch", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    r = _doctor("kv.block_tokens:32")
     assert "kv.block_tokens              32  (from OXYGEN_CONF)" in r.stdout
 
 
 @pytest.mark.skipif(HAS_DRIVER, reason="checks the no-driver path")
 def test_doctor_fails_when_cuda_is_forced_without_driver():
-    import os
-
-    env = dict(os.environ, OXYGEN_CONF="pool.backend:cuda")
-    r = subprocess.run(
-        [sys.executable, "-m", "oxygen_torch", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    r = _doctor("pool.backend:cuda")
     assert r.returncode == 1 and "cuda backend does not work here" in r.stdout
