@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 import transformers as T
+from test_hf_generate import COMMON  # the tiny model shape shared by the HF tests
 from transformers import AttentionInterface, DynamicCache, GenerationMixin, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -15,16 +16,6 @@ from oxygen_torch.integrations import hf
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 from oxygen_torch.kv.storage import KVStorage
 
-COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=128,
-    max_position_embeddings=256,
-)
 STOCK_GENERATE = GenerationMixin.generate
 CFG = types.SimpleNamespace(
     kv=types.SimpleNamespace(block_tokens=16, arena_bytes=0, debug_checks=False)
