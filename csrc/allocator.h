@@ -92,6 +92,8 @@ class Allocator {
   // placement (allocator.cpp)
   std::uintptr_t place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
   std::uintptr_t large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
+  bool place_on_idle(std::size_t bytes, std::size_t align, const StreamState* user,
+                     std::uintptr_t* addr, Tag* tag);
   std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
   SlabPage* new_slab_page(Heap* heap, int cls);
   void slab_put(SlabPage* sp, std::uint32_t slot, Tag tag);

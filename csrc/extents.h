@@ -30,6 +30,12 @@ class FreeExtents {
   bool take(std::size_t size, std::size_t align, const StreamState* user, std::uintptr_t* addr,
             Tag* tag);
 
+  // The free extent holding `addr`, or false. Sets its start, size and tag.
+  bool find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size, Tag* tag) const;
+
+  // Carves [addr, addr+size) out of the free extent holding it (the caller found it with find()).
+  void take_at(std::uintptr_t addr, std::size_t size);
+
   // Join neighbours whose tags became compatible (events completed since they were freed).
   void coalesce();
 

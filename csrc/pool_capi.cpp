@@ -228,4 +228,5 @@ OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 :
 // Python's atexit: stop the background threads before the interpreter and the driver go away.
 OXY_API void oxygen_shutdown() { DeviceCtx::stop_all_threads(); }
 OXY_API void oxygen_host_hold_events(int hold) { host_hold_events(hold != 0); }
+OXY_API void oxygen_host_set_event_lag(std::uint64_t ns) { host_set_event_lag(ns); }
 OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) { host_set_capture(stream, id); }

@@ -1,5 +1,6 @@
 // Host and CUDA implementations of oxygen::Backend. See vmm_backend.h.
 #include "vmm_backend.h"
+#include "stats.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -48,6 +49,11 @@ namespace {
 
 std::atomic<std::uint64_t> g_host_events{0};
 std::atomic<bool> g_host_hold{false};
+// Test knob: an event completes `g_host_lag_ns` after it was recorded, like a GPU running behind
+// the CPU (host memory itself is written synchronously). 0: complete once recorded.
+std::atomic<std::uint64_t> g_host_lag_ns{0};
+std::mutex g_host_event_mu;
+std::map<std::uint64_t, std::uint64_t> g_host_recorded_at;  // event -> steady clock ns
 std::mutex g_host_capture_mu;
 std::map<void*, std::uint64_t> g_host_capture;
 
@@ -124,10 +130,25 @@ class HostBackend final : public Backend {
     *event = ++g_host_events;
     return OK;
   }
-  Status event_destroy(EventHandle) override { return OK; }
-  Status event_record(EventHandle, void*) override { return OK; }
-  Status event_query(EventHandle, bool* done) override {
+  Status event_destroy(EventHandle event) override {
+    std::lock_guard<std::mutex> g(g_host_event_mu);
+    g_host_recorded_at.erase(event);
+    return OK;
+  }
+  Status event_record(EventHandle event, void*) override {
+    if (g_host_lag_ns.load(std::memory_order_acquire) == 0) return OK;
+    std::lock_guard<std::mutex> g(g_host_event_mu);
+    g_host_recorded_at[event] = now_ns();
+    return OK;
+  }
+  Status event_query(EventHandle event, bool* done) override {
     *done = !g_host_hold.load(std::memory_order_acquire);
+    std::uint64_t lag = g_host_lag_ns.load(std::memory_order_acquire);
+    if (*done && lag) {
+      std::lock_guard<std::mutex> g(g_host_event_mu);
+      auto it = g_host_recorded_at.find(event);
+      *done = it == g_host_recorded_at.end() || now_ns() >= it->second + lag;
+    }
     return OK;
   }
   Status capture_info(void* stream, bool* capturing, std::uint64_t* id) override {
@@ -138,7 +159,11 @@ class HostBackend final : public Backend {
     return OK;
   }
   Status synchronize() override {
-    if (!g_host_hold.load(std::memory_order_acquire)) return OK;
+    if (!g_host_hold.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> g(g_host_event_mu);
+      g_host_recorded_at.clear();  // everything recorded so far has completed
+      return OK;
+    }
     set_last_error("host backend: events are held (test knob), nothing completes");
     return ERR_UNSUPPORTED;
   }
@@ -154,6 +179,13 @@ class HostBackend final : public Backend {
 }  // namespace
 
 void host_hold_events(bool hold) { g_host_hold.store(hold, std::memory_order_release); }
+
+void host_set_event_lag(std::uint64_t ns) {
+  g_host_lag_ns.store(ns, std::memory_order_release);
+  if (ns) return;
+  std::lock_guard<std::mutex> g(g_host_event_mu);
+  g_host_recorded_at.clear();
+}
 
 void host_set_capture(void* stream, std::uint64_t id) {
   std::lock_guard<std::mutex> g(g_host_capture_mu);

@@ -69,6 +69,9 @@ class Backend {
 // Test knobs of the host backend: hold events pending (so stream-ordered reuse can be tested on a
 // CPU) and mark a fake stream as capturing with a given id (0 = not capturing).
 void host_hold_events(bool hold);
+// Test knob: host events complete `ns` after they are recorded, like a GPU running behind (0: at
+// once).
+void host_set_event_lag(std::uint64_t ns);
 void host_set_capture(void* stream, std::uint64_t id);
 
 // Factories. On failure they return nullptr and set *status and last_error().
