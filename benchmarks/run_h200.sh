@@ -2,6 +2,8 @@
 # One device call: install against the machine's torch/triton/transformers, run the GPU tests and
 # the benchmarks named on the command line, and pack every log into $OUT/results.tgz.
 #   bash benchmarks/run_h200.sh tests 120 "tests/test_x.py" bench 300 "benchmarks/bench_a.py" ...
+# Kinds: tests (pytest -m cuda on the files), bench (python3 on the script and its arguments),
+# cmd (any shell command, e.g. "compute-sanitizer --tool memcheck python3 x.py").
 # Each step has its own timeout so one hang cannot eat the whole call; each step sees OUT set to
 # the log folder, so the JSON/markdown files the benchmarks write travel in the same archive.
 set -u
@@ -20,6 +22,8 @@ while [ $# -ge 3 ]; do
   start=$(date +%s)
   if [ "$kind" = tests ]; then  # GPU machine: only the cuda-marked tests (CPU ones run in CI)
     OUT="$LOG" timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rs -m cuda $what >"$name" 2>&1
+  elif [ "$kind" = cmd ]; then
+    OUT="$LOG" timeout "$secs" bash -c "$what" >"$name" 2>&1
   else
     OUT="$LOG" timeout "$secs" python3 $what >"$name" 2>&1
   fi
