@@ -15,6 +15,7 @@ from oxygen_torch.integrations import hf
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
 pytestmark = pytest.mark.cuda
+DEVICE = "cuda"
 
 SMALL = dict(
     hidden_size=128,
@@ -101,33 +102,68 @@ def _agreement(a, b, start):
     return same.sum(1).tolist()
 
 
+def _teacher_forced(model, seq, mask, p, cache):
+    """Logits of each decode step when the tokens of `seq` after position p are fed one at a time
+    (prefill of the first p, then decode): the same inputs for every model, so one early bf16
+    near-tie cannot send the comparison down different continuations."""
+    out = model(seq[:, :p], attention_mask=mask[:, :p], past_key_values=cache, use_cache=True)
+    steps = []
+    for i in range(p, seq.shape[1]):
+        step = seq[:, i : i + 1]
+        out = model(step, attention_mask=mask[:, : i + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1].float())
+    return torch.stack(steps, 1)
+
+
 def test_llama_1b_shape_bf16_agrees_with_stock(oxygen):
+    """bf16 on a random-weight Llama-1.1B shape: oxygen's prefill and decode logits are as close to
+    the float32 model as stock SDPA's are. Greedy token agreement is printed, not asserted: with
+    random weights the logits are nearly flat and bf16 rounding flips near-ties within a few
+    tokens for stock itself (see the printed stock-vs-float32 figure)."""
     os.environ.setdefault("OXYGEN_DEBUG_KV", "1")
     model = _llama_1b(torch.bfloat16)
     b, p, n = 4, 256, 64
-    ids, mask = _padded_batch(b, p, 32000, (0, 37, 0, 200), "cuda")
+    ids, mask = _padded_batch(b, p, 32000, (0, 37, 0, 200), DEVICE)
     kw = dict(attention_mask=mask, max_new_tokens=n, do_sample=False)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
+        full_mask = torch.cat([mask, torch.ones_like(ref[:, p:])], 1)
         ref_logits = model(ids, attention_mask=mask).logits.float()
+        stock_steps = _teacher_forced(model, ref, full_mask, p, T.DynamicCache())
         hf.apply(model)
         got = model.generate(ids, **kw)
         logits = model(
             ids, attention_mask=mask, past_key_values=PagedKVCache(config=model.config)
         ).logits.float()
+        ox_steps = _teacher_forced(model, ref, full_mask, p, PagedKVCache(config=model.config))
         model32 = model.float()  # the float32 truth for both
         hf.disable_hf()
         truth = model32(ids, attention_mask=mask).logits
+        truth_steps = model32(ref, attention_mask=full_mask).logits[:, p - 1 : -1]
+        got32 = model32.generate(ids, **kw)
     real = mask.bool()
     scale = truth[real].abs().max()
     err_ox = ((logits - truth)[real].abs().max() / scale).item()
     err_stock = ((ref_logits - truth)[real].abs().max() / scale).item()
     err_vs = ((logits - ref_logits)[real].abs().max() / scale).item()
+    # Decode: the step at position i (fed token i) predicts token i+1, as truth_steps[:, i - p].
+    ox_steps, stock_steps = ox_steps[:, :-1], stock_steps[:, :-1]
+    truth_steps = truth_steps[:, 1:]
+    dscale = truth_steps.abs().max()
+    dec_ox = ((ox_steps - truth_steps).abs().max() / dscale).item()
+    dec_stock = ((stock_steps - truth_steps).abs().max() / dscale).item()
+    top = truth_steps.argmax(-1)
+    top1_ox = (ox_steps.argmax(-1) == top).float().mean().item()
+    top1_stock = (stock_steps.argmax(-1) == top).float().mean().item()
     agree = _agreement(got, ref, p)
     print(
-        f"\nLlama-1.1B shape bf16, B={b} P={p} N={n}: generated tokens agreeing before the "
-        f"first difference per row {agree} of {n}; prefill logit max rel error vs fp32: "
-        f"oxygen {err_ox:.2e}, stock {err_stock:.2e}; oxygen vs stock {err_vs:.2e}"
+        f"\nLlama-1.1B shape bf16, B={b} P={p} N={n}: greedy tokens agreeing before the first "
+        f"difference per row: oxygen vs stock {agree}, stock bf16 vs float32 "
+        f"{_agreement(ref, got32, p)} of {n}; prefill logit max rel error vs fp32: oxygen "
+        f"{err_ox:.2e}, stock {err_stock:.2e}, oxygen vs stock {err_vs:.2e}; teacher-forced "
+        f"decode ({n - 1} steps) max rel error vs fp32: oxygen {dec_ox:.2e}, stock "
+        f"{dec_stock:.2e}; top-1 equal to fp32's: oxygen {top1_ox:.3f}, stock {top1_stock:.3f}"
     )
     assert err_ox <= max(2 * err_stock, 2e-2)
-    assert sum(agree) >= 0.5 * b * n  # bf16 noise may flip a near-tie of a random model
+    assert dec_ox <= max(2 * dec_stock, 2e-2)
+    assert top1_ox >= top1_stock - 0.05
