@@ -3,7 +3,6 @@
 
 #include <cinttypes>
 #include <cstdio>
-#include <cstdlib>
 
 #include "capture.h"
 
@@ -181,7 +180,7 @@ std::uintptr_t Allocator::large_alloc(std::size_t bytes, StreamState* st, Captur
       !extents_.take(bytes, kMinBlock, user, &a, &t))
     return 0;
   std::size_t p0 = (a - base()) / page_, p1 = (a + bytes - 1 - base()) / page_;
-  if (ref_pages(p0, p1) != OK) {
+  if (ref_pages(p0, p1, user) != OK) {
     extents_.insert(a, bytes, t);
     return 0;
   }
@@ -196,8 +195,8 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
   // still reads them only their last user's stream may take them -- which is what a generate()
   // step does next. Look at the free extents holding idle pages (a few, lowest addresses first)
   // and take the placement that leaves the fewest pages to map; best fit decides otherwise.
-  static int kCandidates = getenv("OXY_NCAND") ? atoi(getenv("OXY_NCAND")) : 32;
-  if (idle_.empty() || !kCandidates) return false;
+  constexpr int kCandidates = 32;
+  if (idle_.empty()) return false;
   std::size_t best_need = SIZE_MAX, best_size = 0;
   std::uintptr_t best = 0;
   Tag best_tag;
@@ -216,10 +215,7 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
     if (en < bytes || (user ? !usable_by(et, user) : !is_safe(et))) continue;
     std::uintptr_t end = es + en;
     const std::uintptr_t cands[3] = {round_up(es, align), lo, (end - bytes) / align * align};
-    static int mask = getenv("OXY_CANDS") ? atoi(getenv("OXY_CANDS")) : 7;
-    for (int ci = 0; ci < 3; ++ci) {
-      std::uintptr_t c = cands[ci];
-      if (!(mask >> ci & 1)) continue;
+    for (std::uintptr_t c : cands) {
       if (c < es || c + bytes > end || c % align) continue;
       std::size_t need = 0;
       for (std::size_t p = (c - base()) / page_; p <= (c + bytes - 1 - base()) / page_; ++p)
@@ -289,7 +285,7 @@ SlabPage* Allocator::new_slab_page(Heap* heap, int cls) {
   if (!place_on_idle(page_, page_, user, &a, &t) && !extents_.take(page_, page_, user, &a, &t))
     return nullptr;
   std::size_t pi = (a - base()) / page_;
-  if (ref_pages(pi, pi) != OK) {
+  if (ref_pages(pi, pi, user) != OK) {
     extents_.insert(a, page_, t);
     return nullptr;
   }

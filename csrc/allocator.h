@@ -104,7 +104,9 @@ class Allocator {
   void report(const char* kind, std::uintptr_t ptr, std::int64_t size);
 
   // pages (allocator_pages.cpp)
-  Status ref_pages(std::size_t p0, std::size_t p1);
+  Status ref_pages(std::size_t p0, std::size_t p1, const StreamState* user);
+  void lend_idle(std::size_t p0, std::size_t p1, const StreamState* user);
+  void retire_lent();
   void unref_pages(std::size_t p0, std::size_t p1);
   void make_idle(std::size_t p);
   void unidle(std::size_t p);
@@ -135,6 +137,11 @@ class Allocator {
   std::vector<std::uint32_t> refcnt_;      // live blocks / slabs touching each page
   std::vector<std::uint64_t> idle_since_;  // when each idle page became idle
   std::set<std::size_t> idle_;             // mapped pages with refcnt 0
+  struct Lent {
+    std::size_t page;  // still mapped, its handle now backs another page; unmapped once safe
+    std::vector<std::pair<std::uintptr_t, FreeExtents::Extent>> pieces;  // its free ranges
+  };
+  std::vector<Lent> lent_;
   std::unordered_map<std::uintptr_t, Block> live_;
   std::unordered_map<std::size_t, std::unique_ptr<SlabPage>> slabs_;
   std::map<std::pair<StreamState*, std::uint64_t>, std::unique_ptr<Heap>> heaps_;

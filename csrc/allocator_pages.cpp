@@ -22,7 +22,7 @@ Status Allocator::map_missing(std::size_t p0, std::size_t p1) {
   return OK;
 }
 
-Status Allocator::ref_pages(std::size_t p0, std::size_t p1) {
+Status Allocator::ref_pages(std::size_t p0, std::size_t p1, const StreamState* user) {
   std::size_t need = 0;
   for (std::size_t p = p0; p <= p1; ++p) {
     if (refcnt_[p]++ != 0) continue;
@@ -32,15 +32,59 @@ Status Allocator::ref_pages(std::size_t p0, std::size_t p1) {
       ++need;
   }
   if (need == 0) return OK;
-  if (opt_.reclaim_on_grow && !idle_.empty()) {
-    // Hand idle pages' handles to this block rather than grow: mapped bytes stay at what live
-    // blocks touch (plus pages not yet known safe), which is the fragmentation figure.
-    poll_events(false);
-    bump(stats_.reclaims, reclaim_idle(need, false));
-  }
+  // Hand idle pages' handles to this block rather than grow: mapped bytes stay at what live
+  // blocks touch, which is the fragmentation figure.
+  if (opt_.reclaim_on_grow && user && !idle_.empty()) lend_idle(p0, p1, user);
   Status s = map_missing(p0, p1);
   if (s != OK) unref_pages(p0, p1);
   return s;
+}
+
+void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* user) {
+  // An idle page this stream may use -- safe, or freed by this stream with the device perhaps
+  // still reading it -- lends its physical handle to an unmapped page of the new block. Its old
+  // address stays mapped (and out of the free ranges) until every reader is done, then
+  // retire_lent() unmaps it. The stream runs the old readers before the new writers, so the
+  // shared memory is never used by both at once. One map on this thread instead of a fresh page
+  // (or an unmap and a map), and mapped bytes do not grow while the GPU lags the CPU.
+  auto usable = [user](const Tag& t) { return usable_by(t, user); };
+  auto it = idle_.begin();
+  for (std::size_t p = p0; p <= p1 && it != idle_.end(); ++p) {
+    if (range_->is_mapped(p)) continue;
+    while (it != idle_.end()) {
+      std::size_t q = *it;
+      std::uintptr_t lo = base() + q * page_;
+      Lent l{q, {}};
+      if (!extents_.take_range(lo, lo + page_, usable, &l.pieces)) {
+        ++it;
+        continue;
+      }
+      if (range_->lend(q, p) != OK) {
+        for (auto& pc : l.pieces) extents_.insert(pc.first, pc.second.size, pc.second.tag);
+        return;  // map_missing maps the rest (and reports the error if it persists)
+      }
+      it = idle_.erase(it);
+      drop(stats_.idle_pages);
+      bump(stats_.pages_lent);
+      lent_.push_back(std::move(l));
+      break;
+    }
+  }
+}
+
+void Allocator::retire_lent() {
+  for (std::size_t i = 0; i < lent_.size();) {
+    Lent& l = lent_[i];
+    bool safe = true;
+    for (auto& pc : l.pieces) safe = safe && is_safe(pc.second.tag);
+    if (!safe || range_->unmap(l.page, 1) != OK) {
+      ++i;
+      continue;
+    }
+    for (auto& pc : l.pieces) extents_.insert(pc.first, pc.second.size, Tag{});
+    lent_[i] = std::move(lent_.back());
+    lent_.pop_back();
+  }
 }
 
 void Allocator::unref_pages(std::size_t p0, std::size_t p1) {
@@ -110,6 +154,7 @@ void Allocator::poll_events(bool sync) {
     streams_.poll();
   }
   process_deferred();
+  retire_lent();
   process_pending_releases();  // may synchronize: allowed, we hold the query guard
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "streams.h"
 
@@ -36,6 +37,12 @@ class FreeExtents {
   // Carves [addr, addr+size) out of the free extent holding it (the caller found it with find()).
   void take_at(std::uintptr_t addr, std::size_t size);
 
+  // Takes every free piece of [lo, hi) out if the whole range is free and each piece's tag
+  // satisfies `ok`; appends the pieces to `out`. False (nothing changed) otherwise.
+  template <class Ok>
+  bool take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok,
+                  std::vector<std::pair<std::uintptr_t, Extent>>* out);
+
   // Join neighbours whose tags became compatible (events completed since they were freed).
   void coalesce();
 
@@ -54,5 +61,33 @@ class FreeExtents {
   std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;
   std::size_t free_bytes_ = 0;
 };
+
+template <class Ok>
+bool FreeExtents::take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok,
+                             std::vector<std::pair<std::uintptr_t, Extent>>* out) {
+  auto first = by_addr_.upper_bound(lo);
+  if (first == by_addr_.begin()) return false;
+  --first;
+  std::uintptr_t at = lo;
+  for (auto it = first; at < hi; ++it) {  // covered without gaps, every tag acceptable?
+    if (it == by_addr_.end() || it->first > at || it->first + it->second.size <= at ||
+        !ok(it->second.tag))
+      return false;
+    at = it->first + it->second.size;
+  }
+  std::size_t before = out->size();
+  for (auto it = first; it != by_addr_.end() && it->first < hi;) {
+    std::uintptr_t s = it->first, e = s + it->second.size;
+    Tag t = it->second.tag;
+    auto next = std::next(it);
+    erase(it);
+    if (s < lo) add(s, lo - s, t);
+    if (e > hi) add(hi, e - hi, t);
+    std::uintptr_t ps = s < lo ? lo : s, pe = e > hi ? hi : e;
+    out->push_back({ps, Extent{pe - ps, t}});
+    it = next;
+  }
+  return out->size() > before;
+}
 
 }  // namespace oxygen

@@ -265,7 +265,7 @@ void DeviceCtx::remove_sweeper(void* key) {
 // PageRange
 
 PageRange::PageRange(std::shared_ptr<DeviceCtx> ctx, std::size_t pages, Status* status)
-    : ctx_(std::move(ctx)), pages_(pages), handles_(pages, 0),
+    : ctx_(std::move(ctx)), pages_(pages), handles_(pages, 0), lent_(pages, 0),
       mapped_(new std::atomic<std::uint8_t>[pages]) {
   for (std::size_t i = 0; i < pages; ++i) mapped_[i].store(0, std::memory_order_relaxed);
   *status = ctx_->backend().reserve(pages * ctx_->page(), &base_);
@@ -341,12 +341,39 @@ void PageRange::unmap_one(std::size_t i) {
   mapped_[i].store(0, std::memory_order_release);
   nmapped_.fetch_sub(1, std::memory_order_relaxed);
   PhysCounters& st = ctx_->stats();
-  drop(st.mapped_bytes, page());
   bump(st.num_unmaps);
   bump(st.unmap_ns, now_ns() - t0);
-  // A handle whose unmap failed may still be mapped: leak it rather than reuse it.
-  if (s == OK) ctx_->give_back(handles_[i]);
+  if (lent_[i]) {  // the handle (and its bytes) belong to the borrower now
+    lent_[i] = 0;
+  } else {
+    drop(st.mapped_bytes, page());
+    // A handle whose unmap failed may still be mapped: leak it rather than reuse it.
+    if (s == OK) ctx_->give_back(handles_[i]);
+  }
   handles_[i] = 0;
+}
+
+Status PageRange::lend(std::size_t src, std::size_t dst) {
+  if (src >= pages_ || dst >= pages_ || !is_mapped(src) || is_mapped(dst) || lent_[src]) {
+    set_last_error("lend: page " + std::to_string(src) + " cannot lend to " + std::to_string(dst));
+    return ERR_INVALID;
+  }
+  std::uint64_t t0 = now_ns();
+  std::uintptr_t va = base_ + dst * page();
+  Status s = ctx_->backend().map(va, page(), handles_[src]);
+  if (s == OK && (s = ctx_->backend().set_access(va, page())) != OK)
+    ctx_->backend().unmap(va, page());
+  if (s != OK) return s;
+  handles_[dst] = handles_[src];
+  lent_[src] = 1;
+  mapped_[dst].store(1, std::memory_order_release);
+  nmapped_.fetch_add(1, std::memory_order_relaxed);
+  PhysCounters& st = ctx_->stats();
+  std::uint64_t ns = now_ns() - t0;
+  bump(st.num_maps);
+  bump(st.map_ns, ns);
+  bump(st.map_hist[latency_bucket(ns)]);
+  return OK;
 }
 
 Status PageRange::unmap(std::size_t first, std::size_t count) {

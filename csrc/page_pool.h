@@ -117,8 +117,12 @@ class PageRange {
 
   // Map `count` unmapped pages from `first`, all or nothing; set-access once over the run.
   Status map(std::size_t first, std::size_t count);
-  // Unmap mapped pages; their handles go back to the cache.
+  // Unmap mapped pages; their handles go back to the cache (a page that lent its handle keeps
+  // nothing: the handle now belongs to the borrower).
   Status unmap(std::size_t first, std::size_t count);
+  // Map unmapped page `dst` onto the physical handle of mapped page `src`, which stays mapped (its
+  // old contents are seen through both addresses) until unmap(src). Physical memory: unchanged.
+  Status lend(std::size_t src, std::size_t dst);
   bool is_mapped(std::size_t i) const {
     return i < pages_ && mapped_[i].load(std::memory_order_acquire) != 0;
   }
@@ -132,6 +136,7 @@ class PageRange {
   std::size_t pages_ = 0;
   std::uintptr_t base_ = 0;
   std::vector<PhysHandle> handles_;
+  std::vector<std::uint8_t> lent_;  // mapped, but its handle was lent (see lend())
   std::unique_ptr<std::atomic<std::uint8_t>[]> mapped_;
   std::atomic<std::size_t> nmapped_{0};
 };

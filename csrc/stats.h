@@ -74,7 +74,8 @@ struct AllocCounters {
   Counter idle_pages{0};           // mapped pages with nothing live, waiting for hysteresis
   Counter slab_cached_pages{0};    // empty slab pages kept for reuse
   Counter events_recorded{0};
-  Counter reclaims{0};             // idle pages unmapped to make room (OOM path or growth)
+  Counter reclaims{0};             // idle pages unmapped to make room (OOM path)
+  Counter pages_lent{0};           // idle pages whose handle backed a new block (see lend_idle)
 };
 
 }  // namespace oxygen

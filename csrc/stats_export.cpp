@@ -11,7 +11,7 @@ const char* stats_names() {
          "quarantined_bytes,idle_pages,slab_cached_pages,events_recorded,reclaims,"
          "mapped_bytes,peak_mapped_bytes,reserved_va_bytes,handle_cache_pages,handles_created,"
          "handles_released,handles_created_inline,num_maps,num_unmaps,map_ns,unmap_ns,"
-         "live_handles,max_pages,page_size,pool_va_bytes,live_ranges";
+         "live_handles,max_pages,page_size,pool_va_bytes,live_ranges,pages_lent";
 }
 
 int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_bytes,
@@ -28,7 +28,8 @@ int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_byt
       get(p.mapped_bytes), get(p.peak_mapped_bytes), get(p.reserved_va_bytes),
       get(p.handle_cache_pages), get(p.handles_created), get(p.handles_released),
       get(p.handles_created_inline), get(p.num_maps), get(p.num_unmaps), get(p.map_ns),
-      get(p.unmap_ns), ctx.owned_pages(), ctx.max_pages(), ctx.page(), pool_va_bytes, get(p.live_ranges)};
+      get(p.unmap_ns), ctx.owned_pages(), ctx.max_pages(), ctx.page(), pool_va_bytes, get(p.live_ranges),
+      get(s.pages_lent)};
   int k = 0;
   for (; k < n && k < static_cast<int>(v.size()); ++k) out[k] = v[k];
   return k;

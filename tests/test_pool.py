@@ -2,6 +2,7 @@
 classes, reuse, unmapping, stream order, capture arenas, errors. Runs on any Linux CPU."""
 
 import ctypes
+import random
 import time
 
 import pytest
@@ -174,15 +175,24 @@ def test_oom_raises_with_figures_and_recovers():
         p.free(p.malloc(6 * MiB))
 
 
-def test_growth_reclaims_idle_pages_before_oom():
+def test_growth_reuses_idle_pages_before_oom():
     with VirtualPool(backend="host", capacity=10 * MiB, hysteresis_us=10_000_000) as p:
         a = p.malloc(4 * MiB)
         b = p.malloc(4 * MiB)
         p.free(a)  # a's 2 pages stay mapped (long hysteresis)
-        c = p.malloc(6 * MiB)  # 3 new pages next to b's 2: fits 5 pages only without a's
+        c = p.malloc(6 * MiB)  # 3 pages next to b's 2: fits 5 pages only with a's handles
         assert c == b + 4 * MiB
         s = p.stats()
-        assert s["reclaims"] >= 1 and s["mapped_bytes"] == 10 * MiB and s["num_ooms"] == 0
+        assert s["pages_lent"] == 2 and s["mapped_bytes"] == 10 * MiB and s["num_ooms"] == 0
+        fill = bytes(random.Random(3).randbytes(6 * MiB))
+        ctypes.memmove(c, fill, len(fill))  # every page of c, lent ones included, holds data
+        ctypes.memmove(b, b"\x5a" * (4 * MiB), 4 * MiB)
+        assert ctypes.string_at(c, len(fill)) == fill
+        p.free(b)
+        p.free(c)
+        p.empty_cache()  # a's old addresses retire (unmapped) without freeing c's handles twice
+        s = p.stats()
+        assert s["mapped_bytes"] == 0 and s["live_handles"] == 0 and s["allocated_bytes"] == 0
 
 
 def test_arena_map_unmap_touch():

@@ -52,6 +52,33 @@ def test_cross_stream_reuse_waits_for_the_event(lib):
         assert d == a
 
 
+def test_pages_still_read_by_the_device_back_new_blocks_of_the_same_stream_only(lib):
+    """A CPU running ahead frees pages the GPU still reads. Their handles may back a new block of
+    the same stream (it runs after the readers) but not of another one, and their old addresses
+    stay mapped and unusable until the device has passed the free."""
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=1000) as p:
+        a = p.malloc(4 * MiB, stream=S1)
+        keep = p.malloc(4 * MiB, stream=S1)  # a's free range cannot grow into a 6 MiB hole
+        p.free(a, stream=S1)
+        b = p.malloc(6 * MiB, stream=S2)  # another stream: fresh pages
+        assert p.stats()["pages_lent"] == 0 and p.stats()["mapped_bytes"] == 7 * PAGE
+        c = p.malloc(6 * MiB, stream=S1)  # same stream: a's two handles back c
+        s = p.stats()
+        assert s["pages_lent"] == 2 and s["mapped_bytes"] == 8 * PAGE  # not 10
+        assert not overlaps(c, 6 * MiB, a, 4 * MiB)
+        d = p.malloc(4 * MiB, stream=S1)  # a's addresses are out of the free ranges meanwhile
+        assert not overlaps(d, 4 * MiB, a, 4 * MiB) and not overlaps(d, 4 * MiB, c, 6 * MiB)
+        for x in (b, c, d, keep):
+            p.free(x, stream=S1 if x != b else S2)
+        lib.oxygen_host_hold_events(0)
+        p.empty_cache()
+        s = p.stats()
+        assert s["mapped_bytes"] == 0 and s["allocated_bytes"] == 0 and s["live_handles"] == 0
+        got = [p.malloc(4 * MiB, stream=S2) for _ in range(16)]  # the whole capacity
+        assert any(overlaps(e, 4 * MiB, a, 4 * MiB) for e in got)  # a's range was given back
+
+
 def test_small_block_freed_on_another_stream_is_deferred(lib):
     lib.oxygen_host_hold_events(1)
     with VirtualPool(backend="host", capacity=64 * MiB) as p:

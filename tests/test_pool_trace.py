@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from oxygen_torch import _native
 from oxygen_torch.allocator import VirtualPool
 
 MiB = 1 << 20
@@ -111,7 +112,19 @@ def load_trace(path: Path) -> list[list]:
 # Replays
 
 
-def replay_pool(ops: list[list], capacity: int) -> dict:
+def replay_pool(ops: list[list], capacity: int, lag_us: int = 0) -> dict:
+    """lag_us: host events complete that long after they are recorded, as when the GPU runs
+    behind the CPU (the replay runs ~20x faster than the recorded generate(), so 100 us stands
+    for a couple of milliseconds of real lag)."""
+    lib = _native.lib()
+    lib.oxygen_host_set_event_lag(lag_us * 1000)
+    try:
+        return _replay(ops, capacity)
+    finally:
+        lib.oxygen_host_set_event_lag(0)
+
+
+def _replay(ops: list[list], capacity: int) -> dict:
     with VirtualPool(backend="host", capacity=capacity, hysteresis_us=2000) as pool:
         ptrs: dict[int, int] = {}
         for op, size, i, stream in ops:
@@ -185,12 +198,12 @@ def enough_descriptors(pages: int) -> bool:
     return soft >= want
 
 
-def compare(ops: list[list]) -> tuple[dict, dict]:
+def compare(ops: list[list], lag_us: int = 0) -> tuple[dict, dict]:
     base = replay_best_fit_no_unmap(ops)
     pages = base["peak_mapped_bytes"] // PAGE
     if not enough_descriptors(pages + 64):
         pytest.skip(f"replay needs ~{pages} open memfds; RLIMIT_NOFILE is too low here")
-    ours = replay_pool(ops, capacity=base["peak_mapped_bytes"] + 64 * MiB)
+    ours = replay_pool(ops, capacity=base["peak_mapped_bytes"] + 64 * MiB, lag_us=lag_us)
     return ours, base
 
 
@@ -214,13 +227,18 @@ RECORDED = sorted(DATA.glob("*.trace*")) + sorted(DATA.glob("*trace*.jsonl.gz"))
     reason="no recorded trace in tests/data/ yet: run benchmarks/record_trace.py on the H200 and "
     "commit its output as tests/data/generate_trace.jsonl.gz",
 )
+@pytest.mark.parametrize("lag_us", [0, 100, 1000])
 @pytest.mark.parametrize("path", sorted(set(RECORDED)), ids=lambda p: p.name)
-def test_recorded_generate_trace_fragments_less_than_best_fit(path):
+def test_recorded_generate_trace_fragments_less_than_best_fit(path, lag_us):
+    """Also with the device lagging: freed pages it may still read cannot be unmapped, yet mapped
+    memory must not overshoot (their handles back the next blocks of the same stream). Before
+    that, the same replay at 100 us lag gave ~9 %, as the H200 run did (9.49 %)."""
     ops = load_trace(path)
-    ours, base = compare(ops)
+    ours, base = compare(ops, lag_us)
     print(
-        f"\n{path.name} ({len(ops)} events): oxygen {ours['fragmentation']:.2%}, best fit "
-        f"without unmapping {base['fragmentation']:.2%}"
+        f"\n{path.name} ({len(ops)} events, device lag {lag_us} us): oxygen "
+        f"{ours['fragmentation']:.2%} ({ours['num_maps']} maps, {ours['pages_lent']} pages lent), "
+        f"best fit without unmapping {base['fragmentation']:.2%}"
     )
-    assert ours["fragmentation"] < base["fragmentation"]
+    assert ours["fragmentation"] < min(base["fragmentation"], 0.04)
     assert ours["num_ooms"] == 0
