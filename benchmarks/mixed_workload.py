@@ -101,8 +101,8 @@ def run(mode: str, calls: int) -> dict:
         s = allocator.memory_stats()
         r["oxygen"] = {k: s[k] for k in (
             "num_maps", "num_unmaps", "mean_map_latency_us", "mean_unmap_latency_us",
-            "handles_created_inline", "reclaims", "pages_lent", "events_recorded", "handle_cache_pages",
-            "idle_pages", "slab_cached_pages", "num_ooms")}  # fmt: skip
+            "handles_created_inline", "reclaims", "pages_lent", "events_recorded",
+            "handle_cache_pages", "idle_pages", "slab_cached_pages", "num_ooms")}  # fmt: skip
     return r
 
 
