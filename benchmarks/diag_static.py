@@ -4,10 +4,13 @@ hit a device-side assert (bench_generate.py, mode oxygen_static, 2026-11-29). Ru
 variant, to see which part of enable() is involved:
 
   stock       no oxygen at all (the reference tokens)
-  allocator   only the pool as PyTorch's allocator (global route)
+  notrees     no oxygen, inductor's CUDA-graph trees off (what enable() sets)
+  allocator   only the pool as PyTorch's allocator (global route), CUDA_LAUNCH_BLOCKING=1
   hf          only the transformers integration, torch's own allocator
-  enable      oxygen_torch.enable() (both), CUDA_LAUNCH_BLOCKING=1
+  enable      oxygen_torch.enable() (both)
   enable_nocg enable(), compile_config mode="default" (no CUDA graphs)
+
+    python benchmarks/diag_static.py [variant ...]
 """
 
 import json
@@ -16,12 +19,16 @@ import subprocess
 import sys
 import traceback
 
-VARIANTS = ("stock", "allocator", "hf", "enable", "enable_nocg")
+VARIANTS = ("stock", "notrees", "allocator", "hf", "enable", "enable_nocg")
 
 
 def child(variant: str) -> dict:
     import torch
 
+    if variant == "notrees":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.cudagraph_trees = False
     if variant in ("allocator", "enable", "enable_nocg"):
         import oxygen_torch
 
@@ -61,9 +68,9 @@ def main() -> int:
             print(json.dumps({"variant": sys.argv[2], "error": traceback.format_exc()[-2500:]}))
         return 0
     ref = None
-    for v in VARIANTS:
+    for v in sys.argv[1:] or VARIANTS:
         env = dict(os.environ)
-        if v == "enable":
+        if v == "allocator":
             env["CUDA_LAUNCH_BLOCKING"] = "1"
         p = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True,
                            text=True, env=env, timeout=200)  # fmt: skip
