@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from oxygen_torch.triton_kernels import kv_append, kv_append_ref, paged_decode, paged_decode_ref
+from oxygen_torch.triton_kernels.kv_append import _e4m3_code
 from oxygen_torch.triton_kernels.reference import FP8_HEADROOM, fp8_codes_to_float
 from test_kernels_helpers import randn
 
@@ -104,3 +107,26 @@ def test_append_fp8_quantisation_error_and_saturation():
     assert deq[1].abs().max() == pytest.approx(448 * ks[0, 0].item())
     expect = ks[0, 0] * 448 / FP8_HEADROOM  # the scale came from token 0's amax
     assert expect.item() == pytest.approx(k[0, 0].abs().max().item(), rel=1e-6)
+
+
+@triton.jit
+def _codes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, _e4m3_code(x), mask=offs < n)
+
+
+def test_e4m3_code_is_bit_exact_with_torch():
+    """Every finite e4m3 value, every midpoint between neighbours (ties to even), values past the
+    saturation point, subnormals and signed zeros: the kernel's integer encoding equals torch's
+    float8_e4m3fn conversion of the clamped value, code for code."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    rand = randn((4096,), torch.float32, seed=50) * torch.logspace(-4, 3, 4096)
+    x = torch.cat([grid, mids, -mids, rand, torch.tensor([-0.0, 0.0, 500.0, -1e9, 2.0**-10])])
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    _codes_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    ref = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (out != ref).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} codes differ, e.g. x={x[bad[:3]].tolist()}"

@@ -32,16 +32,22 @@ def _e4m3_code(x):
     torch's .to(torch.float8_e4m3fn) after clamping.
 
     The rounding is done in fp32 (x + c - c with c = 1.5 x 2^23 x the e4m3 step of x's binade
-    rounds to a multiple of the step, ties to even), so the final conversion only sees exact
-    e4m3 values; Triton 3.6's interpreter rounds fp32 -> fp8 wrongly (no mantissa carry, ties
-    away, -0 lost), and this way the interpreter and the GPU produce the same codes."""
+    rounds to a multiple of the step, ties to even), and the code is then assembled from the
+    exact value's exponent and top 3 mantissa bits with integer operations. No fp8 conversion
+    instruction is involved: Triton 3.6's interpreter rounds fp32 -> fp8 wrongly (no mantissa
+    carry, ties away, -0 lost), and on the H200 the converted codes of one head_dim-64 launch
+    held scattered NaN codes (0x7F) in one run of four with identical inputs (2026-11-29)."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.int32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: 2^-6 is the smallest normal
     step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     c = step * 12582912.0  # 1.5 * 2**23
-    mag = tl.abs((x + c) - c)
-    code = mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    mag = tl.abs((x + c) - c)  # an exact e4m3 value, 0 ... 448
+    mb = mag.to(tl.int32, bitcast=True)
+    e = ((mb >> 23) & 0xFF) - 127  # may be one binade up from exp after rounding
+    normal = ((e + 7) << 3) | ((mb >> 20) & 0x7)  # biased exponent (bias 7), 3 mantissa bits
+    sub = (mag * 512.0).to(tl.int32)  # subnormals and 0: multiples of 2^-9
+    code = tl.where(e >= -6, normal, sub)
     return tl.where(bits < 0, code | 0x80, code).to(tl.uint8)
 
 
