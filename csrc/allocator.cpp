@@ -173,15 +173,13 @@ std::uintptr_t Allocator::large_alloc(std::size_t bytes, StreamState* st, Captur
     }
   }
   std::uintptr_t a = 0;
-  Tag t;
+  Pieces taken;
   // A capture takes only memory that no stream can still touch: its graph may replay anywhere.
   StreamState* user = cap ? nullptr : st;
-  if (!place_on_idle(bytes, kMinBlock, user, &a, &t) &&
-      !extents_.take(bytes, kMinBlock, user, &a, &t))
-    return 0;
+  if (!take_free(bytes, kMinBlock, user, &a, &taken)) return 0;
   std::size_t p0 = (a - base()) / page_, p1 = (a + bytes - 1 - base()) / page_;
   if (ref_pages(p0, p1, user) != OK) {
-    extents_.insert(a, bytes, t);
+    give_back(taken);
     return 0;
   }
   b->span = bytes;
@@ -189,51 +187,71 @@ std::uintptr_t Allocator::large_alloc(std::size_t bytes, StreamState* st, Captur
 }
 
 bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const StreamState* user,
-                              std::uintptr_t* addr, Tag* tag) {
+                              std::uintptr_t* addr, Pieces* pieces) {
   // Idle pages are mapped pages with nothing live. A block placed over them needs fewer new maps
   // (about 30 us each on the H200, plus the unmap of the idle page later), and while the device
   // still reads them only their last user's stream may take them -- which is what a generate()
-  // step does next. Look at the free extents holding idle pages (a few, lowest addresses first)
-  // and take the placement that leaves the fewest pages to map; best fit decides otherwise.
-  constexpr int kCandidates = 32;
+  // step does next. Look at the free runs holding idle pages (a few, lowest addresses first) and
+  // take the placement that leaves the fewest pages to map; best fit decides otherwise. A run is
+  // adjacent free extents this user may take: a fresh free is not joined with a safe neighbour
+  // (other streams keep the safe part), yet a block of its own stream may span both.
+  constexpr int kCandidates = 32, kMaxJoin = 64;
   if (idle_.empty()) return false;
+  auto usable = [user](const Tag& t) { return user ? usable_by(t, user) : is_safe(t); };
   std::size_t best_need = SIZE_MAX, best_size = 0;
   std::uintptr_t best = 0;
-  Tag best_tag;
   int seen = 0;
   for (auto it = idle_.begin(); it != idle_.end() && seen < kCandidates && best_need;) {
     std::uintptr_t lo = base() + *it * page_;
-    std::uintptr_t es = 0;
-    std::size_t en = 0;
-    Tag et;
-    if (!extents_.find(lo, &es, &en, &et)) {
+    std::uintptr_t rs = 0, s2 = 0;
+    std::size_t n = 0, n2 = 0;
+    Tag t, t2;
+    if (!extents_.find(lo, &rs, &n, &t)) {
       ++it;
       continue;
     }
     ++seen;
-    it = idle_.lower_bound((es + en - base() + page_ - 1) / page_);  // next extent's idle pages
-    if (en < bytes || (user ? !usable_by(et, user) : !is_safe(et))) continue;
-    std::uintptr_t end = es + en;
-    const std::uintptr_t cands[3] = {round_up(es, align), lo, (end - bytes) / align * align};
+    std::uintptr_t re = rs + n;
+    bool ok = usable(t);
+    for (int k = 0; ok && k < kMaxJoin && extents_.find(re, &s2, &n2, &t2) && usable(t2); ++k)
+      re = s2 + n2;
+    for (int k = 0; ok && k < kMaxJoin && rs > base() && extents_.find(rs - 1, &s2, &n2, &t2) &&
+                    usable(t2);
+         ++k)
+      rs = s2;
+    it = idle_.lower_bound((re - base() + page_ - 1) / page_);  // the next run's idle pages
+    if (!ok || re - rs < bytes) continue;
+    const std::uintptr_t cands[3] = {round_up(rs, align), lo, (re - bytes) / align * align};
     for (std::uintptr_t c : cands) {
-      if (c < es || c + bytes > end || c % align) continue;
+      if (c < rs || c + bytes > re || c % align) continue;
       std::size_t need = 0;
       for (std::size_t p = (c - base()) / page_; p <= (c + bytes - 1 - base()) / page_; ++p)
         need += !range_->is_mapped(p);
-      if (need < best_need || (need == best_need && en < best_size)) {
+      if (need < best_need || (need == best_need && re - rs < best_size)) {
         best_need = need;
-        best_size = en;
+        best_size = re - rs;
         best = c;
-        best_tag = et;
       }
     }
   }
   std::size_t span = (bytes + page_ - 1) / page_ + 1;  // pages a block can touch
   if (best_need == SIZE_MAX || best_need + 1 >= span) return false;  // saves nothing
-  extents_.take_at(best, bytes);
+  if (!extents_.take_range(best, best + bytes, usable, pieces)) return false;
   *addr = best;
-  *tag = best_tag;
   return true;
+}
+
+bool Allocator::take_free(std::size_t bytes, std::size_t align, const StreamState* user,
+                          std::uintptr_t* addr, Pieces* pieces) {
+  if (place_on_idle(bytes, align, user, addr, pieces)) return true;
+  Tag t;
+  if (!extents_.take(bytes, align, user, addr, &t)) return false;
+  pieces->push_back({*addr, FreeExtents::Extent{bytes, t}});
+  return true;
+}
+
+void Allocator::give_back(const Pieces& pieces) {
+  for (const auto& pc : pieces) extents_.insert(pc.first, pc.second.size, pc.second.tag);
 }
 
 void Allocator::large_free(const Block& b, StreamState* fs) {
@@ -280,13 +298,12 @@ std::uintptr_t Allocator::slab_alloc(Heap* heap, int cls, Block* b) {
 
 SlabPage* Allocator::new_slab_page(Heap* heap, int cls) {
   std::uintptr_t a = 0;
-  Tag t;
+  Pieces taken;
   StreamState* user = heap->capture ? nullptr : heap->stream;
-  if (!place_on_idle(page_, page_, user, &a, &t) && !extents_.take(page_, page_, user, &a, &t))
-    return nullptr;
+  if (!take_free(page_, page_, user, &a, &taken)) return nullptr;
   std::size_t pi = (a - base()) / page_;
   if (ref_pages(pi, pi, user) != OK) {
-    extents_.insert(a, page_, t);
+    give_back(taken);
     return nullptr;
   }
   auto sp = std::make_unique<SlabPage>();

@@ -92,8 +92,14 @@ class Allocator {
   // placement (allocator.cpp)
   std::uintptr_t place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
   std::uintptr_t large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
+  using Pieces = std::vector<std::pair<std::uintptr_t, FreeExtents::Extent>>;
+  // Carves a free range for a new block (placement over idle pages first, then best fit); the
+  // pieces it came from, with their tags, go back with give_back() if mapping fails.
+  bool take_free(std::size_t bytes, std::size_t align, const StreamState* user,
+                 std::uintptr_t* addr, Pieces* pieces);
   bool place_on_idle(std::size_t bytes, std::size_t align, const StreamState* user,
-                     std::uintptr_t* addr, Tag* tag);
+                     std::uintptr_t* addr, Pieces* pieces);
+  void give_back(const Pieces& pieces);
   std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
   SlabPage* new_slab_page(Heap* heap, int cls);
   void slab_put(SlabPage* sp, std::uint32_t slot, Tag tag);
@@ -139,7 +145,7 @@ class Allocator {
   std::set<std::size_t> idle_;             // mapped pages with refcnt 0
   struct Lent {
     std::size_t page;  // still mapped, its handle now backs another page; unmapped once safe
-    std::vector<std::pair<std::uintptr_t, FreeExtents::Extent>> pieces;  // its free ranges
+    Pieces pieces;     // its free ranges, out of extents_ meanwhile
   };
   std::vector<Lent> lent_;
   std::unordered_map<std::uintptr_t, Block> live_;

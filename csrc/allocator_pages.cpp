@@ -60,7 +60,7 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
         continue;
       }
       if (range_->lend(q, p) != OK) {
-        for (auto& pc : l.pieces) extents_.insert(pc.first, pc.second.size, pc.second.tag);
+        give_back(l.pieces);
         return;  // map_missing maps the rest (and reports the error if it persists)
       }
       it = idle_.erase(it);

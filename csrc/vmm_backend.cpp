@@ -65,9 +65,17 @@ class HostBackend final : public Backend {
 
   Status reserve(std::size_t size, std::uintptr_t* va) override {
     if (size == 0 || size % page_) return invalid("reserve: size is not a multiple of the page");
-    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    // Aligned to the page, as cuMemAddressReserve's are to the granularity: placement aligns
+    // addresses (slab pages) and counts pages from the base. Over-reserve, trim both ends.
+    void* p = mmap(nullptr, size + page_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
     if (p == MAP_FAILED) return os_error("mmap(PROT_NONE reservation)");
-    *va = reinterpret_cast<std::uintptr_t>(p);
+    auto raw = reinterpret_cast<std::uintptr_t>(p);
+    std::uintptr_t aligned = (raw + page_ - 1) / page_ * page_;
+    if (aligned > raw) munmap(p, aligned - raw);
+    std::size_t tail = raw + size + page_ - (aligned + size);
+    if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
+    *va = aligned;
     return OK;
   }
   Status free_va(std::uintptr_t va, std::size_t size) override {
