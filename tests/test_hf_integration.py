@@ -86,6 +86,30 @@ def test_static_cache_implementation_is_respected(enabled):
     assert torch.equal(out.sequences, ref)
 
 
+def test_static_cache_decode_compiles_through_the_oxygen_backend(enabled, monkeypatch):
+    """generate() with a compileable cache asks transformers to compile with backend "oxygen"
+    on a GPU unless the caller set a compile_config (transformers compiles only on GPUs, so the
+    call is watched here; the decision itself is checked directly)."""
+    from transformers import CompileConfig, GenerationConfig
+
+    seen = []
+    real = hf.compile_through_oxygen
+    monkeypatch.setattr(hf, "compile_through_oxygen", lambda *a: seen.append(a) or real(*a))
+    greedy(llama(), cache_implementation="static")
+    assert len(seen) == 1 and isinstance(seen[0][1], StaticCache) and seen[0][2] == "cpu"
+    assert seen[0][0].compile_config is None  # nothing compiles on the CPU: left alone
+
+    static = seen[0][1]
+    conf = GenerationConfig()
+    assert hf.compile_through_oxygen(conf, static, "cuda")
+    assert conf.compile_config.backend == "oxygen" and conf.compile_config.mode == "reduce-overhead"
+    mine = GenerationConfig(compile_config=CompileConfig(backend="inductor", mode="default"))
+    assert not hf.compile_through_oxygen(mine, static, "cuda")
+    assert mine.compile_config.backend == "inductor"  # the caller's choice is kept
+    assert not hf.compile_through_oxygen(GenerationConfig(disable_compile=True), static, "cuda")
+    assert not hf.compile_through_oxygen(GenerationConfig(), DynamicCache(), "cuda")
+
+
 def test_output_attentions_falls_back_to_stock(enabled):
     model = llama()
     out = greedy(model, output_attentions=True, return_dict_in_generate=True)

@@ -124,7 +124,30 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         model_kwargs["past_key_values"] = PagedKVCache(config=text, cfg=active_cfg())
     elif cache is not None and not isinstance(cache, PagedKVCache):
         _stock_for_this_call(self)
+        compile_through_oxygen(generation_config, cache, self.device.type)
     return out
+
+
+def compile_through_oxygen(generation_config, cache, device_type: str) -> bool:
+    """transformers compiles the decode step of a compileable cache (StaticCache...) on a GPU with
+    CompileConfig() -- Inductor, mode "reduce-overhead" -- unless the call names its own
+    compile_config. After enable() that default becomes backend "oxygen" (same mode): attention
+    rewritten to oxygen's kernels and the backend's own CUDA graphs, which run on the pool. (On
+    the H200, inductor's CUDA graphs replayed a device-side assert under the global pluggable
+    allocator, and its graph trees need an allocator API the pluggable one lacks.) A
+    compile_config the caller sets is kept as it is. Returns whether it changed the config."""
+    if (
+        device_type != "cuda"
+        or generation_config.compile_config is not None
+        or generation_config.disable_compile
+        or not getattr(cache, "is_compileable", False)
+    ):
+        return False
+    from transformers import CompileConfig
+
+    generation_config.compile_config = CompileConfig(backend="oxygen", mode="reduce-overhead")
+    log.info("oxygen_torch: generate() compiles the static-cache decode with backend='oxygen'")
+    return True
 
 
 def _stock_for_this_call(model) -> None:
