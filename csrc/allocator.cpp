@@ -33,7 +33,8 @@ Allocator::Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt)
       opt_(opt),
       streams_(range_->ctx().backend()),
       refcnt_(range_->pages(), 0),
-      idle_since_(range_->pages(), 0) {
+      idle_since_(range_->pages(), 0),
+      idle_(range_->pages()) {
   extents_.insert(range_->base(), range_->pages() * page_, Tag{});
 }
 
@@ -201,13 +202,13 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
   std::size_t best_need = SIZE_MAX, best_size = 0;
   std::uintptr_t best = 0;
   int seen = 0;
-  for (auto it = idle_.begin(); it != idle_.end() && seen < kCandidates && best_need;) {
-    std::uintptr_t lo = base() + *it * page_;
+  for (std::size_t q = idle_.next(0); q != PageSet::npos && seen < kCandidates && best_need;) {
+    std::uintptr_t lo = base() + q * page_;
     std::uintptr_t rs = 0, s2 = 0;
     std::size_t n = 0, n2 = 0;
     Tag t, t2;
     if (!extents_.find(lo, &rs, &n, &t)) {
-      ++it;
+      q = idle_.next(q + 1);
       continue;
     }
     ++seen;
@@ -219,7 +220,7 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
                     usable(t2);
          ++k)
       rs = s2;
-    it = idle_.lower_bound((re - base() + page_ - 1) / page_);  // the next run's idle pages
+    q = idle_.next((re - base() + page_ - 1) / page_);  // the next run's idle pages
     if (!ok || re - rs < bytes) continue;
     const std::uintptr_t cands[3] = {round_up(rs, align), lo, (re - bytes) / align * align};
     for (std::uintptr_t c : cands) {

@@ -23,6 +23,7 @@
 
 #include "extents.h"
 #include "page_pool.h"
+#include "page_set.h"
 #include "slab.h"
 #include "stats.h"
 #include "streams.h"
@@ -142,7 +143,7 @@ class Allocator {
   FreeExtents extents_;
   std::vector<std::uint32_t> refcnt_;      // live blocks / slabs touching each page
   std::vector<std::uint64_t> idle_since_;  // when each idle page became idle
-  std::set<std::size_t> idle_;             // mapped pages with refcnt 0
+  PageSet idle_;                           // mapped pages with refcnt 0
   struct Lent {
     std::size_t page;  // still mapped, its handle now backs another page; unmapped once safe
     Pieces pieces;     // its free ranges, out of extents_ meanwhile

@@ -48,24 +48,24 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
   // shared memory is never used by both at once. One map on this thread instead of a fresh page
   // (or an unmap and a map), and mapped bytes do not grow while the GPU lags the CPU.
   auto usable = [user](const Tag& t) { return usable_by(t, user); };
-  auto it = idle_.begin();
-  for (std::size_t p = p0; p <= p1 && it != idle_.end(); ++p) {
+  std::size_t q = idle_.next(0);
+  for (std::size_t p = p0; p <= p1 && q != PageSet::npos; ++p) {
     if (range_->is_mapped(p)) continue;
-    while (it != idle_.end()) {
-      std::size_t q = *it;
+    while (q != PageSet::npos) {
       std::uintptr_t lo = base() + q * page_;
       Lent l{q, {}};
       if (!extents_.take_range(lo, lo + page_, usable, &l.pieces)) {
-        ++it;
+        q = idle_.next(q + 1);
         continue;
       }
       if (range_->lend(q, p) != OK) {
         give_back(l.pieces);
         return;  // map_missing maps the rest (and reports the error if it persists)
       }
-      it = idle_.erase(it);
+      idle_.erase(q);
       drop(stats_.idle_pages);
       bump(stats_.pages_lent);
+      q = idle_.next(q + 1);
       lent_.push_back(std::move(l));
       break;
     }
@@ -94,7 +94,7 @@ void Allocator::unref_pages(std::size_t p0, std::size_t p1) {
 
 void Allocator::make_idle(std::size_t p) {
   idle_since_[p] = now_ns();
-  if (idle_.insert(p).second) bump(stats_.idle_pages);
+  if (idle_.insert(p)) bump(stats_.idle_pages);
 }
 
 void Allocator::unidle(std::size_t p) {
@@ -106,15 +106,12 @@ std::size_t Allocator::reclaim_idle(std::size_t max_pages, bool aged_only) {
   // (cuMemUnmap does not wait for kernels in flight).
   std::uint64_t now = now_ns();
   std::size_t n = 0;
-  for (auto it = idle_.begin(); it != idle_.end() && n < max_pages;) {
-    std::size_t p = *it;
+  for (std::size_t p = idle_.next(0); p != PageSet::npos && n < max_pages; p = idle_.next(p + 1)) {
     std::uintptr_t lo = base() + p * page_;
     if ((aged_only && now - idle_since_[p] < opt_.hysteresis_ns) ||
-        !extents_.all_safe(lo, lo + page_) || range_->unmap(p, 1) != OK) {
-      ++it;
+        !extents_.all_safe(lo, lo + page_) || range_->unmap(p, 1) != OK)
       continue;
-    }
-    it = idle_.erase(it);
+    idle_.erase(p);
     drop(stats_.idle_pages);
     ++n;
   }
