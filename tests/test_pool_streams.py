@@ -79,6 +79,33 @@ def test_pages_still_read_by_the_device_back_new_blocks_of_the_same_stream_only(
         assert any(overlaps(e, 4 * MiB, a, 4 * MiB) for e in got)  # a's range was given back
 
 
+def test_growing_blocks_reuse_the_pages_their_stream_just_freed(lib):
+    """DynamicCache's torch.cat: each step every layer allocates its K/V one token longer, then
+    frees the old one, while the GPU still reads it. The new blocks must mostly land on pages
+    their stream just freed instead of mapping new ones: that is most of generate()'s map
+    traffic (tests/test_pool_trace.py bounds it on the recorded generate() trace)."""
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=512 * MiB, hysteresis_us=10_000_000) as p:
+        size = 26 * MiB + 400 * 1024
+        blocks = [p.malloc(size, stream=S1) for _ in range(4)]
+        first = p.stats()["num_maps"]
+        for _ in range(10):
+            size += 32 * 1024
+            for j in range(4):
+                new = p.malloc(size, stream=S1)
+                p.free(blocks[j], stream=S1)
+                blocks[j] = new
+        s = p.stats()
+        # 40 grown blocks of 14 pages: 560 maps without reuse; ~105 with it
+        assert s["num_maps"] - first <= 168
+        assert s["mapped_bytes"] <= 5 * 14 * PAGE
+        for x in blocks:
+            p.free(x, stream=S1)
+        lib.oxygen_host_hold_events(0)
+        p.empty_cache()
+        assert p.stats()["mapped_bytes"] == 0
+
+
 def test_small_block_freed_on_another_stream_is_deferred(lib):
     lib.oxygen_host_hold_events(1)
     with VirtualPool(backend="host", capacity=64 * MiB) as p:
