@@ -72,8 +72,9 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
   }
 }
 
-void Allocator::retire_lent() {
-  for (std::size_t i = 0; i < lent_.size();) {
+void Allocator::retire_lent(std::size_t max_pages) {
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < lent_.size() && n < max_pages;) {
     Lent& l = lent_[i];
     bool safe = true;
     for (auto& pc : l.pieces) safe = safe && is_safe(pc.second.tag);
@@ -84,6 +85,7 @@ void Allocator::retire_lent() {
     for (auto& pc : l.pieces) extents_.insert(pc.first, pc.second.size, Tag{});
     lent_[i] = std::move(lent_.back());
     lent_.pop_back();
+    ++n;
   }
 }
 
@@ -151,7 +153,7 @@ void Allocator::poll_events(bool sync) {
     streams_.poll();
   }
   process_deferred();
-  retire_lent();
+  retire_lent(sync ? SIZE_MAX : kSweepUnmaps);
   process_pending_releases();  // may synchronize: allowed, we hold the query guard
 }
 
@@ -172,9 +174,12 @@ void Allocator::sweep_locked(bool force) {
   poll_events(false);
   extents_.coalesce();
   release_empty_slabs(!force);
-  // At most 128 unmaps (~2.5 ms at the H200's 19.9 us each) per periodic sweep: a large free
-  // (a KV cache at the end of generate) drains over a few sweeps instead of stalling one malloc.
-  reclaim_idle(force ? SIZE_MAX : 128, !force);
+  // A periodic sweep holds the lock the allocating thread waits on: at most kSweepUnmaps
+  // retirements of lent pages (poll_events) and as many hysteresis unmaps, each ~20-30 us on the
+  // H200. A large free (a KV cache at the end of generate()) drains over a few sweeps instead
+  // of stalling one malloc; before the bound on retirements, a burst of lent pages becoming
+  // safe at once was unmapped in one sweep.
+  reclaim_idle(force ? SIZE_MAX : kSweepUnmaps, !force);
   last_sweep_ = now_ns();
 }
 
