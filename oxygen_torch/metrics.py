@@ -196,6 +196,7 @@ _POOL_COUNTERS = [
     ("pool_maps", "num_maps", "Pages mapped."),
     ("pool_unmaps", "num_unmaps", "Pages unmapped."),
     ("pool_oom", "num_ooms", "Allocations that failed for lack of memory."),
+    ("pool_pages_lent", "pages_lent", "Freed pages whose memory went to the stream's next block."),
 ]
 
 

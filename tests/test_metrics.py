@@ -22,6 +22,7 @@ EXPECTED_TYPES = {
     "oxygen:pool_unmaps": "counter",
     "oxygen:pool_map_latency_seconds": "histogram",
     "oxygen:pool_oom": "counter",
+    "oxygen:pool_pages_lent": "counter",
     "oxygen:kv_cache_usage_perc": "gauge",
     "oxygen:kv_blocks": "gauge",
     "oxygen:hot_zone_hit_ratio": "gauge",
