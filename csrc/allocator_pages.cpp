@@ -48,14 +48,17 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
   // shared memory is never used by both at once. One map on this thread instead of a fresh page
   // (or an unmap and a map), and mapped bytes do not grow while the GPU lags the CPU.
   auto usable = [user](const Tag& t) { return usable_by(t, user); };
-  std::size_t q = idle_.next(0);
+  // Highest idle pages first: placement looks at the lowest ones, and a lent page's address
+  // stays out of the free ranges until it retires.
+  std::size_t q = idle_.last();
+  auto down = [this](std::size_t x) { return x == 0 ? PageSet::npos : idle_.prev(x - 1); };
   for (std::size_t p = p0; p <= p1 && q != PageSet::npos; ++p) {
     if (range_->is_mapped(p)) continue;
     while (q != PageSet::npos) {
       std::uintptr_t lo = base() + q * page_;
       Lent l{q, {}};
       if (!extents_.take_range(lo, lo + page_, usable, &l.pieces)) {
-        q = idle_.next(q + 1);
+        q = down(q);
         continue;
       }
       if (range_->lend(q, p) != OK) {
@@ -65,7 +68,7 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
       idle_.erase(q);
       drop(stats_.idle_pages);
       bump(stats_.pages_lent);
-      q = idle_.next(q + 1);
+      q = down(q);
       lent_.push_back(std::move(l));
       break;
     }

@@ -40,6 +40,25 @@ class PageSet {
     return true;
   }
 
+  // The largest member <= p (p < the set's size), or npos.
+  std::size_t prev(std::size_t p) const {
+    if (count_ == 0) return npos;
+    std::size_t wi = p / 64;
+    std::uint64_t w = bits_[wi] & (~std::uint64_t{0} >> (63 - p % 64));
+    if (w) return wi * 64 + 63 - static_cast<std::size_t>(__builtin_clzll(w));
+    if (wi == 0) return npos;
+    std::size_t s = (wi - 1) / 64, bit = (wi - 1) % 64;
+    std::uint64_t sw = summary_[s] & (~std::uint64_t{0} >> (63 - bit));
+    while (!sw) {
+      if (s == 0) return npos;
+      sw = summary_[--s];
+    }
+    wi = s * 64 + 63 - static_cast<std::size_t>(__builtin_clzll(sw));
+    return wi * 64 + 63 - static_cast<std::size_t>(__builtin_clzll(bits_[wi]));
+  }
+
+  std::size_t last() const { return count_ ? prev(bits_.size() * 64 - 1) : npos; }
+
   // The smallest member >= p, or npos.
   std::size_t next(std::size_t p) const {
     std::size_t wi = p / 64;
