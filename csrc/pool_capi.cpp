@@ -5,13 +5,16 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <sys/types.h>
 
 #include "allocator.h"
 #include "capture.h"
+#include "page_set.h"
 #include "stats_export.h"
 
 #define OXY_API extern "C" __attribute__((visibility("default")))
@@ -227,6 +230,37 @@ OXY_API void oxygen_capture_release(uint64_t token) { capture::release(token); }
 OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 : 0; }
 // Python's atexit: stop the background threads before the interpreter and the driver go away.
 OXY_API void oxygen_shutdown() { DeviceCtx::stop_all_threads(); }
+// Self-test of the idle-page bitmap against std::set: random inserts and erases, then next(),
+// prev() and last() from random points. Returns the number of disagreements (0 = correct).
+OXY_API int oxygen_pageset_selftest(uint64_t seed, int pages, int ops) {
+  PageSet ps(static_cast<std::size_t>(pages));
+  std::set<std::size_t> ref;
+  std::uint64_t x = seed | 1;
+  auto rnd = [&x](std::size_t n) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return static_cast<std::size_t>(x % n);
+  };
+  int bad = 0;
+  for (int i = 0; i < ops; ++i) {
+    std::size_t p = rnd(static_cast<std::size_t>(pages));
+    if (rnd(3)) {
+      bad += ps.insert(p) != ref.insert(p).second;
+    } else {
+      bad += ps.erase(p) != (ref.erase(p) == 1);
+    }
+    std::size_t q = rnd(static_cast<std::size_t>(pages));
+    auto it = ref.lower_bound(q);
+    bad += ps.next(q) != (it == ref.end() ? PageSet::npos : *it);
+    auto up = ref.upper_bound(q);
+    bad += ps.prev(q) != (up == ref.begin() ? PageSet::npos : *std::prev(up));
+    bad += ps.last() != (ref.empty() ? PageSet::npos : *ref.rbegin());
+    bad += ps.size() != ref.size() || ps.contains(p) != (ref.count(p) == 1);
+  }
+  return bad;
+}
+
 OXY_API void oxygen_host_hold_events(int hold) { host_hold_events(hold != 0); }
 OXY_API void oxygen_host_set_event_lag(std::uint64_t ns) { host_set_event_lag(ns); }
 OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) { host_set_capture(stream, id); }

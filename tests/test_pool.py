@@ -223,3 +223,12 @@ def test_c_loop_and_prepare(pool):
     assert pool.stats()["handle_cache_pages"] >= 8
     hist = pool.latency_histogram()
     assert len(hist) == 16 and sum(hist) == pool.stats()["num_maps"]
+
+
+@pytest.mark.parametrize("pages", [1, 63, 64, 65, 4095, 4096, 4097, 200_000])
+def test_idle_page_bitmap_agrees_with_a_set(pages):
+    """The allocator's two-level bitmap of idle pages (csrc/page_set.h) against std::set:
+    random inserts and erases, then next / prev / last from random points, word and summary
+    boundaries included (sizes around 64 and 4096)."""
+    for seed in (1, 2, 3):
+        assert _native.lib().oxygen_pageset_selftest(seed, pages, 20_000) == 0
