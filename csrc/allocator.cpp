@@ -83,7 +83,7 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
     // Out of pages: wait for the device if allowed, drop cached slabs, unmap every safe idle page.
     poll_events(true);
     release_empty_slabs(false);
-    reclaim_idle(SIZE_MAX, false);
+    bump(stats_.reclaims, reclaim_idle(SIZE_MAX, false));
     p = place(bytes, st, cap, &b);
   }
   if (!p) {
