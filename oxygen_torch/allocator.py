@@ -447,13 +447,21 @@ def map_latency_histogram(device: int = 0) -> list[tuple[float, int]]:
 
 
 def memory_stats(device: int | None = None) -> dict:
-    """Allocated / mapped / peak / fragmentation / map latency ... of the global pool."""
+    """Allocated / mapped / peak / fragmentation / map latency ... of the global pool.
+
+    Without a global pool (a CPU machine, or before enable()), the physical figures are those of
+    the device's KV arenas, which hand out whole KV blocks and keep no allocation counters:
+    fragmentation is then None (not applicable; `oxygen_torch.kv.pool_stats()` has the blocks
+    in use), not the 1.0 that "nothing allocated, pages mapped" would compute."""
     dev = 0 if device is None else int(device)
     backend = "cuda" if _global_handle(dev) else _route.backend
     if not _global_handle(dev):
         arenas = [a for a in list(_arenas) if a._h and a.device == dev]
         backend = arenas[0].backend if arenas else backend
-    return _derive(raw_counters(dev), backend, dev)
+    d = _derive(raw_counters(dev), backend, dev)
+    if not _global_handle(dev):
+        d["fragmentation"] = None
+    return d
 
 
 def empty_cache() -> None:
