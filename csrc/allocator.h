@@ -32,7 +32,7 @@ namespace oxygen {
 struct AllocOptions {
   double va_factor = 2.0;                  // virtual range = capacity x this (holes never starve it)
   std::uint64_t hysteresis_ns = 2000000;   // an idle page stays mapped this long (2 ms)
-  bool reclaim_on_grow = true;             // unmap safe idle pages before mapping new ones
+  bool reclaim_on_grow = true;             // lend idle pages' handles before mapping new ones
 };
 
 struct Block {
@@ -92,7 +92,7 @@ class Allocator {
   // placement (allocator.cpp)
   std::uintptr_t place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
   std::uintptr_t large_alloc(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b);
-  using Pieces = std::vector<std::pair<std::uintptr_t, FreeExtents::Extent>>;
+  using Pieces = FreeExtents::Pieces;
   // Carves a free range for a new block (placement over idle pages first, then best fit); the
   // pieces it came from, with their tags, go back with give_back() if mapping fails.
   bool take_free(std::size_t bytes, std::size_t align, const StreamState* user,

@@ -73,15 +73,6 @@ bool FreeExtents::find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* 
   return true;
 }
 
-void FreeExtents::take_at(std::uintptr_t addr, std::size_t size) {
-  auto it = std::prev(by_addr_.upper_bound(addr));
-  std::uintptr_t lo = it->first, end = lo + it->second.size;
-  Tag t = it->second.tag;
-  erase(it);
-  if (addr > lo) add(lo, addr - lo, t);
-  if (addr + size < end) add(addr + size, end - (addr + size), t);
-}
-
 void FreeExtents::coalesce() {
   auto it = by_addr_.begin();
   while (it != by_addr_.end()) {

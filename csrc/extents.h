@@ -21,6 +21,7 @@ class FreeExtents {
     std::size_t size;
     Tag tag;
   };
+  using Pieces = std::vector<std::pair<std::uintptr_t, Extent>>;  // free ranges taken out
 
   // Adds [addr, addr+size) and joins it with neighbours whose tags allow it.
   void insert(std::uintptr_t addr, std::size_t size, Tag tag);
@@ -34,14 +35,10 @@ class FreeExtents {
   // The free extent holding `addr`, or false. Sets its start, size and tag.
   bool find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size, Tag* tag) const;
 
-  // Carves [addr, addr+size) out of the free extent holding it (the caller found it with find()).
-  void take_at(std::uintptr_t addr, std::size_t size);
-
   // Takes every free piece of [lo, hi) out if the whole range is free and each piece's tag
   // satisfies `ok`; appends the pieces to `out`. False (nothing changed) otherwise.
   template <class Ok>
-  bool take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok,
-                  std::vector<std::pair<std::uintptr_t, Extent>>* out);
+  bool take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok, Pieces* out);
 
   // Join neighbours whose tags became compatible (events completed since they were freed).
   void coalesce();
@@ -63,8 +60,7 @@ class FreeExtents {
 };
 
 template <class Ok>
-bool FreeExtents::take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok,
-                             std::vector<std::pair<std::uintptr_t, Extent>>* out) {
+bool FreeExtents::take_range(std::uintptr_t lo, std::uintptr_t hi, Ok ok, Pieces* out) {
   auto first = by_addr_.upper_bound(lo);
   if (first == by_addr_.begin()) return false;
   --first;
