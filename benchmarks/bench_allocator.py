@@ -13,7 +13,7 @@
 Every measurement runs in its own child process (the global route must be installed before CUDA
 initialises). Prints a table last; writes bench_allocator.json and bench_allocator.md to $OUT.
 
-    python benchmarks/bench_allocator.py [--calls 14] [--skip-workload]
+    python benchmarks/bench_allocator.py [--calls 14] [--skip-workload] [--allocators oxygen ...]
 """
 
 from __future__ import annotations
@@ -112,9 +112,12 @@ def bench_latency() -> dict:
     return {"default": default, "oxygen": oxygen}
 
 
-def bench_workload(calls: int) -> dict:
+WORKLOAD_ALLOCATORS = ("default", "expandable", "oxygen")
+
+
+def bench_workload(calls: int, allocators=WORKLOAD_ALLOCATORS) -> dict:
     out = {}
-    for mode in progress(("default", "expandable", "oxygen"), "mixed workload"):
+    for mode in progress(allocators, "mixed workload"):
         code = (
             f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import mixed_workload as m; "
             f"print(json.dumps(m.run({mode!r}, {calls})))"
@@ -172,6 +175,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=14, help="generate() calls (anchor: 14)")
     ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument("--allocators", nargs="+", default=list(WORKLOAD_ALLOCATORS),
+                    choices=WORKLOAD_ALLOCATORS,
+                    help="which allocators run the workload (each ~2 min on the H200)")  # fmt: skip
     args = ap.parse_args()
     t0 = time.perf_counter()
     r = {"latency": bench_latency()}
@@ -179,7 +185,7 @@ def main() -> int:
     r["growth"] = child(GROWTH)
     print(f"growth: {r['growth']}", flush=True)
     if not args.skip_workload:
-        r["workload"] = bench_workload(args.calls)
+        r["workload"] = bench_workload(args.calls, args.allocators)
     r["seconds"] = round(time.perf_counter() - t0, 1)
     md = table(r)
     print("\n" + md)
