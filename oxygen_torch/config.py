@@ -101,6 +101,10 @@ class KVConfig:
     prefetch_distance: int = 4  # blocks fetched back from the CPU tier ahead of use
     arena_bytes: int = 0  # virtual size of the KV arena; 0 = sized from device memory
     debug_checks: bool = False  # check block ids against mapped pages before every launch
+    # generate() on the paged cache runs a prompt of batch x length > this many tokens in chunks
+    # along the sequence (transformers' prefill_chunk_size), so prefill activations stay at this
+    # size instead of growing with the prompt; 0 = never chunk
+    prefill_chunk_tokens: int = 16384
 
     def __post_init__(self):
         _check_types(self, "kv")
@@ -117,6 +121,11 @@ class KVConfig:
             )
         if self.arena_bytes < 0:
             raise ValueError(f"kv.arena_bytes: {self.arena_bytes!r} is negative; allowed: ≥ 0")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"kv.prefill_chunk_tokens: {self.prefill_chunk_tokens!r} is negative; "
+                "allowed: 0 (never chunk) or a token count"
+            )
 
 
 @dataclass(frozen=True)

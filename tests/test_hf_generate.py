@@ -221,3 +221,43 @@ def test_assisted_decoding_crops_the_paged_cache(oxygen):
     ref, got = both(model, run)
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, ref) and torch.equal(got, plain)
+
+
+def test_prefill_chunk_rule():
+    assert hf.prefill_chunk(16, 512, 16, 16384) is None  # 8192 tokens: one pass
+    assert hf.prefill_chunk(64, 4096, 16, 16384) == 256
+    assert hf.prefill_chunk(4096, 64, 16, 16384) == 16  # never shorter than a KV block
+    assert hf.prefill_chunk(4096, 16, 16, 16384) is None  # one block long already
+    assert hf.prefill_chunk(64, 4096, 16, 0) is None  # 0: never chunk
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
+    """3 x 40 prompt tokens over kv.prefill_chunk_tokens=48: prefill in chunks of 16 positions
+    (three forwards before the first new token), left padding and sliding windows crossing the
+    chunk edges; tokens and the cache equal stock's one-pass prefill."""
+    from oxygen_torch.config import load_config
+
+    model = tiny(arch)
+    ids, mask = batch(b=3, n=40, pads=(21, 5, 0))
+    lengths = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: lengths.append((kw.get("input_ids") if a == () else a[0]).shape[1]),
+        with_kwargs=True,
+    )
+    cfg = load_config(prefill_chunk_tokens=48)
+
+    def run(m):
+        lengths.clear()
+        return m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                          return_dict_in_generate=True)  # fmt: skip
+
+    with torch.no_grad():
+        ref = run(model)
+        assert lengths == [40] + [1] * 5  # stock: one pass
+        hf.apply(model, cfg)
+        got = run(model)
+    assert lengths == [16, 16, 8] + [1] * 5, lengths
+    assert isinstance(got.past_key_values, PagedKVCache)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert model.generation_config.prefill_chunk_size is None  # the call's own config only

@@ -19,6 +19,7 @@ from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..config import KVConfig
 from ..kv.pool import release_pools
 from .hf_attention import oxygen_attention_forward, oxygen_mask
 from .hf_cache import PagedKVCache
@@ -150,6 +151,43 @@ def compile_through_oxygen(generation_config, cache, device_type: str) -> bool:
     return True
 
 
+def prefill_chunk(batch: int, length: int, block_tokens: int, limit: int) -> int | None:
+    """Chunk length along the sequence for a batch x length prompt, or None for one pass: chunks
+    of about `limit` tokens over the whole batch, never shorter than one KV block."""
+    if limit <= 0 or batch * length <= limit:
+        return None
+    chunk = max(limit // batch, block_tokens)
+    return chunk if chunk < length else None
+
+
+def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    """A long prompt on the paged cache is prefilled in chunks (transformers' own
+    prefill_chunk_size path): the MLP activations of a 64 x 4096-token prompt alone are
+    2.75 GiB each, which decided how large a batch fits. Only on a fresh PagedKVCache that this
+    call did not configure itself (a prefill_chunk_size the caller set is kept)."""
+    cache = model_kwargs.get("past_key_values")
+    chunk = None
+    if (
+        isinstance(cache, PagedKVCache)
+        and generation_config.prefill_chunk_size is None
+        and model_kwargs.get("inputs_embeds") is None
+        and input_ids.dim() == 2
+        and cache.get_seq_length() == 0
+    ):
+        kv = getattr(active_cfg(), "kv", None)
+        limit = getattr(kv, "prefill_chunk_tokens", KVConfig.prefill_chunk_tokens)
+        block = getattr(kv, "block_tokens", KVConfig.block_tokens)
+        chunk = prefill_chunk(*input_ids.shape, block, limit)
+    if chunk is None:
+        return _orig["prefill"](self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+    log.info("oxygen_torch: prefill of %s tokens in chunks of %d", tuple(input_ids.shape), chunk)
+    generation_config.prefill_chunk_size = chunk
+    try:
+        return _orig["prefill"](self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        generation_config.prefill_chunk_size = None
+
+
 def _stock_for_this_call(model) -> None:
     """Stock SDPA for the rest of this generate() call (restored when it returns)."""
     switched = getattr(_state, "switched", None)
@@ -184,8 +222,10 @@ def _install() -> None:
         AttentionMaskInterface.register(NAME, oxygen_mask)
         _orig["generate"] = GenerationMixin.generate
         _orig["prepare_cache"] = GenerationMixin._prepare_cache_for_generation
+        _orig["prefill"] = GenerationMixin._prefill
         GenerationMixin.generate = functools.wraps(_orig["generate"])(_generate)
         GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+        GenerationMixin._prefill = _prefill
         _installed = True
 
 
@@ -244,6 +284,7 @@ def disable_hf() -> None:
         if _installed:
             GenerationMixin.generate = _orig.pop("generate")
             GenerationMixin._prepare_cache_for_generation = _orig.pop("prepare_cache")
+            GenerationMixin._prefill = _orig.pop("prefill")
             AttentionInterface._global_mapping.pop(NAME, None)
             AttentionMaskInterface._global_mapping.pop(NAME, None)
             _installed = False
