@@ -53,17 +53,22 @@ def load_kv(
 
 
 @triton.jit
+def fp16_dots(FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
+    """True where the fp8 path does its dots in fp16 (every mode but FP32_SAFE and FP16_ONLY)."""
+    return FP8 and PRECISION != FP32_SAFE and not HALF_ACC
+
+
+@triton.jit
 def half_query(q, qk_scale, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
     """For the fp16 dots of the fp8 path: q scaled by 2^e into fp16 (its largest element lands in
     [2^13, 2^14)) and qk_scale divided by 2^e. Exact for bf16 queries: fp16 keeps 10 mantissa
     bits where bf16 has 7, and the power of two only moves the exponent. Other paths: unchanged."""
-    if FP8 and PRECISION != FP32_SAFE and not HALF_ACC:  # fp16 dots (module doc)
+    if fp16_dots(FP8, PRECISION, HALF_ACC):
         qf = q.to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
         e = tl.where(qmax > 0.0, 13.0 - tl.floor(tl.log2(tl.maximum(qmax, 1e-30))), 0.0)
         e = tl.minimum(tl.maximum(e, -100.0), 100.0)
-        q = (qf * tl.exp2(e)).to(tl.float16)  # one return: Triton types both exits alike
-        qk_scale = qk_scale * tl.exp2(-e)
+        return (qf * tl.exp2(e)).to(tl.float16), qk_scale * tl.exp2(-e)
     return q, qk_scale
 
 
@@ -86,7 +91,7 @@ def scores(
     elif HALF_ACC:
         s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)), out_dtype=tl.float16)
         s = s.to(tl.float32)
-    elif FP8:  # fp16 dots; q is already fp16 (half_query)
+    elif fp16_dots(FP8, PRECISION, HALF_ACC):  # q is already fp16 (half_query)
         s = tl.dot(q, tl.trans(k.to(tl.float16)))
     else:
         s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)))
@@ -108,7 +113,7 @@ def softmax_step(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8 and PRECISION != FP32_SAFE and not HALF_ACC:  # fp16 dots (module doc)
+    if fp16_dots(FP8, PRECISION, HALF_ACC):
         # p <= 1; scaled by v_sc / (the tile's largest v_sc) it stays in [0, 1] in fp16
         v_top = tl.max(v_sc, 0)
         v_top = tl.where(v_top > 0.0, v_top, 1.0)
