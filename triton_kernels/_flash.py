@@ -6,14 +6,9 @@ power-of-two block_tokens works with any BLOCK_N, and a shuffled table costs not
 token's head row is head_dim contiguous elements, so loads along D are 16-byte vectors.
 
 Scores live in the log2 domain (qk_scale = softmax scale x log2 e) so the softmax uses exp2.
-fp8 KV: codes are converted exactly to fp16 (every e4m3 value is an fp16 value) and the
+fp8 KV: codes are converted exactly to half (every e4m3 value is a half value) and the
 per-block-per-head scales are folded into the scores (K) and the probabilities (V), which costs
-one multiply per score instead of one per K/V element. Outside FP32_SAFE both dots run in fp16
-whatever the query dtype: e4m3 -> fp16 is one packed conversion per two elements, while
-e4m3 -> bf16 goes through fp16 and fp32 (about four times the conversions; on the H200 that made
-fp8 decode slower than bf16). The query is scaled by a power of two into fp16's range
-(`half_query`) and the probabilities by the tile's largest V scale, so neither overflows nor
-loses more than bf16 would.
+one multiply per score instead of one per K/V element.
 """
 
 import triton
@@ -53,26 +48,6 @@ def load_kv(
 
 
 @triton.jit
-def fp16_dots(FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
-    """True where the fp8 path does its dots in fp16 (every mode but FP32_SAFE and FP16_ONLY)."""
-    return FP8 and PRECISION != FP32_SAFE and not HALF_ACC
-
-
-@triton.jit
-def half_query(q, qk_scale, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
-    """For the fp16 dots of the fp8 path: q scaled by 2^e into fp16 (its largest element lands in
-    [2^13, 2^14)) and qk_scale divided by 2^e. Exact for bf16 queries: fp16 keeps 10 mantissa
-    bits where bf16 has 7, and the power of two only moves the exponent. Other paths: unchanged."""
-    if fp16_dots(FP8, PRECISION, HALF_ACC):
-        qf = q.to(tl.float32)
-        qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
-        e = tl.where(qmax > 0.0, 13.0 - tl.floor(tl.log2(tl.maximum(qmax, 1e-30))), 0.0)
-        e = tl.minimum(tl.maximum(e, -100.0), 100.0)
-        return (qf * tl.exp2(e)).to(tl.float16), qk_scale * tl.exp2(-e)
-    return q, qk_scale
-
-
-@triton.jit
 def to_dot_dtype(x, dtype, FP8: tl.constexpr):
     if FP8:
         # e4m3 -> fp16 is exact and the cheapest conversion; fp16 -> bf16 is exact for these values
@@ -91,8 +66,6 @@ def scores(
     elif HALF_ACC:
         s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)), out_dtype=tl.float16)
         s = s.to(tl.float32)
-    elif fp16_dots(FP8, PRECISION, HALF_ACC):  # q is already fp16 (half_query)
-        s = tl.dot(q, tl.trans(k.to(tl.float16)))
     else:
         s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)))
     if FP8:
@@ -113,13 +86,6 @@ def softmax_step(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if fp16_dots(FP8, PRECISION, HALF_ACC):
-        # p <= 1; scaled by v_sc / (the tile's largest v_sc) it stays in [0, 1] in fp16
-        v_top = tl.max(v_sc, 0)
-        v_top = tl.where(v_top > 0.0, v_top, 1.0)
-        p16 = (p * (v_sc / v_top)[None, :]).to(tl.float16)
-        pv = tl.dot(p16, v.to(tl.float16)) * v_top
-        return acc * alpha[:, None] + pv, l_i, m_new
     if FP8:
         p = p * v_sc[None, :]
     if PRECISION == FP32_SAFE:

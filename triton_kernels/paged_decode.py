@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import half_query, kv_rows, load_kv, scores, softmax_step
+from ._flash import kv_rows, load_kv, scores, softmax_step
 from .precision import PrecisionMode
 from .tiling import LaunchConfig, TileQuery, launch_config, next_pow2, select_num_splits
 
@@ -85,7 +85,6 @@ def _decode_kernel(
     g_mask = offs_g < group
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
-    q, qk_scale = half_query(q, qk_scale, FP8, PRECISION, HALF_ACC)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

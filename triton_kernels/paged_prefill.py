@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import half_query, kv_rows, load_kv, scores, softmax_step
+from ._flash import kv_rows, load_kv, scores, softmax_step
 from .paged_decode import LOG2E, NO_WINDOW, _half_acc
 from .precision import PrecisionMode
 from .tiling import LaunchConfig, TileQuery, launch_config, next_pow2
@@ -153,7 +153,6 @@ def _prefill_kernel(
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0)
-    q, qk_scale = half_query(q, qk_scale, FP8, PRECISION, HALF_ACC)
 
     lo_true = tl.maximum(ctx + m0 - window + 1, 0)  # no window: the host passes a huge one
     lo = (lo_true // BLOCK_N) * BLOCK_N
