@@ -22,6 +22,19 @@ MODES = ("hf_dynamic", "oxygen", "oxygen_hf")
 B, P, N = 16, 512, 16
 
 
+POOL_COUNTS = ("num_allocs", "num_maps", "num_unmaps", "pages_lent", "events_recorded",
+               "map_ns", "unmap_ns")  # fmt: skip
+
+
+def pool_counts(mode: str) -> dict:
+    if mode != "oxygen":
+        return {}
+    import oxygen_torch
+
+    s = oxygen_torch.memory_stats()
+    return {k: s[k] for k in POOL_COUNTS}
+
+
 def child(mode: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -47,11 +60,15 @@ def child(mode: str) -> None:
         model.generate(ids, **kw)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
+        pool = pool_counts(mode)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             model.generate(ids, **kw)
             torch.cuda.synchronize()
+        pool = {k: v - pool[k] for k, v in pool_counts(mode).items()}
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=35)
     head = f"== {mode}: generate B={B} P={P} N={N}: {wall * 1e3:.1f} ms unprofiled\n"
+    if pool:  # what the pool did during the profiled call: maps and unmaps cost 20-60 us each
+        head += f"pool during the profiled call: {pool}\n"
     print(head + table, flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_decode_{mode}.txt"), "w") as f:
