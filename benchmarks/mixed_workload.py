@@ -41,8 +41,12 @@ def setup(mode: str):
     if mode == "oxygen":
         from oxygen_torch import allocator
 
+        # OXYGEN_HYSTERESIS_MS: compare idle-page hysteresis settings (pool.hysteresis_ms)
+        hyst = float(os.environ.get("OXYGEN_HYSTERESIS_MS", "2.0"))
         allocator.enable_allocator(
-            types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
+            types.SimpleNamespace(
+                page_size=2 << 20, reserve_fraction=0.9, backend="auto", hysteresis_ms=hyst
+            )
         )
     return torch
 

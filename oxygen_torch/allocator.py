@@ -339,10 +339,12 @@ def is_enabled() -> bool:
 
 
 def _configure(cfg: Any) -> None:
-    """The C side needs page size and reserve fraction before the first oxygen_malloc."""
+    """The C side needs page size, reserve fraction and hysteresis before the first
+    oxygen_malloc."""
     page = int(getattr(cfg, "page_size", DEFAULT_PAGE) or DEFAULT_PAGE)
     frac = float(getattr(cfg, "reserve_fraction", 0.9))
-    st = _native.lib().oxygen_configure(b"cuda", page, frac, 0, 0, 0, 0, 1)
+    hyst_us = max(1, round(float(getattr(cfg, "hysteresis_ms", 2.0)) * 1000))
+    st = _native.lib().oxygen_configure(b"cuda", page, frac, 0, 0, 0, hyst_us, 1)
     _native.check(st, "configuring the global pool")
     _route.configured = True
 

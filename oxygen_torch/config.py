@@ -74,9 +74,17 @@ class PoolConfig:
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
     cpu_tier_bytes: int = 0  # pinned host bytes for the CPU tier; 0 = no CPU tier
     backend: str = "auto"  # auto: cuda when a driver and device exist, else host
+    # how long a page with nothing live stays mapped before it is unmapped (global pool): longer
+    # keeps pages that are reused every decode step mapped, at the cost of memory held that long
+    hysteresis_ms: float = 2.0
 
     def __post_init__(self):
         _check_types(self, "pool")
+        if not 0.01 <= self.hysteresis_ms <= 60000:
+            raise ValueError(
+                f"pool.hysteresis_ms: {self.hysteresis_ms!r} is out of range; allowed: 0.01 to "
+                "60000 (milliseconds)"
+            )
         if self.page_size <= 0 or self.page_size % DEVICE_GRANULARITY:
             raise ValueError(
                 f"pool.page_size: {self.page_size!r} is not a positive multiple of the device "

@@ -112,3 +112,22 @@ def test_virtual_pool_validates_arguments():
     p.close()
     with pytest.raises(RuntimeError, match="closed"):
         p.malloc(10)
+
+
+def test_global_configure_passes_page_fraction_and_hysteresis(monkeypatch):
+    """pool.hysteresis_ms reaches oxygen_configure in microseconds (the global route configures
+    the C side once, before CUDA's first allocation; recorded here, nothing is installed)."""
+    calls = []
+
+    class Lib:
+        def oxygen_configure(self, *args):
+            calls.append(args)
+            return 0
+
+    monkeypatch.setattr(allocator._native, "lib", lambda: Lib())
+    monkeypatch.setattr(allocator._route, "configured", False)
+    cfg = types.SimpleNamespace(page_size=4 << 20, reserve_fraction=0.5, hysteresis_ms=37.5)
+    allocator._configure(cfg)
+    assert calls == [(b"cuda", 4 << 20, 0.5, 0, 0, 0, 37500, 1)]
+    allocator._configure(types.SimpleNamespace())  # defaults: 2 MiB pages, 0.9, 2 ms
+    assert calls[1] == (b"cuda", 2 << 20, 0.9, 0, 0, 0, 2000, 1)

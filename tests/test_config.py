@@ -118,6 +118,11 @@ def test_bad_kwargs_and_direct_construction():
     with pytest.raises(ValueError, match="kv.debug_checks"):
         KVConfig(debug_checks="yes")
     assert load_config(pool={"backend": "host"}).pool.backend == "host"
+    with pytest.raises(ValueError, match=r"pool.hysteresis_ms: 0(\.0)? is out of range"):
+        load_config(hysteresis_ms=0)
+    with pytest.raises(ValueError, match="kv.prefill_chunk_tokens: -1 is negative"):
+        load_config(prefill_chunk_tokens=-1)
+    assert load_config(hysteresis_ms=20).pool.hysteresis_ms == 20
     assert load_config(kernel=KernelConfig(block_m=32)).kernel.block_m == 32
     assert load_config(kernel__block_n=64).kernel.block_n == 64
     assert SchedulerConfig(alpha=1, beta=0).alpha == 1
