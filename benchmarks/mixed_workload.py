@@ -41,13 +41,10 @@ def setup(mode: str):
     if mode == "oxygen":
         from oxygen_torch import allocator
 
-        # OXYGEN_HYSTERESIS_MS: compare idle-page hysteresis settings (pool.hysteresis_ms)
-        hyst = float(os.environ.get("OXYGEN_HYSTERESIS_MS", "2.0"))
-        allocator.enable_allocator(
-            types.SimpleNamespace(
-                page_size=2 << 20, reserve_fraction=0.9, backend="auto", hysteresis_ms=hyst
-            )
-        )
+        cfg = types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
+        if os.environ.get("OXYGEN_HYSTERESIS_MS"):  # compare settings; default pool.hysteresis_ms
+            cfg.hysteresis_ms = float(os.environ["OXYGEN_HYSTERESIS_MS"])
+        allocator.enable_allocator(cfg)
     return torch
 
 
@@ -85,7 +82,7 @@ def run(mode: str, calls: int) -> dict:
     dt = time.perf_counter() - t0
     pa, pr = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     end_now = torch.cuda.memory_reserved()
-    time.sleep(0.1)  # oxygen: idle pages leave after a 2 ms hysteresis (background sweep)
+    time.sleep(0.1)  # oxygen: idle pages leave after the hysteresis (pool.hysteresis_ms, 20 ms)
     r = {
         "mode": mode,
         "calls": calls,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import _native
+from .config import PoolConfig
 
 MiB = 1 << 20
 DEFAULT_PAGE = 2 * MiB  # the VMM granularity the H200 reports
@@ -343,7 +344,7 @@ def _configure(cfg: Any) -> None:
     oxygen_malloc."""
     page = int(getattr(cfg, "page_size", DEFAULT_PAGE) or DEFAULT_PAGE)
     frac = float(getattr(cfg, "reserve_fraction", 0.9))
-    hyst_us = max(1, round(float(getattr(cfg, "hysteresis_ms", 2.0)) * 1000))
+    hyst_us = max(1, round(float(getattr(cfg, "hysteresis_ms", PoolConfig.hysteresis_ms)) * 1000))
     st = _native.lib().oxygen_configure(b"cuda", page, frac, 0, 0, 0, hyst_us, 1)
     _native.check(st, "configuring the global pool")
     _route.configured = True

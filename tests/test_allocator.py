@@ -129,5 +129,5 @@ def test_global_configure_passes_page_fraction_and_hysteresis(monkeypatch):
     cfg = types.SimpleNamespace(page_size=4 << 20, reserve_fraction=0.5, hysteresis_ms=37.5)
     allocator._configure(cfg)
     assert calls == [(b"cuda", 4 << 20, 0.5, 0, 0, 0, 37500, 1)]
-    allocator._configure(types.SimpleNamespace())  # defaults: 2 MiB pages, 0.9, 2 ms
-    assert calls[1] == (b"cuda", 2 << 20, 0.9, 0, 0, 0, 2000, 1)
+    allocator._configure(types.SimpleNamespace())  # defaults: 2 MiB pages, 0.9, 20 ms
+    assert calls[1] == (b"cuda", 2 << 20, 0.9, 0, 0, 0, 20000, 1)
