@@ -163,8 +163,8 @@ def prefill_chunk(batch: int, length: int, block_tokens: int, limit: int) -> int
 def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
     """A long prompt on the paged cache is prefilled in chunks (transformers' own
     prefill_chunk_size path): the MLP activations of a 64 x 4096-token prompt alone are
-    2.75 GiB each, which decided how large a batch fits. Only on a fresh PagedKVCache that this
-    call did not configure itself (a prefill_chunk_size the caller set is kept)."""
+    2.75 GiB each, which decided how large a batch fits. Only on a fresh PagedKVCache, and only
+    when the caller set no prefill_chunk_size (theirs is kept)."""
     cache = model_kwargs.get("past_key_values")
     chunk = None
     if (
