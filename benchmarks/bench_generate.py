@@ -86,6 +86,16 @@ def kv_peak_bytes() -> int:
     return max((p["peak_mapped_bytes"] for p in kv.pool_stats()), default=0)
 
 
+def pool_churn() -> dict:
+    """The global pool's map/unmap counters, or {} where it is not PyTorch's allocator."""
+    from oxygen_torch import allocator
+
+    if not (DEVICE == "cuda" and allocator.is_enabled()):
+        return {}
+    s = allocator.memory_stats(0)
+    return {k: s[k] for k in ("num_maps", "num_unmaps")}
+
+
 def switch_on(cfg=None):
     """cfg None: the product path, oxygen_torch.enable() (+ the HF wiring, idempotent). With a
     cfg: the HF integration only, torch's own allocator (the capacity test caps it)."""
@@ -111,7 +121,9 @@ def throughput(mode: str) -> dict:
         _, first = timed(lambda: model.generate(ids, **kw))
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        churn = pool_churn()
         out, dt = timed(lambda: model.generate(ids, **kw))
+        churn = {k: v - churn[k] for k, v in pool_churn().items()}
     res = dict(
         mode=mode,
         attn=model.config._attn_implementation,
@@ -128,6 +140,9 @@ def throughput(mode: str) -> dict:
         res["torch_stats"] = str(exc)[:200]
     if mode.startswith("oxygen"):
         res["kv_peak_mapped_GiB"] = round(kv_peak_bytes() / GIB, 2)
+    if churn:  # the global pool's page maps/unmaps during the timed call (~59 / ~37 us each)
+        res["pool_maps_per_step"] = round(churn["num_maps"] / N, 1)
+        res["pool_unmaps_per_step"] = round(churn["num_unmaps"] / N, 1)
     return res
 
 
