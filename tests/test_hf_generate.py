@@ -231,11 +231,12 @@ def test_prefill_chunk_rule():
     assert hf.prefill_chunk(64, 4096, 16, 0) is None  # 0: never chunk
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
-    """3 x 40 prompt tokens over kv.prefill_chunk_tokens=48: prefill in chunks of 16 positions
-    (three forwards before the first new token), left padding and sliding windows crossing the
-    chunk edges; tokens and the cache equal stock's one-pass prefill."""
+    """Every supported architecture: 3 x 40 prompt tokens over kv.prefill_chunk_tokens=48 are
+    prefilled in chunks of 16 positions (three forwards before the first new token), with left
+    padding and sliding windows crossing the chunk edges; the tokens equal stock's one-pass
+    prefill."""
     from oxygen_torch.config import load_config
 
     model = tiny(arch)
