@@ -262,3 +262,34 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
     assert isinstance(got.past_key_values, PagedKVCache)
     assert torch.equal(got.sequences, ref.sequences)
     assert model.generation_config.prefill_chunk_size is None  # the call's own config only
+
+
+def test_beam_search_and_returned_sequences_with_chunked_prefill(oxygen):
+    """Beams expand the batch before the prefill (2 prompts x 3 beams x 40 tokens > 48): the
+    chunked prefill of the expanded batch gives stock's beams and sampled sequences."""
+    from oxygen_torch.config import load_config
+
+    model = tiny()
+    ids, mask = batch(b=2, n=40, pads=(7, 0))
+    cfg = load_config(prefill_chunk_tokens=48)
+    widths = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: widths.append((kw.get("input_ids") if a == () else a[0]).shape),
+        with_kwargs=True,
+    )
+    beams = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3)
+
+    def run(m):
+        torch.manual_seed(3)
+        out = [m.generate(ids, attention_mask=mask, **kw) for kw in (beams, sampled)]
+        return out
+
+    with torch.no_grad():
+        ref = run(model)
+        hf.apply(model, cfg)
+        widths.clear()
+        got = run(model)
+    assert widths[:3] == [(6, 16), (6, 16), (6, 8)], widths[:4]  # 6 beam rows, in chunks
+    assert got[0].shape == (4, 46) and torch.equal(got[0], ref[0])
+    assert got[1].shape == (6, 46) and torch.equal(got[1], ref[1])
