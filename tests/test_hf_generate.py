@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers as T
 
+from oxygen_torch.config import load_config
 from oxygen_torch.integrations import hf
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
@@ -223,6 +224,16 @@ def test_assisted_decoding_crops_the_paged_cache(oxygen):
     assert torch.equal(got, ref) and torch.equal(got, plain)
 
 
+def input_shapes(model) -> list[tuple[int, int]]:
+    """The input_ids shape of every forward the model runs from now on (cleared by the caller)."""
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple((kw.get("input_ids") if a == () else a[0]).shape)),
+        with_kwargs=True,
+    )
+    return shapes
+
+
 def test_prefill_chunk_rule():
     assert hf.prefill_chunk(16, 512, 16, 16384) is None  # 8192 tokens: one pass
     assert hf.prefill_chunk(64, 4096, 16, 16384) == 256
@@ -237,28 +248,22 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
     prefilled in chunks of 16 positions (three forwards before the first new token), with left
     padding and sliding windows crossing the chunk edges; the tokens equal stock's one-pass
     prefill."""
-    from oxygen_torch.config import load_config
-
     model = tiny(arch)
     ids, mask = batch(b=3, n=40, pads=(21, 5, 0))
-    lengths = []
-    model.register_forward_pre_hook(
-        lambda m, a, kw: lengths.append((kw.get("input_ids") if a == () else a[0]).shape[1]),
-        with_kwargs=True,
-    )
+    shapes = input_shapes(model)
     cfg = load_config(prefill_chunk_tokens=48)
 
     def run(m):
-        lengths.clear()
+        shapes.clear()
         return m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip
 
     with torch.no_grad():
         ref = run(model)
-        assert lengths == [40] + [1] * 5  # stock: one pass
+        assert [n for _, n in shapes] == [40] + [1] * 5  # stock: one pass
         hf.apply(model, cfg)
         got = run(model)
-    assert lengths == [16, 16, 8] + [1] * 5, lengths
+    assert [n for _, n in shapes] == [16, 16, 8] + [1] * 5, shapes
     assert isinstance(got.past_key_values, PagedKVCache)
     assert torch.equal(got.sequences, ref.sequences)
     assert model.generation_config.prefill_chunk_size is None  # the call's own config only
@@ -267,29 +272,22 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
 def test_beam_search_and_returned_sequences_with_chunked_prefill(oxygen):
     """Beams expand the batch before the prefill (2 prompts x 3 beams x 40 tokens > 48): the
     chunked prefill of the expanded batch gives stock's beams and sampled sequences."""
-    from oxygen_torch.config import load_config
-
     model = tiny()
     ids, mask = batch(b=2, n=40, pads=(7, 0))
     cfg = load_config(prefill_chunk_tokens=48)
-    widths = []
-    model.register_forward_pre_hook(
-        lambda m, a, kw: widths.append((kw.get("input_ids") if a == () else a[0]).shape),
-        with_kwargs=True,
-    )
+    shapes = input_shapes(model)
     beams = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
     sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3)
 
     def run(m):
         torch.manual_seed(3)
-        out = [m.generate(ids, attention_mask=mask, **kw) for kw in (beams, sampled)]
-        return out
+        return [m.generate(ids, attention_mask=mask, **kw) for kw in (beams, sampled)]
 
     with torch.no_grad():
         ref = run(model)
         hf.apply(model, cfg)
-        widths.clear()
+        shapes.clear()
         got = run(model)
-    assert widths[:3] == [(6, 16), (6, 16), (6, 8)], widths[:4]  # 6 beam rows, in chunks
+    assert shapes[:3] == [(6, 16), (6, 16), (6, 8)], shapes[:4]  # 6 beam rows, in chunks
     assert got[0].shape == (4, 46) and torch.equal(got[0], ref[0])
     assert got[1].shape == (6, 46) and torch.equal(got[1], ref[1])
