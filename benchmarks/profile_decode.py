@@ -79,9 +79,11 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         child(sys.argv[2])
         return 0
-    for mode in sys.argv[1:] or MODES:
-        if mode not in MODES:
-            raise SystemExit(f"profile_decode: unknown mode {mode!r}; modes: {', '.join(MODES)}")
+    modes = sys.argv[1:] or MODES
+    bad = [m for m in modes if m not in MODES]
+    if bad:  # before any mode runs: each one costs a model build on the device
+        raise SystemExit(f"profile_decode: unknown mode(s) {bad}; modes: {', '.join(MODES)}")
+    for mode in modes:
         subprocess.run([sys.executable, __file__, "--child", mode], timeout=240, check=False)
     return 0
 
