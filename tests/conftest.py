@@ -28,3 +28,14 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device GPU-capable tests run on: cuda where there is one, else cpu."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def fresh_compile():
+    """A fresh dynamo and fresh oxygen_torch.compile.stats() around a compile test."""
+    import oxygen_torch.compile as oc
+
+    torch._dynamo.reset()
+    oc.reset_stats()
+    yield
+    torch._dynamo.reset()

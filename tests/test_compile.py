@@ -20,12 +20,8 @@ from oxygen_torch.compile import backend as backend_mod
 
 
 @pytest.fixture(autouse=True)
-def light(monkeypatch):
+def light(monkeypatch, fresh_compile):
     monkeypatch.setattr(backend_mod, "final_compiler", lambda gm, ex, patches: aot_eager(gm, ex))
-    torch._dynamo.reset()
-    oc.reset_stats()
-    yield
-    torch._dynamo.reset()
 
 
 def _randn(*shape, seed):

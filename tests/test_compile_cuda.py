@@ -13,18 +13,10 @@ from oxygen_torch.triton_kernels.reference import paged_decode_ref
 import oxygen_torch.compile as oc
 from oxygen_torch.ops import kv_append  # the wrapper supplies the optional scales
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_compile")]
 ops = torch.ops.oxygen
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    oc.reset_stats()
-    yield
-    torch._dynamo.reset()
 
 
 def _randn(shape, dtype, seed):

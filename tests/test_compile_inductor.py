@@ -10,15 +10,7 @@ import torch.nn.functional as F
 
 import oxygen_torch.compile as oc
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    oc.reset_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile")]
 
 
 def tiny_llama(layers=2):
