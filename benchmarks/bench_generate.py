@@ -33,7 +33,15 @@ CAP_BYTES = 24 * GIB
 B, P, N = 16, 512, 256
 CAP_P, CAP_N = 4096, 256
 CAP_BATCHES = (32, 48, 64, 80, 96, 112, 128)
-MODES = ("hf_dynamic", "hf_static", "oxygen", "oxygen_static", "cap_hf", "cap_oxygen")
+MODES = (
+    "hf_dynamic",
+    "hf_static",
+    "oxygen",
+    "oxygen_eager",  # oxygen with kv.decode_graphs off: every decode step launched eagerly
+    "oxygen_static",
+    "cap_hf",
+    "cap_oxygen",
+)
 TIMEOUTS = {"hf_static": 240, "oxygen_static": 240, "cap_hf": 200, "cap_oxygen": 240}
 
 
@@ -96,20 +104,21 @@ def pool_churn() -> dict:
     return {k: s[k] for k in ("num_maps", "num_unmaps")}
 
 
-def switch_on(cfg=None):
-    """cfg None: the product path, oxygen_torch.enable() (+ the HF wiring, idempotent). With a
-    cfg: the HF integration only, torch's own allocator (the capacity test caps it)."""
+def switch_on(cfg=None, **overrides):
+    """cfg None: the product path, oxygen_torch.enable(**overrides) (+ the HF wiring,
+    idempotent). With a cfg: the HF integration only, torch's own allocator (the capacity test
+    caps it)."""
     import oxygen_torch
     from oxygen_torch.integrations import hf
 
     if cfg is None:
-        cfg = oxygen_torch.enable()
+        cfg = oxygen_torch.enable(**overrides)
     hf.enable_hf(cfg)
 
 
 def throughput(mode: str) -> dict:
     if mode.startswith("oxygen"):
-        switch_on()
+        switch_on(kv=dict(decode_graphs=mode != "oxygen_eager"))
     model = build_model()
     ids = prompts(B, P)
     kw = dict(
@@ -139,7 +148,10 @@ def throughput(mode: str) -> dict:
     except RuntimeError as exc:  # a global pluggable allocator may not report device stats
         res["torch_stats"] = str(exc)[:200]
     if mode.startswith("oxygen"):
+        from oxygen_torch.integrations import hf_graphs
+
         res["kv_peak_mapped_GiB"] = round(kv_peak_bytes() / GIB, 2)
+        res["decode_graphs"] = hf_graphs.stats(model)
     if churn:  # the global pool's page maps/unmaps during the timed call (~59 / ~37 us each)
         res["pool_maps_per_step"] = round(churn["num_maps"] / N, 1)
         res["pool_unmaps_per_step"] = round(churn["num_unmaps"] / N, 1)
@@ -234,7 +246,7 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     ref = results.get("hf_dynamic", {}).get("tokens")
-    for mode in ("hf_dynamic", "hf_static", "oxygen", "oxygen_static"):
+    for mode in ("hf_dynamic", "hf_static", "oxygen", "oxygen_eager", "oxygen_static"):
         r = results.get(mode)
         if r is None:
             continue

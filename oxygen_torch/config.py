@@ -116,6 +116,8 @@ class KVConfig:
     # along the sequence (transformers' prefill_chunk_size), so prefill activations stay at this
     # size instead of growing with the prompt; 0 = never chunk
     prefill_chunk_tokens: int = 16384
+    # generate() on the paged cache (CUDA) replays its one-token decode steps from CUDA graphs
+    decode_graphs: bool = True
 
     def __post_init__(self):
         _check_types(self, "kv")

@@ -11,7 +11,7 @@ import torch
 import transformers as T
 
 from oxygen_torch.demo_models import random_llama
-from oxygen_torch.integrations import hf
+from oxygen_torch.integrations import hf, hf_graphs
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
 pytestmark = pytest.mark.cuda
@@ -90,6 +90,44 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
     print(f"\n{arch}: fp32 logit rel error {err:.2e}")
     assert err < 1e-4
     assert torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_decode_graphs_replay_the_eager_steps(arch, oxygen):
+    """generate() with decode steps replayed from CUDA graphs gives the eager oxygen path's
+    tokens and logits; a second call replays the graph captured by the first."""
+    conf_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    model = model_cls(conf_cls(**SMALL, **extra, attn_implementation="sdpa")).cuda().eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    ids, mask = _padded_batch(3, 40, 256, (7, 0, 19), "cuda")
+    n = 48  # 88 tokens: 6 blocks, the eager table's first width (16) as the graph's
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=n,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+    def cfg(graphs):
+        return _ns(dict(kv=dict(decode_graphs=graphs), kernel=dict(precision="fp32_safe")))
+
+    with torch.no_grad():
+        hf.apply(model, cfg(False))
+        eager = model.generate(ids, **kw)
+        assert hf_graphs.stats(model)["captures"] == 0
+        hf.apply(model, cfg(True))
+        got = model.generate(ids, **kw)
+        again = model.generate(ids, **kw)
+    st = hf_graphs.stats(model)
+    # step 1 is the prefill, step 2 warms up and captures, the other n - 2 steps replay
+    assert st == {"graphs": 1, "captures": 1, "replays": 2 * (n - 2) + 1, "failed": 0}, st
+    for out in (got, again):
+        assert torch.equal(out.sequences, eager.sequences)
+        err = max((a - b).abs().max().item() for a, b in zip(out.logits, eager.logits))
+        assert err <= 1e-5 * eager.logits[0].abs().max().item(), err
 
 
 def _llama_1b(dtype):

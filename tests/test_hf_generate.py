@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations import hf
+from oxygen_torch.integrations import hf, hf_graphs
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
 COMMON = dict(
@@ -65,8 +65,11 @@ def batch(b=3, n=13, seed=1, pads=(4, 2, 0)):
     return ids, mask
 
 
-@pytest.fixture
-def oxygen():
+@pytest.fixture(params=["eager", "graphs"])
+def oxygen(request, monkeypatch):
+    """Every test twice: decode steps run eagerly, and through the decode-graph bookkeeping
+    (on CPU its stand-in for a CUDA graph re-runs the forward on the graph's buffers)."""
+    monkeypatch.setattr(hf_graphs, "CPU_RERUN", request.param == "graphs")
     yield hf
     hf.disable_hf()
 

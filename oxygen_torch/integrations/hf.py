@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import KVConfig
 from ..kv.pool import release_pools
+from . import hf_graphs
 from .hf_attention import oxygen_attention_forward, oxygen_mask
 from .hf_cache import PagedKVCache
 
@@ -122,7 +123,10 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         _warn_once(f"oxygen_torch: head_dim {head_dim} has no kernel; stock attention is used")
         default = False
     if default:
-        model_kwargs["past_key_values"] = PagedKVCache(config=text, cfg=active_cfg())
+        cache = PagedKVCache(config=text, cfg=active_cfg())
+        max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else 0)
+        cache.max_cache_len_hint = int(max_len or 0)
+        model_kwargs["past_key_values"] = cache
     elif cache is not None and not isinstance(cache, PagedKVCache):
         _stock_for_this_call(self)
         compile_through_oxygen(generation_config, cache, self.device.type)
@@ -205,7 +209,8 @@ def _generate(self, *args, **kwargs):
     outer = getattr(_state, "switched", None)
     _state.switched = []
     try:
-        return _orig["generate"](self, *args, **kwargs)
+        with hf_graphs.decode_graphs(self):
+            return _orig["generate"](self, *args, **kwargs)
     finally:
         for cfg in _state.switched:
             cfg._attn_implementation_internal = NAME
@@ -289,4 +294,5 @@ def disable_hf() -> None:
             AttentionMaskInterface._global_mapping.pop(NAME, None)
             _installed = False
         _cfg = None
+        hf_graphs.clear()  # graphs read the pools' memory
         release_pools()  # pools still holding a live cache's blocks stay

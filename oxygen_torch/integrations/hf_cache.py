@@ -125,6 +125,7 @@ class PagedKVCache(Cache):
             debug=_cfg_value(cfg, "kv", "debug_checks", False),
             precision=PrecisionMode.parse(precision),
         )
+        self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(layer_types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)

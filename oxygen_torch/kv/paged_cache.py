@@ -67,6 +67,7 @@ class PagedKVCore:
         self._table_host: torch.Tensor | None = None  # [B, cap] int32, cpu mirror
         self.seq_lens: torch.Tensor | None = None  # [B] int32, device
         self._dirty: tuple[int, int] | None = None  # table columns not yet copied to the device
+        self._lent = False  # table/seq_lens are a decode graph's buffers (see begin_graph_step)
 
     # --- binding to a pool ----------------------------------------------------------------
 
@@ -151,13 +152,26 @@ class PagedKVCore:
         return plan
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
-        seqs, batch = self.seqs, len(self.seqs)
-        lens0 = list(seqs.lens)
-        counts = [q] * batch if real is None else real.sum(1).tolist()
+        if self._lent:
+            self._reload()
+        lens0 = list(self.seqs.lens)
+        counts = [q] * len(lens0) if real is None else real.sum(1).tolist()
+        self._reserve(counts)
+        self._flush_table()
+        if real is not None:
+            self._pad_frontier = self.length + q
+        if q == 1:
+            return self._decode_plan(lens0)
+        return self._prefill_plan(q, lens0, counts, real)
+
+    def _reserve(self, counts: list[int]) -> None:
+        """Blocks for counts[b] more tokens of each sequence, in the host table (marked dirty);
+        shared last blocks are copied first (copy-on-write)."""
+        seqs = self.seqs
         cows, added = [], []
         with self.pool.lock:
-            for b in range(batch):
-                new, cow = seqs.reserve(b, counts[b])
+            for b, n in enumerate(counts):
+                new, cow = seqs.reserve(b, n)
                 added.extend((b, col, blk) for col, blk in new)
                 if cow is not None:
                     cows.append(cow)
@@ -169,16 +183,13 @@ class PagedKVCore:
             self._mark_dirty(int(t[:, 1].max()))
         if cows:
             self._copy_blocks(cows)
-        self._flush_table()
-        if real is not None:
-            self._pad_frontier = self.length + q
-        if q == 1:
-            return self._decode_plan(lens0)
-        return self._prefill_plan(q, lens0, counts, real)
+
+    def _decode_slots(self, lens0: list[int]) -> list[int]:
+        bt, blocks = self.block_tokens, self.seqs.blocks
+        return [blocks[b][p // bt] * bt + p % bt for b, p in enumerate(lens0)]
 
     def _decode_plan(self, lens0: list[int]) -> StepPlan:
-        bt, blocks = self.block_tokens, self.seqs.blocks
-        slots = [blocks[b][p // bt] * bt + p % bt for b, p in enumerate(lens0)]
+        slots = self._decode_slots(lens0)
         buf = self._to_device(torch.tensor(slots + self.seqs.lens, dtype=torch.int32))
         self.seq_lens = buf[len(slots) :]
         return StepPlan(1, buf[: len(slots)], None, None)
@@ -229,8 +240,9 @@ class PagedKVCore:
         grown = torch.full((self._table_host.shape[0], cap), GUARD_BLOCK, dtype=torch.int32)
         grown[:, : self._table_host.shape[1]] = self._table_host
         self._table_host = grown
-        self.table = self._to_device(grown)
         self._dirty = None
+        if not self._lent:  # a lent table is reloaded whole at the next eager step
+            self.table = self._to_device(grown)
 
     def _mark_dirty(self, col: int) -> None:
         c0, c1 = self._dirty if self._dirty is not None else (col, col + 1)
@@ -248,10 +260,47 @@ class PagedKVCore:
             self.table[:, c0:c1].copy_(part)
 
     def _reload(self) -> None:
-        """The whole table and the lengths to the device (after select/crop)."""
-        self._dirty = None
+        """The whole table and the lengths to the device (after select/crop, or after decode
+        graph steps, whose table lived in the graph's buffers)."""
+        self._dirty, self._lent = None, False
         self.table = self._to_device(self._table_host)
         self.seq_lens = self._to_device(torch.tensor(self.seqs.lens, dtype=torch.int32))
+
+    # --- decode steps replayed from a CUDA graph -------------------------------------------
+
+    def begin_graph_step(self, width: int) -> tuple[torch.Tensor, list[int]]:
+        """Plans one decode step (one token per sequence) on the host, for a graph that reads
+        the block table, lengths and slots from its own buffers.
+
+        Returns (table columns [B, width] int32 on the host, lengths + slots as one list of 2B
+        ints); the caller copies them into the graph's buffers and calls `lend` with them. The
+        step is begun: layers then append once each (forward or capture), or `end_graph_step`
+        marks them appended (replay)."""
+        if self.seqs is None:
+            raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
+        if not all(n == self.length for n in self._layer_len):
+            raise RuntimeError("PagedKVCache: the previous step did not reach every layer")
+        lens0 = list(self.seqs.lens)
+        self._reserve([1] * len(lens0))
+        if self.seqs.max_blocks() > width:
+            raise ValueError(
+                f"PagedKVCache: {self.seqs.max_blocks()} blocks do not fit a decode graph "
+                f"{width} blocks wide"
+            )
+        self._grow_table(width)
+        self.length += 1
+        return self._table_host[:, :width], self.seqs.lens + self._decode_slots(lens0)
+
+    def lend(self, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
+        """The step begun by begin_graph_step reads these device buffers (the graph's); the
+        cache's own table is reloaded from the host at its next eager step."""
+        self.table, self.seq_lens, self._lent = table, seq_lens, True
+        self._plan = StepPlan(1, slots, None, None)
+        self._layer_len = [self.length - 1] * self.num_layers
+
+    def end_graph_step(self) -> None:
+        """Every layer appended this step (a replayed graph does not run the Python forward)."""
+        self._layer_len = [self.length] * self.num_layers
 
     # --- attention and reading ------------------------------------------------------------
 

@@ -1,0 +1,314 @@
+"""generate()'s decode steps on the paged cache, replayed from CUDA graphs.
+
+Eager decode is bound by the host: a 16-layer model launches a few hundred kernels a step, and
+each launch costs the host more than the GPU spends on it. During generate() on a PagedKVCache
+(CUDA, `kv.decode_graphs`, on by default) the model's forward for a one-token step is captured
+once and replayed:
+
+- The host plans the step before the forward (blocks reserved, slots and lengths computed:
+  `PagedKVCore.begin_graph_step`), then copies the block table, lengths and slots into the
+  graph's buffers in one pinned host-to-device copy, and input_ids / position_ids /
+  cache_position into the graph's inputs. The graph reads only those buffers, the weights and
+  the pool's K/V, so one graph serves every cache of the same pool and batch size.
+- The block table has a fixed width per graph: enough blocks for generate()'s max_length,
+  rounded up to WIDTH_STEP blocks, so a whole generate() call replays one graph.
+- The first step of a new graph runs the forward eagerly on the graph's buffers (warm-up: Triton
+  compiles for that width) and then captures it; a decode step is idempotent (the same K/V to
+  the same slots), so capturing does not disturb the cache. Later steps replay.
+- The attention mask is not an input: oxygen's decode never reads it (padding was never stored).
+
+Graphs are kept per model (at most MAX_GRAPHS_PER_MODEL, least recently used dropped) and are
+dropped when a parameter or buffer of the model moves, when the pool goes, and on disable().
+A step the graph cannot take (output_attentions, an input it does not know, grad mode) runs
+eagerly, with one warning naming why when the reason is the caller's choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from .hf_cache import PagedKVCache
+
+log = logging.getLogger("oxygen_torch")
+
+WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
+MAX_GRAPHS_PER_MODEL = 4
+# forward() arguments a decode graph knows: everything else makes the step eager
+_STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")
+_KNOWN = frozenset(
+    (*_STATIC_INPUTS, "past_key_values", "attention_mask", "use_cache", "return_dict")
+    + ("logits_to_keep", "output_attentions", "output_hidden_states")
+)
+CPU_RERUN = False  # tests: run the bookkeeping on CPU, "replay" re-running the forward
+
+_lock = threading.RLock()
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+class _Rerun:
+    """Stands in for a CUDA graph on CPU (tests): replay runs the captured function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class _CaptureFailed(Exception):
+    """Capture failed after the warm-up forward had done the step; carries its output."""
+
+    def __init__(self, output):
+        super().__init__("decode graph capture failed")
+        self.output = output
+
+
+class DecodeGraph:
+    """One captured decode step: batch B, block table W blocks wide, over one pool."""
+
+    def __init__(self, batch: int, width: int, pool, device: torch.device):
+        self.batch, self.width, self.device = batch, width, device
+        self.pool_ref = weakref.ref(pool)
+        # one int32 buffer: table [B, W] | lengths [B] | slots [B] | position (one int64, for
+        # a model that does not get position_ids: B * W is even, so it is 8-byte aligned)
+        n = batch * width
+        self._size = n + 2 * batch + 2
+        self.buf = torch.empty(self._size, dtype=torch.int32, device=device)
+        self.table = self.buf[:n].view(batch, width)
+        self.seq_lens = self.buf[n : n + batch]
+        self.slots = self.buf[n + batch : n + 2 * batch]
+        self.position = self.buf[n + 2 * batch :].view(torch.int64).view(1, 1)
+        self.inputs: dict[str, torch.Tensor] = {}
+        pinned = device.type == "cuda"
+        # two staging buffers: one may still be in flight while the other is filled
+        self._staging = [
+            (torch.empty(self._size, dtype=torch.int32, pin_memory=pinned), _event(device))
+            for _ in range(2)
+        ]
+        self._turn = 0
+        self.graph = None
+        self.replays = 0
+        self.output = None  # what the captured forward returned (its tensors live in the graph)
+        self.lock = threading.Lock()
+
+    def stage(self, core, kw: dict) -> None:
+        """Plans the step on the host and queues the copies into the graph's buffers."""
+        position = core.length  # what the model would take from get_seq_length()
+        table, ints = core.begin_graph_step(self.width)
+        buf, done = self._staging[self._turn]
+        self._turn ^= 1
+        if done is not None:
+            done.synchronize()  # its copy two steps ago has finished: safe to refill
+        n = self.batch * self.width
+        buf[:n].view(self.batch, self.width).copy_(table)
+        buf[n : n + 2 * self.batch].copy_(torch.tensor(ints, dtype=torch.int32))
+        buf[n + 2 * self.batch :].view(torch.int64)[0] = position
+        self.buf.copy_(buf, non_blocking=True)
+        if done is not None:
+            done.record()
+        for name, static in self.inputs.items():
+            static.copy_(kw[name])
+        core.lend(self.table, self.seq_lens, self.slots)
+
+    def run(self, forward, core, kw: dict):
+        """One decode step: plan, then replay (or warm up and capture on first use)."""
+        with self.lock:
+            self.stage(core, kw)
+            # position_ids always given: the model would compute them from the cache length,
+            # a host int that a graph would freeze at its capture step
+            call = {**kw, "position_ids": self.position, **self.inputs, "attention_mask": None}
+            self._call = call  # the CPU stand-in re-runs the forward with this step's cache
+            if self.graph is None:
+                out = forward(**call)  # warm-up, and the real step
+                core.lend(self.table, self.seq_lens, self.slots)
+                try:
+                    self._capture(forward, call)
+                except Exception as err:
+                    raise _CaptureFailed(out) from err
+                finally:
+                    core.end_graph_step()
+                return out
+            self.graph.replay()
+            core.end_graph_step()
+            self.replays += 1
+            out = self.output
+            return type(out)(logits=out.logits.clone(), past_key_values=kw["past_key_values"])
+
+    def _capture(self, forward, call: dict) -> None:
+        if self.device.type != "cuda":
+            holder = {}
+
+            def rerun():
+                holder["out"] = forward(**self._call)
+                if self.output is not None:
+                    self.output.logits.copy_(holder["out"].logits)
+
+            rerun()
+            self.output, self.graph = holder["out"], _Rerun(rerun)
+            return
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        # thread_local: the pool's refill thread may call CUDA meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.output = forward(**call)
+        self.graph = graph
+
+
+def _event(device: torch.device):
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
+class _ModelGraphs:
+    def __init__(self):
+        self.graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
+        self.failed: set[tuple] = set()
+        self.fingerprint: tuple = ()
+        self.captures = 0
+
+
+def _fingerprint(model) -> tuple:
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+
+
+def graph_width(cache: PagedKVCache, blocks_needed: int) -> int:
+    """Table width for this cache's graph: generate()'s max_length rounded up to WIDTH_STEP
+    blocks, or (no max_length known) what the sequences need, rounded up to a power of two."""
+    bt = cache._core.block_tokens
+    need = max(-(-cache.max_cache_len_hint // bt), blocks_needed + 1)
+    if not cache.max_cache_len_hint:  # unknown end: powers of two, few graphs as it grows
+        return max(WIDTH_STEP, 1 << (need - 1).bit_length())
+    return -(-need // WIDTH_STEP) * WIDTH_STEP
+
+
+def _eager_reason(kw: dict) -> str | None:
+    """Why this one-token step cannot replay a graph (None when it can)."""
+    if torch.is_grad_enabled():
+        return "grad mode is on"
+    if kw.get("output_attentions") or kw.get("output_hidden_states"):
+        return "output_attentions / output_hidden_states"
+    extra = sorted(k for k, v in kw.items() if v is not None and k not in _KNOWN)
+    if extra:
+        return f"forward() arguments {extra}"
+    return None
+
+
+def _decode_step(model, forward, kw: dict):
+    """The model's forward for this call: a graph replay, or None to run it eagerly."""
+    cache, ids = kw.get("past_key_values"), kw.get("input_ids")
+    if (
+        not isinstance(cache, PagedKVCache)
+        or not isinstance(ids, torch.Tensor)
+        or ids.dim() != 2
+        or ids.shape[1] != 1
+        or not cache._deferred()
+    ):
+        return None
+    core = cache._core
+    if core.seqs is None or core.debug or ids.shape[0] != len(core.seqs):
+        return None
+    reason = _eager_reason(kw)
+    if reason is not None:
+        _warn_once(f"oxygen_torch: decode steps run without CUDA graphs: {reason}")
+        return None
+    width = graph_width(cache, core.seqs.max_blocks())
+    ltk = kw.get("logits_to_keep")
+    present = tuple(n for n in _STATIC_INPUTS if isinstance(kw.get(n), torch.Tensor))
+    key = (ids.shape[0], width, present, ltk if not isinstance(ltk, torch.Tensor) else None)
+    key += (id(core.pool), tuple((kw[n].dtype, tuple(kw[n].shape)) for n in present))
+    with _lock:
+        mg = _graphs.get(model)
+        if mg is None or key in mg.failed or isinstance(ltk, torch.Tensor):
+            return None
+        g = mg.graphs.get(key)
+        if g is not None and g.pool_ref() is not core.pool:
+            g = None
+        if g is None:
+            g = DecodeGraph(ids.shape[0], width, core.pool, ids.device)
+            g.inputs = {n: torch.empty_like(kw[n]) for n in present}
+            mg.graphs[key] = g
+            while len(mg.graphs) > MAX_GRAPHS_PER_MODEL:
+                mg.graphs.popitem(last=False)
+        mg.graphs.move_to_end(key)
+    try:
+        fresh = g.graph is None
+        out = g.run(forward, core, kw)
+        mg.captures += fresh
+        return out
+    except _CaptureFailed as failed:  # this signature stays eager; the step itself was done
+        with _lock:
+            mg.failed.add(key)
+            mg.graphs.pop(key, None)
+        _warn_once(
+            "oxygen_torch: decode CUDA-graph capture failed, these steps run eagerly: "
+            f"{failed.__cause__!r}"
+        )
+        return failed.output
+
+
+def _usable(model) -> bool:
+    from . import hf
+
+    kv = getattr(hf.active_cfg(), "kv", None)
+    if not getattr(kv, "decode_graphs", True) or not hf._uses_oxygen(model):
+        return False
+    return model.device.type == "cuda" or (CPU_RERUN and model.device.type == "cpu")
+
+
+@contextlib.contextmanager
+def decode_graphs(model):
+    """For one generate() call: one-token steps on a PagedKVCache go through decode graphs."""
+    if not _usable(model) or "forward" in model.__dict__:
+        yield
+        return
+    with _lock:
+        mg = _graphs.setdefault(model, _ModelGraphs())
+        fp = _fingerprint(model)
+        if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
+            mg.graphs.clear()
+            mg.failed.clear()
+            mg.fingerprint = fp
+    forward = model.forward
+
+    def graphed_forward(*args, **kw):
+        out = None if args else _decode_step(model, forward, kw)
+        return forward(*args, **kw) if out is None else out
+
+    model.forward = graphed_forward
+    try:
+        yield
+    finally:
+        if model.__dict__.get("forward") is graphed_forward:
+            del model.forward
+
+
+def clear() -> None:
+    """Drops every decode graph (disable(), pools released)."""
+    with _lock:
+        _graphs.clear()
+
+
+def stats(model) -> dict:
+    """Decode graphs of `model`: held now, captured so far, replays of those held, and input
+    signatures that failed to capture (they run eagerly)."""
+    mg = _graphs.get(model)
+    if mg is None:
+        return {"graphs": 0, "captures": 0, "replays": 0, "failed": 0}
+    return {
+        "graphs": len(mg.graphs),
+        "captures": mg.captures,
+        "replays": sum(g.replays for g in mg.graphs.values()),
+        "failed": len(mg.failed),
+    }
