@@ -101,7 +101,8 @@ class DecodeGraph:
         self._turn = 0
         self.graph = None
         self.replays = 0
-        self.output = None  # what the captured forward returned (its tensors live in the graph)
+        self.output = None  # (output type, logits living in the graph's memory)
+        self._call = None
         self.lock = threading.Lock()
 
     def stage(self, core, kw: dict) -> None:
@@ -140,31 +141,34 @@ class DecodeGraph:
                     raise _CaptureFailed(out) from err
                 finally:
                     core.end_graph_step()
+                    self._call = None  # holds this step's cache
                 return out
             self.graph.replay()
             core.end_graph_step()
             self.replays += 1
-            out = self.output
-            return type(out)(logits=out.logits.clone(), past_key_values=kw["past_key_values"])
+            self._call = None
+            out_type, logits = self.output
+            return out_type(logits=logits.clone(), past_key_values=kw["past_key_values"])
 
     def _capture(self, forward, call: dict) -> None:
         if self.device.type != "cuda":
-            holder = {}
 
             def rerun():
-                holder["out"] = forward(**self._call)
+                out = forward(**self._call)
                 if self.output is not None:
-                    self.output.logits.copy_(holder["out"].logits)
+                    self.output[1].copy_(out.logits)
+                return out
 
-            rerun()
-            self.output, self.graph = holder["out"], _Rerun(rerun)
-            return
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        # thread_local: the pool's refill thread may call CUDA meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.output = forward(**call)
-        self.graph = graph
+            out, self.graph = rerun(), _Rerun(rerun)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            # thread_local: the pool's refill thread may call CUDA meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = forward(**call)
+            self.graph = graph
+        # the logits only: the output object also holds the cache, which must not outlive it
+        self.output = (type(out), out.logits)
 
 
 def _event(device: torch.device):
@@ -183,11 +187,13 @@ def _fingerprint(model) -> tuple:
     return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
 
 
-def graph_width(cache: PagedKVCache, blocks_needed: int) -> int:
-    """Table width for this cache's graph: generate()'s max_length rounded up to WIDTH_STEP
+def graph_width(cache: PagedKVCache) -> int:
+    """Table width for this cache's next step: generate()'s max_length rounded up to WIDTH_STEP
     blocks, or (no max_length known) what the sequences need, rounded up to a power of two."""
-    bt = cache._core.block_tokens
-    need = max(-(-cache.max_cache_len_hint // bt), blocks_needed + 1)
+    core = cache._core
+    bt = core.block_tokens
+    tokens = max(cache.max_cache_len_hint, max(core.seqs.lens, default=0) + 1)
+    need = -(-tokens // bt)
     if not cache.max_cache_len_hint:  # unknown end: powers of two, few graphs as it grows
         return max(WIDTH_STEP, 1 << (need - 1).bit_length())
     return -(-need // WIDTH_STEP) * WIDTH_STEP
@@ -223,7 +229,7 @@ def _decode_step(model, forward, kw: dict):
     if reason is not None:
         _warn_once(f"oxygen_torch: decode steps run without CUDA graphs: {reason}")
         return None
-    width = graph_width(cache, core.seqs.max_blocks())
+    width = graph_width(cache)
     ltk = kw.get("logits_to_keep")
     present = tuple(n for n in _STATIC_INPUTS if isinstance(kw.get(n), torch.Tensor))
     key = (ids.shape[0], width, present, ltk if not isinstance(ltk, torch.Tensor) else None)

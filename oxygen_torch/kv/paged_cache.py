@@ -281,12 +281,12 @@ class PagedKVCore:
         if not all(n == self.length for n in self._layer_len):
             raise RuntimeError("PagedKVCache: the previous step did not reach every layer")
         lens0 = list(self.seqs.lens)
-        self._reserve([1] * len(lens0))
-        if self.seqs.max_blocks() > width:
+        need = -(-(max(lens0, default=0) + 1) // self.block_tokens)
+        if need > width:
             raise ValueError(
-                f"PagedKVCache: {self.seqs.max_blocks()} blocks do not fit a decode graph "
-                f"{width} blocks wide"
+                f"PagedKVCache: {need} blocks do not fit a decode graph {width} blocks wide"
             )
+        self._reserve([1] * len(lens0))
         self._grow_table(width)
         self.length += 1
         return self._table_host[:, :width], self.seqs.lens + self._decode_slots(lens0)

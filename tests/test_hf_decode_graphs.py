@@ -1,0 +1,126 @@
+"""The decode-graph bookkeeping of generate() on the paged cache, on CPU.
+
+There is no CUDA graph on CPU: with hf_graphs.CPU_RERUN the stand-in "replays" by running the
+forward again on the graph's buffers, so what is checked here is the planning, the buffers, the
+keys and the life cycle. tests/test_hf_cuda.py checks real graphs against eager steps on the GPU,
+and every test of test_hf_generate.py runs with the stand-in too.
+"""
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from test_hf_generate import batch, tiny
+
+from oxygen_torch.integrations import hf, hf_graphs
+from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.paged_cache import PagedKVCore
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    yield
+    hf.disable_hf()
+
+
+def _generate(model, n=8, **kw):
+    ids, mask = batch()
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
+
+
+def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
+    monkeypatch.setattr(hf_graphs, "WIDTH_STEP", 1)  # the width is exactly max_length's blocks
+    model = hf.apply(tiny())
+    # prompt 13 + 19 new = 32 tokens: the last step fills the second 16-token block exactly
+    first = _generate(model, n=19)
+    assert hf_graphs.stats(model) == {"graphs": 1, "captures": 1, "replays": 17, "failed": 0}
+    assert torch.equal(_generate(model, n=19), first)
+    assert hf_graphs.stats(model)["captures"] == 1
+    key = next(iter(hf_graphs._graphs[model].graphs))
+    assert key[:2] == (3, 2)  # batch 3, 2 blocks wide
+
+
+def test_generate_keeps_no_cache_alive(graphs):
+    model = hf.apply(tiny())
+    caches = []
+    original = hf_graphs.DecodeGraph.run
+
+    def run(self, forward, core, kw):
+        caches.append(weakref.ref(kw["past_key_values"]))
+        return original(self, forward, core, kw)
+
+    hf_graphs.DecodeGraph.run = run
+    try:
+        _generate(model)
+        _generate(model)
+    finally:
+        hf_graphs.DecodeGraph.run = original
+    gc.collect()
+    assert caches and all(ref() is None for ref in caches)
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
+def test_moved_weights_are_captured_again(graphs):
+    model = hf.apply(tiny())
+    ref = _generate(model)
+    head = model.lm_head.weight
+    head.data = head.data.clone()  # same values, new address: the old graph would read freed memory
+    assert torch.equal(_generate(model), ref)
+    assert hf_graphs.stats(model)["captures"] == 2
+
+
+def test_outputs_the_graph_cannot_give_run_eagerly_with_a_warning(graphs, caplog):
+    model = hf.apply(tiny())
+    ids, mask = batch()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=False,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+    assert len(out.hidden_states) == 4
+    assert hf_graphs.stats(model)["captures"] == 0
+    assert "decode steps run without CUDA graphs: output_attentions / output_hidden_states" in (
+        caplog.text
+    )
+
+
+def test_decode_graphs_off_and_disable(graphs):
+    from types import SimpleNamespace as NS
+
+    model = hf.apply(tiny(), NS(kv=NS(decode_graphs=False)))
+    _generate(model)
+    assert hf_graphs.stats(model)["captures"] == 0
+    hf.apply(model, NS(kv=NS(decode_graphs=True)))
+    _generate(model)
+    assert hf_graphs.stats(model)["graphs"] == 1
+    hf.disable_hf()
+    assert hf_graphs.stats(model)["graphs"] == 0
+
+
+def test_graph_step_that_outgrows_its_width_is_refused():
+    core = PagedKVCore(2, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 1, 16, 64, generator=g) for _ in range(2))
+    for layer in range(2):
+        core.write(layer, k, v)
+    table, ints = core.begin_graph_step(2)
+    assert table.shape == (2, 2) and ints[:2] == [17, 17]
+    first = core.seqs.blocks[0]
+    assert table[0].tolist() == first and ints[2] == first[1] * 16  # slot of token 17: block 2
+    core.end_graph_step()
+    for _ in range(15):
+        core.begin_graph_step(2)
+        core.end_graph_step()
+    with pytest.raises(ValueError, match="3 blocks do not fit a decode graph 2 blocks wide"):
+        core.begin_graph_step(2)
+    assert core.length == 32 and core.seqs.lens == [32, 32] and core.seqs.max_blocks() == 2
+    core.write(0, k[:, :, :1], v[:, :, :1])  # the cache goes on eagerly
+    assert core.seqs.lens == [33, 33]
