@@ -9,7 +9,9 @@ oxygen_torch.enable(). Three generate() calls after a warm-up:
 3. synced: each replay bracketed by device syncs, so the bracket is the graph's GPU time (plus
    one launch); this call is slower and only gives that figure.
 
-    python benchmarks/step_breakdown.py [--batch 16] [--prompt 512] [--new 256]
+    python benchmarks/step_breakdown.py [--batch 16] [--prompt 512] [--new 256] [--no-fusion]
+
+--no-fusion captures the eager forward as it is (kv.decode_graph_fusion off).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--no-fusion", action="store_true")
     args = ap.parse_args()
     import oxygen_torch
     from oxygen_torch.demo_models import LLAMA_1B, random_llama
     from oxygen_torch.integrations import hf_graphs
 
-    oxygen_torch.enable()
+    oxygen_torch.enable(kv=dict(decode_graph_fusion=not args.no_fusion))
     model = random_llama(dict(LLAMA_1B), init_on_device=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 32000, (args.batch, args.prompt), generator=g).cuda()
@@ -82,6 +85,7 @@ def main() -> None:
     generate()
     res = {
         "shape": f"B={args.batch} P={args.prompt} N={n}",
+        "fusion": not args.no_fusion,
         "step_ms": round(step_ms, 3),
         "tok_per_s": round(args.batch / step_ms * 1e3, 1),
         "step_ms_in_host_run": round(host_step_ms, 3),
@@ -92,7 +96,8 @@ def main() -> None:
     }
     print(json.dumps(res), flush=True)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "step_breakdown.json"), "w") as f:
+        name = "step_breakdown_nofusion.json" if args.no_fusion else "step_breakdown.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f)
 
 

@@ -118,6 +118,8 @@ class KVConfig:
     prefill_chunk_tokens: int = 16384
     # generate() on the paged cache (CUDA) replays its one-token decode steps from CUDA graphs
     decode_graphs: bool = True
+    # ... with the model's RMSNorm / MLP / rotary work compiled by Inductor into fused kernels
+    decode_graph_fusion: bool = True
 
     def __post_init__(self):
         _check_types(self, "kv")

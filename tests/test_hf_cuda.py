@@ -123,11 +123,12 @@ def test_decode_graphs_replay_the_eager_steps(arch, oxygen):
         again = model.generate(ids, **kw)
     st = hf_graphs.stats(model)
     # step 1 is the prefill, step 2 warms up and captures, the other n - 2 steps replay
-    assert st == {"graphs": 1, "captures": 1, "replays": 2 * (n - 2) + 1, "failed": 0}, st
-    for out in (got, again):
+    want = {"graphs": 1, "captures": 1, "replays": 2 * (n - 2) + 1, "failed": 0, "fused": 1}
+    assert st == want, st
+    for out in (got, again):  # fused (Inductor) norms/MLP/rotary: float32 rounding apart
         assert torch.equal(out.sequences, eager.sequences)
         err = max((a - b).abs().max().item() for a, b in zip(out.logits, eager.logits))
-        assert err <= 1e-5 * eager.logits[0].abs().max().item(), err
+        assert err <= 1e-4 * eager.logits[0].abs().max().item(), err
 
 
 def _llama_1b(dtype):

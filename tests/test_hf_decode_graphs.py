@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_hf_generate import batch, tiny
 
-from oxygen_torch.integrations import hf, hf_graphs
+from oxygen_torch.integrations import hf, hf_fuse, hf_graphs
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.paged_cache import PagedKVCore
 
@@ -37,7 +37,8 @@ def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
     model = hf.apply(tiny())
     # prompt 13 + 19 new = 32 tokens: the last step fills the second 16-token block exactly
     first = _generate(model, n=19)
-    assert hf_graphs.stats(model) == {"graphs": 1, "captures": 1, "replays": 17, "failed": 0}
+    st = hf_graphs.stats(model)
+    assert st == {"graphs": 1, "captures": 1, "replays": 17, "failed": 0, "fused": 0}, st
     assert torch.equal(_generate(model, n=19), first)
     assert hf_graphs.stats(model)["captures"] == 1
     key = next(iter(hf_graphs._graphs[model].graphs))
@@ -49,9 +50,9 @@ def test_generate_keeps_no_cache_alive(graphs):
     caches = []
     original = hf_graphs.DecodeGraph.run
 
-    def run(self, forward, core, kw):
+    def run(self, model, forward, core, kw, **options):
         caches.append(weakref.ref(kw["past_key_values"]))
-        return original(self, forward, core, kw)
+        return original(self, model, forward, core, kw, **options)
 
     hf_graphs.DecodeGraph.run = run
     try:
@@ -124,3 +125,27 @@ def test_graph_step_that_outgrows_its_width_is_refused():
     assert core.length == 32 and core.seqs.lens == [32, 32] and core.seqs.max_blocks() == 2
     core.write(0, k[:, :, :1], v[:, :, :1])  # the cache goes on eagerly
     assert core.seqs.lens == [33, 33]
+
+
+def test_fusion_compiles_norms_mlp_and_rotary_for_the_capture_only():
+    import transformers.models.qwen3.modeling_qwen3 as qwen3
+
+    model = tiny("qwen3")  # RMSNorm on hidden states and on q/k heads, MLP, rotary
+    ids, mask = batch()
+    rope = qwen3.apply_rotary_pos_emb
+    assert hf_fuse.fusible(model) == [
+        "Qwen3MLP",
+        "Qwen3RMSNorm",
+        "Qwen3RotaryEmbedding",
+        "transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb",
+    ]
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        with hf_fuse.fused(model):
+            assert hf_fuse.active() and qwen3.apply_rotary_pos_emb is not rope
+            assert "forward" in model.model.norm.__dict__
+            got = model(ids, attention_mask=mask).logits
+    assert not hf_fuse.active() and qwen3.apply_rotary_pos_emb is rope
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert 0 < err < 1e-5 or torch.equal(got, ref), err

@@ -33,6 +33,7 @@ from collections import OrderedDict
 
 import torch
 
+from . import hf_fuse
 from .hf_cache import PagedKVCache
 
 log = logging.getLogger("oxygen_torch")
@@ -101,6 +102,7 @@ class DecodeGraph:
         self._turn = 0
         self.graph = None
         self.replays = 0
+        self.fused = False  # captured with the elementwise work compiled (hf_fuse)
         self.output = None  # (output type, logits living in the graph's memory)
         self._call = None
         self.lock = threading.Lock()
@@ -124,31 +126,49 @@ class DecodeGraph:
             static.copy_(kw[name])
         core.lend(self.table, self.seq_lens, self.slots)
 
-    def run(self, forward, core, kw: dict):
-        """One decode step: plan, then replay (or warm up and capture on first use)."""
+    def run(self, model, forward, core, kw: dict, fuse: bool = False):
+        """One decode step: plan, then replay (or warm up and capture on first use, with the
+        model's elementwise work compiled when `fuse`)."""
         with self.lock:
             self.stage(core, kw)
             # position_ids always given: the model would compute them from the cache length,
             # a host int that a graph would freeze at its capture step
             call = {**kw, "position_ids": self.position, **self.inputs, "attention_mask": None}
             self._call = call  # the CPU stand-in re-runs the forward with this step's cache
-            if self.graph is None:
-                out = forward(**call)  # warm-up, and the real step
-                core.lend(self.table, self.seq_lens, self.slots)
-                try:
-                    self._capture(forward, call)
-                except Exception as err:
-                    raise _CaptureFailed(out) from err
-                finally:
-                    core.end_graph_step()
-                    self._call = None  # holds this step's cache
-                return out
-            self.graph.replay()
+            try:
+                if self.graph is None:
+                    return self._first(model, forward, core, call, fuse)
+                self.graph.replay()
+            finally:
+                self._call = None  # it holds this step's cache
             core.end_graph_step()
             self.replays += 1
-            self._call = None
             out_type, logits = self.output
             return out_type(logits=logits.clone(), past_key_values=kw["past_key_values"])
+
+    def _first(self, model, forward, core, call: dict, fuse: bool):
+        if fuse:
+            try:
+                with hf_fuse.fused(model):
+                    return self._warm_and_capture(forward, core, call)
+            except _CaptureFailed:
+                raise
+            except Exception as err:  # the compile: the step is idempotent, run it unfused
+                _warn_once(f"oxygen_torch: decode-graph fusion failed, captured unfused: {err!r}")
+                core.lend(self.table, self.seq_lens, self.slots)
+        return self._warm_and_capture(forward, core, call)
+
+    def _warm_and_capture(self, forward, core, call: dict):
+        out = forward(**call)  # warm-up, and the real step
+        core.lend(self.table, self.seq_lens, self.slots)
+        try:
+            self._capture(forward, call)
+        except Exception as err:
+            raise _CaptureFailed(out) from err
+        finally:
+            core.end_graph_step()
+        self.fused = hf_fuse.active()
+        return out
 
     def _capture(self, forward, call: dict) -> None:
         if self.device.type != "cuda":
@@ -230,6 +250,7 @@ def _decode_step(model, forward, kw: dict):
         _warn_once(f"oxygen_torch: decode steps run without CUDA graphs: {reason}")
         return None
     width = graph_width(cache)
+    fuse = ids.device.type == "cuda" and _cfg_flag("decode_graph_fusion")
     ltk = kw.get("logits_to_keep")
     present = tuple(n for n in _STATIC_INPUTS if isinstance(kw.get(n), torch.Tensor))
     key = (ids.shape[0], width, present, ltk if not isinstance(ltk, torch.Tensor) else None)
@@ -250,7 +271,7 @@ def _decode_step(model, forward, kw: dict):
         mg.graphs.move_to_end(key)
     try:
         fresh = g.graph is None
-        out = g.run(forward, core, kw)
+        out = g.run(model, forward, core, kw, fuse=fuse)
         mg.captures += fresh
         return out
     except _CaptureFailed as failed:  # this signature stays eager; the step itself was done
@@ -264,11 +285,16 @@ def _decode_step(model, forward, kw: dict):
         return failed.output
 
 
+def _cfg_flag(name: str) -> bool:
+    from . import hf
+
+    return bool(getattr(getattr(hf.active_cfg(), "kv", None), name, True))
+
+
 def _usable(model) -> bool:
     from . import hf
 
-    kv = getattr(hf.active_cfg(), "kv", None)
-    if not getattr(kv, "decode_graphs", True) or not hf._uses_oxygen(model):
+    if not _cfg_flag("decode_graphs") or not hf._uses_oxygen(model):
         return False
     return model.device.type == "cuda" or (CPU_RERUN and model.device.type == "cpu")
 
@@ -311,10 +337,11 @@ def stats(model) -> dict:
     signatures that failed to capture (they run eagerly)."""
     mg = _graphs.get(model)
     if mg is None:
-        return {"graphs": 0, "captures": 0, "replays": 0, "failed": 0}
+        return {"graphs": 0, "captures": 0, "replays": 0, "failed": 0, "fused": 0}
     return {
         "graphs": len(mg.graphs),
         "captures": mg.captures,
         "replays": sum(g.replays for g in mg.graphs.values()),
         "failed": len(mg.failed),
+        "fused": sum(g.fused for g in mg.graphs.values()),
     }
