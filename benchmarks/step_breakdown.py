@@ -36,6 +36,18 @@ class _SyncedGraph:
         self.times.append(time.perf_counter() - t)
 
 
+def kernel_table(model, ids, n: int) -> str:
+    """The GPU kernels of a short generate() (the graphs' kernels included), by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, do_sample=False, **kw)
+        torch.cuda.synchronize()
+    head = f"kernels of one generate() with {n} new tokens (prefill included), by GPU time\n"
+    return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16)
@@ -83,6 +95,7 @@ def main() -> None:
     for dg in hf_graphs._graphs[model].graphs.values():
         dg.graph = _SyncedGraph(dg.graph, gpu)
     generate()
+    kernels = kernel_table(model, ids, n=32)
     res = {
         "shape": f"B={args.batch} P={args.prompt} N={n}",
         "fusion": not args.no_fusion,
@@ -95,10 +108,13 @@ def main() -> None:
         "graphs": hf_graphs.stats(model),
     }
     print(json.dumps(res), flush=True)
+    print(kernels, flush=True)
     if os.environ.get("OUT"):
         name = "step_breakdown_nofusion.json" if args.no_fusion else "step_breakdown.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f)
+        with open(os.path.join(os.environ["OUT"], name.replace(".json", "_kernels.txt")), "w") as f:
+            f.write(kernels)
 
 
 if __name__ == "__main__":
