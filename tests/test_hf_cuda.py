@@ -62,14 +62,20 @@ def _padded_batch(b, n, vocab, pads, device):
     return ids.to(device), mask.to(device)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
+def _small_model_and_batch(arch):
+    """A small random-weight float32 model of `arch` on the GPU, and a left-padded batch of 3."""
     conf_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
     model = model_cls(conf_cls(**SMALL, **extra, attn_implementation="sdpa")).cuda().eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     ids, mask = _padded_batch(3, 40, 256, (7, 0, 19), "cuda")
+    return model, ids, mask
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
+    model, ids, mask = _small_model_and_batch(arch)
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
         ref_logits = model(ids, attention_mask=mask).logits
@@ -96,12 +102,7 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
 def test_decode_graphs_replay_the_eager_steps(arch, oxygen):
     """generate() with decode steps replayed from CUDA graphs gives the eager oxygen path's
     tokens and logits; a second call replays the graph captured by the first."""
-    conf_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    model = model_cls(conf_cls(**SMALL, **extra, attn_implementation="sdpa")).cuda().eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    ids, mask = _padded_batch(3, 40, 256, (7, 0, 19), "cuda")
+    model, ids, mask = _small_model_and_batch(arch)
     n = 48  # 88 tokens: 6 blocks, the eager table's first width (16) as the graph's
     kw = dict(
         attention_mask=mask,
