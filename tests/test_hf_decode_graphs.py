@@ -22,6 +22,7 @@ from oxygen_torch.kv.paged_cache import PagedKVCore
 @pytest.fixture
 def graphs(monkeypatch):
     monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    monkeypatch.setattr(hf_graphs, "_warned", set())  # each test sees its own warnings
     yield
     hf.disable_hf()
 
@@ -149,3 +150,20 @@ def test_fusion_compiles_norms_mlp_and_rotary_for_the_capture_only():
     assert not any("forward" in m.__dict__ for m in model.modules())
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     assert 0 < err < 1e-5 or torch.equal(got, ref), err
+
+
+def test_a_forward_wrapped_on_the_instance_keeps_it_and_warns(graphs, caplog):
+    model = hf.apply(tiny())
+    inner = model.forward
+    calls = []
+
+    def wrapper(*args, **kw):
+        calls.append(1)
+        return inner(*args, **kw)
+
+    model.forward = wrapper
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        _generate(model, n=4)
+    assert len(calls) == 4 and model.forward is wrapper
+    assert hf_graphs.stats(model)["captures"] == 0
+    assert "the model's forward is replaced on the instance" in caplog.text

@@ -304,7 +304,16 @@ def _usable(model) -> bool:
 @contextlib.contextmanager
 def decode_graphs(model):
     """For one generate() call: one-token steps on a PagedKVCache go through decode graphs."""
-    if not _usable(model) or "forward" in model.__dict__:
+    if not _usable(model):
+        yield
+        return
+    own = model.__dict__.get("forward")
+    if own is not None:  # ours (a generate() inside generate()) or someone else's wrapper
+        if getattr(own, "__name__", "") != "graphed_forward":
+            _warn_once(
+                "oxygen_torch: decode steps run without CUDA graphs: the model's forward is "
+                f"replaced on the instance ({own!r}: accelerate hooks or a wrapper)"
+            )
         yield
         return
     with _lock:
