@@ -107,8 +107,14 @@ def test_decode_graphs_off_and_disable(graphs):
     assert hf_graphs.stats(model)["graphs"] == 0
 
 
-def test_graph_step_that_outgrows_its_width_is_refused():
+@pytest.fixture
+def core():
     core = PagedKVCore(2, block_tokens=16)
+    yield core
+    core.release()  # its blocks back to the shared pool (later tests check the pools are idle)
+
+
+def test_graph_step_that_outgrows_its_width_is_refused(core):
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(2, 1, 16, 64, generator=g) for _ in range(2))
     for layer in range(2):
