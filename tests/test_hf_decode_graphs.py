@@ -22,7 +22,7 @@ from oxygen_torch.kv.paged_cache import PagedKVCore
 @pytest.fixture
 def graphs(monkeypatch):
     monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
-    monkeypatch.setattr(hf_graphs, "_warned", set())  # each test sees its own warnings
+    monkeypatch.setattr(hf, "_warned", set())  # each test sees its own warnings
     yield
     hf.disable_hf()
 

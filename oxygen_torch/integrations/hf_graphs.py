@@ -26,7 +26,6 @@ eagerly, with one warning naming why when the reason is the caller's choice.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -35,9 +34,7 @@ import numpy as np
 import torch
 
 from . import hf_fuse
-from .hf_cache import PagedKVCache
-
-log = logging.getLogger("oxygen_torch")
+from .hf_cache import PagedKVCache, _cfg_value
 
 WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
 MAX_GRAPHS_PER_MODEL = 4
@@ -51,13 +48,12 @@ CPU_RERUN = False  # tests: run the bookkeeping on CPU, "replay" re-running the 
 
 _lock = threading.RLock()
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
-_warned: set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        log.warning(msg)
+    from .hf import _warn_once  # the integration's one warn-once set (hf imports this module)
+
+    _warn_once(msg)
 
 
 class _Rerun:
@@ -252,7 +248,6 @@ def _decode_step(model, forward, kw: dict):
         _warn_once(f"oxygen_torch: decode steps run without CUDA graphs: {reason}")
         return None
     width = graph_width(cache)
-    fuse = ids.device.type == "cuda" and _cfg_flag("decode_graph_fusion")
     ltk = kw.get("logits_to_keep")
     present = tuple(n for n in _STATIC_INPUTS if isinstance(kw.get(n), torch.Tensor))
     key = (ids.shape[0], width, present, ltk if not isinstance(ltk, torch.Tensor) else None)
@@ -272,7 +267,8 @@ def _decode_step(model, forward, kw: dict):
                 mg.graphs.popitem(last=False)
         mg.graphs.move_to_end(key)
     try:
-        fresh = g.graph is None
+        fresh = g.graph is None  # the fusion setting matters only to a capture
+        fuse = fresh and ids.device.type == "cuda" and _cfg_flag("decode_graph_fusion")
         out = g.run(model, forward, core, kw, fuse=fuse)
         mg.captures += fresh
         return out
@@ -290,7 +286,7 @@ def _decode_step(model, forward, kw: dict):
 def _cfg_flag(name: str) -> bool:
     from . import hf
 
-    return bool(getattr(getattr(hf.active_cfg(), "kv", None), name, True))
+    return bool(_cfg_value(hf.active_cfg(), "kv", name, True))
 
 
 def _usable(model) -> bool:
