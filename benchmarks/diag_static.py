@@ -9,6 +9,8 @@ variant, to see which part of enable() is involved:
   hf          only the transformers integration, torch's own allocator
   enable      oxygen_torch.enable() (both)
   enable_nocg enable(), compile_config mode="default" (no CUDA graphs)
+  enable_inductor  enable(), compile_config=CompileConfig(): the user's own Inductor
+              reduce-overhead, whose non-tree CUDA graphs enable() routes to oxygen's runner
 
     python benchmarks/diag_static.py [variant ...]
 """
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import traceback
 
-VARIANTS = ("stock", "notrees", "allocator", "hf", "enable", "enable_nocg")
+VARIANTS = ("stock", "notrees", "allocator", "hf", "enable", "enable_nocg", "enable_inductor")
 
 
 def child(variant: str) -> dict:
@@ -29,7 +31,7 @@ def child(variant: str) -> dict:
         import torch._inductor.config as inductor_config
 
         inductor_config.triton.cudagraph_trees = False
-    if variant in ("allocator", "enable", "enable_nocg"):
+    if variant in ("allocator", "enable", "enable_nocg", "enable_inductor"):
         import oxygen_torch
 
         if variant == "allocator":
@@ -53,6 +55,8 @@ def child(variant: str) -> dict:
               do_sample=False, cache_implementation="static")  # fmt: skip
     if variant == "enable_nocg":
         kw["compile_config"] = CompileConfig(mode="default")
+    if variant == "enable_inductor":
+        kw["compile_config"] = CompileConfig()  # backend inductor, mode reduce-overhead
     with torch.no_grad():
         a = model.generate(ids, **kw)
         b = model.generate(ids, **kw)

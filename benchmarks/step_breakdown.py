@@ -9,9 +9,12 @@ oxygen_torch.enable(). Three generate() calls after a warm-up:
 3. synced: each replay bracketed by device syncs, so the bracket is the graph's GPU time (plus
    one launch); this call is slower and only gives that figure.
 
-    python benchmarks/step_breakdown.py [--batch 16] [--prompt 512] [--new 256] [--no-fusion]
+    python benchmarks/step_breakdown.py [--batch 16] [--prompt 512] [--new 256]
+                                        [--fusion compiled|modules|off]
 
---no-fusion captures the eager forward as it is (kv.decode_graph_fusion off).
+--fusion: what the graph is captured from: the forward compiled whole by backend "oxygen"
+(default), only RMSNorm / MLP / rotary compiled (kv.decode_graph_compile off), or the eager
+forward as it is (kv.decode_graph_fusion off).
 """
 
 from __future__ import annotations
@@ -53,13 +56,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--no-fusion", action="store_true")
+    ap.add_argument("--fusion", choices=("compiled", "modules", "off"), default="compiled")
     args = ap.parse_args()
     import oxygen_torch
     from oxygen_torch.demo_models import LLAMA_1B, random_llama
     from oxygen_torch.integrations import hf_graphs
 
-    oxygen_torch.enable(kv=dict(decode_graph_fusion=not args.no_fusion))
+    fusion = args.fusion != "off"
+    oxygen_torch.enable(
+        kv=dict(decode_graph_fusion=fusion, decode_graph_compile=args.fusion == "compiled")
+    )
     model = random_llama(dict(LLAMA_1B), init_on_device=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 32000, (args.batch, args.prompt), generator=g).cuda()
@@ -98,7 +104,7 @@ def main() -> None:
     kernels = kernel_table(model, ids, n=32)
     res = {
         "shape": f"B={args.batch} P={args.prompt} N={n}",
-        "fusion": not args.no_fusion,
+        "fusion": args.fusion,
         "step_ms": round(step_ms, 3),
         "tok_per_s": round(args.batch / step_ms * 1e3, 1),
         "step_ms_in_host_run": round(host_step_ms, 3),
@@ -110,7 +116,7 @@ def main() -> None:
     print(json.dumps(res), flush=True)
     print(kernels, flush=True)
     if os.environ.get("OUT"):
-        name = "step_breakdown_nofusion.json" if args.no_fusion else "step_breakdown.json"
+        name = f"step_breakdown_{args.fusion}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(res, f)
         with open(os.path.join(os.environ["OUT"], name.replace(".json", "_kernels.txt")), "w") as f:

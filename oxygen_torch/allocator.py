@@ -541,13 +541,19 @@ def _patch_torch() -> None:
 
 
 def _patch_inductor() -> None:
-    # CUDA-graph trees need checkPoolLiveAllocations, which CUDAPluggableAllocator lacks (H200:
-    # reduce-overhead failed there); plain per-graph capture works with the pool.
+    # CUDA-graph trees need checkPoolLiveAllocations and allocator checkpoints, which
+    # CUDAPluggableAllocator lacks (H200: reduce-overhead failed there). Inductor's non-tree
+    # graphs run instead, captured by the oxygen backend's runner (compile/cudagraphs.py).
     try:
+        import torch._inductor.compile_fx as compile_fx
         import torch._inductor.config as inductor_config
     except Exception:  # inductor unavailable: nothing compiles with cudagraphs anyway
         return
+    from .compile.cudagraphs import inductor_cudagraphify
+
     _patch(inductor_config.triton, "cudagraph_trees", False)
+    if callable(getattr(compile_fx, "cudagraphify_impl", None)):
+        _patch(compile_fx, "cudagraphify_impl", inductor_cudagraphify)
 
 
 def _patch_graphs() -> None:

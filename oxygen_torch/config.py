@@ -118,8 +118,10 @@ class KVConfig:
     prefill_chunk_tokens: int = 16384
     # generate() on the paged cache (CUDA) replays its one-token decode steps from CUDA graphs
     decode_graphs: bool = True
-    # ... with the model's RMSNorm / MLP / rotary work compiled by Inductor into fused kernels
+    # ... captured from compiled code (fused kernels) rather than the eager forward
     decode_graph_fusion: bool = True
+    # ... the whole forward compiled by backend "oxygen" (False: RMSNorm / MLP / rotary only)
+    decode_graph_compile: bool = True
 
     def __post_init__(self):
         _check_types(self, "kv")

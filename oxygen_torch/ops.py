@@ -13,6 +13,11 @@ call the same ops, so both paths run the same kernels.
   v_scale, scale, sliding_window, precision)``: decode (cu_seqlens_q None, q [B, Hq, D]) or ragged
   prefill (q [T, Hq, D]) over block tables.
 - ``oxygen::kv_append(k, v, k_cache!, v_cache!, slot_mapping, k_scale!, v_scale!)``: in place.
+- ``oxygen::paged_step(q, k, v, layer, scale, sliding_window)``: one layer of a decode step of
+  the PagedKVCache whose decode-graph step runs on this thread (generate()'s decode graphs
+  compile the model's forward with it). The cache is the op's state, not an argument, as in
+  vLLM's attention ops: a compiled graph holds no cache tensor and no guard on the cache's
+  host state, and the block table, lengths and slots it reads are the decode graph's buffers.
 
 The paged ops are ``custom_op`` (opaque to Inductor), not triton_op: their launchers (owned by
 triton_kernels) validate inputs, pick tiles and split counts from concrete shapes per call
@@ -188,6 +193,32 @@ def _kv_append_fake(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     return None
 
 
+# --- oxygen::paged_step --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("oxygen::paged_step", mutates_args=())
+def paged_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer: int,
+    scale: float | None = None,
+    sliding_window: int = 0,
+) -> Tensor:
+    """q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] -> [B, 1, Hq, D]: stores k/v at this step's slots
+    of the running decode-graph step's cache (kv.paged_cache.lent_core) and attends over it.
+    sliding_window 0 = none."""
+    from .kv.paged_cache import lent_core
+
+    core = lent_core()
+    return core.step(layer, q, k, v, scale=scale, sliding_window=sliding_window or None)
+
+
+@paged_step.register_fake
+def _paged_step_fake(q, k, v, layer, scale=None, sliding_window=0):
+    return q.new_empty(q.shape[0], 1, q.shape[1], q.shape[3])
+
+
 class _DefaultsFilled:
     """Calls the op with every argument given. torch 2.11's ADInplaceOrView kernel for custom ops
     indexes mutated arguments by position, and the dispatcher drops trailing arguments equal to
@@ -206,4 +237,4 @@ class _DefaultsFilled:
 
 kv_append = _DefaultsFilled(_kv_append_op)
 
-__all__ = ["attention", "attention_ref", "paged_attention", "kv_append"]
+__all__ = ["attention", "attention_ref", "paged_attention", "paged_step", "kv_append"]

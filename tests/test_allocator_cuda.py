@@ -210,6 +210,35 @@ print(json.dumps({"ok": ok, "trees": ic.triton.cudagraph_trees}))
     assert out["ok"] and out["trees"] is False
 
 
+def test_inductor_reduce_overhead_static_cache_generate_after_enable():
+    """A user's own Inductor compile (CompileConfig(): mode reduce-overhead) of HF's static-cache
+    decode after enable(): Inductor's non-tree CUDA graphs go through oxygen's runner, and the
+    tokens equal the uncompiled static-cache call's (float32: no near-ties)."""
+    out = run_py(
+        """
+import json, torch, oxygen_torch
+oxygen_torch.enable()
+import oxygen_torch.compile as oc
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                  max_position_embeddings=512)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).cuda().eval()
+ids = torch.randint(0, 1000, (4, 37), device="cuda")
+kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+          do_sample=False, pad_token_id=0, cache_implementation="static")
+with torch.no_grad():
+    ref = model.generate(ids, disable_compile=True, **kw)
+    got = [model.generate(ids, compile_config=CompileConfig(), **kw) for _ in range(2)]
+print(json.dumps({"ref": ref.tolist(), "got": [g.tolist() for g in got],
+                  "graphs": oc.stats()["cuda_graphs"]}))
+"""
+    )
+    assert out["got"][0] == out["ref"] and out["got"][1] == out["ref"]
+    assert out["graphs"].get("captured", 0) >= 1 and out["graphs"].get("replayed", 0) >= 20
+
+
 def test_oom_under_global_route_is_an_error_not_a_crash():
     out = run_py(
         ENABLE.format(frac=0.02)

@@ -4,6 +4,7 @@ Run on the H200 with OXYGEN_DEBUG_KV=1 (block ids checked against mapped pages b
 launch) and `-s` to see the printed agreement and error figures.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import transformers as T
 
 from oxygen_torch.demo_models import random_llama
-from oxygen_torch.integrations import hf, hf_graphs
+from oxygen_torch.integrations import hf, hf_fuse, hf_graphs
 from oxygen_torch.integrations.hf_cache import PagedKVCache
 
 pytestmark = pytest.mark.cuda
@@ -123,13 +124,39 @@ def test_decode_graphs_replay_the_eager_steps(arch, oxygen):
         got = model.generate(ids, **kw)
         again = model.generate(ids, **kw)
     st = hf_graphs.stats(model)
-    # step 1 is the prefill, step 2 warms up and captures, the other n - 2 steps replay
-    want = {"graphs": 1, "captures": 1, "replays": 2 * (n - 2) + 1, "failed": 0, "fused": 1}
-    assert st == want, st
-    for out in (got, again):  # fused (Inductor) norms/MLP/rotary: float32 rounding apart
+    # step 1 is the prefill, step 2 warms up and captures, the other n - 2 steps replay;
+    # the captured step is the forward compiled whole by backend "oxygen" (Inductor + ops)
+    want = {"graphs": 1, "captures": 1, "replays": 2 * (n - 2) + 1, "failed": 0}
+    assert st == {**want, "compiled": 1, "fused": 0}, st
+    for out in (got, again):  # Inductor's fused kernels: float32 rounding apart
         assert torch.equal(out.sequences, eager.sequences)
         err = max((a - b).abs().max().item() for a, b in zip(out.logits, eager.logits))
         assert err <= 1e-4 * eager.logits[0].abs().max().item(), err
+
+
+def test_decode_graphs_module_fusion_fallback_replays_the_eager_steps(oxygen, monkeypatch):
+    """With the whole-forward compile unavailable the capture fuses modules (hf_fuse.fused)."""
+
+    @contextlib.contextmanager
+    def broken(model, forward, precision):
+        raise RuntimeError("whole compile off for this test")
+        yield
+
+    monkeypatch.setattr(hf_fuse, "compiled", broken)
+    model, ids, mask = _small_model_and_batch("llama")
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    kw.update(return_dict_in_generate=True, output_logits=True)
+    cfg = dict(kernel=dict(precision="fp32_safe"))
+    with torch.no_grad():
+        hf.apply(model, _ns(dict(kv=dict(decode_graphs=False), **cfg)))
+        eager = model.generate(ids, **kw)
+        hf.apply(model, _ns(dict(kv=dict(decode_graphs=True), **cfg)))
+        got = model.generate(ids, **kw)
+    st = hf_graphs.stats(model)
+    assert st["compiled"] == 0 and st["fused"] == 1, st
+    assert torch.equal(got.sequences, eager.sequences)
+    err = max((a - b).abs().max().item() for a, b in zip(got.logits, eager.logits))
+    assert err <= 1e-4 * eager.logits[0].abs().max().item(), err
 
 
 def _llama_1b(dtype):

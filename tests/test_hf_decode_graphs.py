@@ -6,6 +6,7 @@ keys and the life cycle. tests/test_hf_cuda.py checks real graphs against eager 
 and every test of test_hf_generate.py runs with the stand-in too.
 """
 
+import contextlib
 import gc
 import logging
 import weakref
@@ -14,6 +15,8 @@ import pytest
 import torch
 from test_hf_generate import batch, tiny
 
+import oxygen_torch.compile as oc
+from oxygen_torch.compile import backend as backend_mod
 from oxygen_torch.integrations import hf, hf_fuse, hf_graphs
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.paged_cache import PagedKVCore
@@ -39,7 +42,8 @@ def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
     # prompt 13 + 19 new = 32 tokens: the last step fills the second 16-token block exactly
     first = _generate(model, n=19)
     st = hf_graphs.stats(model)
-    assert st == {"graphs": 1, "captures": 1, "replays": 17, "failed": 0, "fused": 0}, st
+    want = {"graphs": 1, "captures": 1, "replays": 17, "failed": 0, "compiled": 0, "fused": 0}
+    assert st == want, st
     assert torch.equal(_generate(model, n=19), first)
     assert hf_graphs.stats(model)["captures"] == 1
     key = next(iter(hf_graphs._graphs[model].graphs))
@@ -173,3 +177,112 @@ def test_a_forward_wrapped_on_the_instance_keeps_it_and_warns(graphs, caplog):
     assert len(calls) == 4 and model.forward is wrapper
     assert hf_graphs.stats(model)["captures"] == 0
     assert "the model's forward is replaced on the instance" in caplog.text
+
+
+# --- the decode step compiled whole by backend "oxygen" ----------------------------------------
+
+
+@pytest.fixture
+def compiled(graphs, monkeypatch, fresh_compile):
+    """Decode graphs fused on CPU too; the oxygen backend's rewritten graph runs as traced
+    (Inductor's C++ build would cost CI minutes; the GPU tests run Inductor)."""
+    monkeypatch.setattr(hf_graphs, "CPU_FUSE", True)
+    monkeypatch.setattr(backend_mod, "final_compiler", lambda gm, example, patches: gm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3"])
+def test_compiled_decode_step_equals_eager(compiled, arch):
+    model = tiny(arch)
+    ids, mask = batch()
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        ref = hf.apply(model).generate(
+            ids, **kw, use_cache=True, output_logits=True, return_dict_in_generate=True
+        )
+        hf_graphs.CPU_RERUN = False
+        eager = model.generate(ids, **kw, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(ref.sequences, eager.sequences)
+    for a, b in zip(ref.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    st = hf_graphs.stats(model)
+    assert st["captures"] == 1 and st["compiled"] == 1 and st["fused"] == 0, st
+    layers = model.config.num_hidden_layers
+    s = oc.stats()  # one graph, every layer's attention an oxygen::paged_step, nothing left
+    assert s["graphs_compiled"] == 1, s
+    assert s["rewritten_by_pattern"] == {"paged_step": layers} and s["left"] == 0, s
+
+
+def test_compiled_decode_does_not_recompile_as_the_cache_grows(compiled):
+    # the stand-in replays by calling the compiled forward again, so every one of the 64 steps
+    # runs through Dynamo's guards: a guard on the cache's length would recompile each step
+    model = hf.apply(tiny())
+    ids, mask = batch()
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+        again = model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=64, do_sample=False)
+        hf_graphs.CPU_RERUN = False
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
+    assert torch.equal(got, ref)
+    assert again.shape == (2, 13 + 64)
+    assert oc.stats()["graphs_compiled"] == 2  # batch 3, then batch 2: one compile each
+    assert hf_graphs.stats(model)["replays"] == 2 * 62
+
+
+def test_a_failed_whole_compile_falls_back_to_module_fusion_with_a_warning(
+    compiled, monkeypatch, caplog
+):
+    @contextlib.contextmanager
+    def broken(model, forward, precision):
+        raise RuntimeError("no trace today")
+        yield
+
+    monkeypatch.setattr(hf_fuse, "compiled", broken)
+    monkeypatch.setattr(hf_fuse, "fused", _fused_without_compiling)
+    model = hf.apply(tiny())
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        got = _generate(model)
+    st = hf_graphs.stats(model)
+    assert st["compiled"] == 0 and st["fused"] == 1, st
+    assert "decode-graph fusion (compiled) failed: RuntimeError('no trace today')" in caplog.text
+    hf_graphs.CPU_RERUN = False
+    assert torch.equal(got, _generate(model))
+
+
+@contextlib.contextmanager
+def _fused_without_compiling(model, forward, precision):
+    yield forward
+
+
+def test_a_forward_the_user_compiled_runs_uncompiled_on_the_paged_cache(compiled, caplog):
+    model = hf.apply(tiny())
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = _generate(model)
+        user = torch.compile(model.forward, backend="eager")
+        model.forward = user
+        with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+            got = _generate(model)
+    assert torch.equal(got, ref)
+    assert model.forward is user  # put back after the call
+    assert "the model's forward is compiled by torch.compile" in caplog.text
+    # the decode steps were still captured through backend "oxygen"; nothing else compiled
+    assert hf_graphs.stats(model)["compiled"] == 1 and oc.stats()["graphs_compiled"] == 1
+
+
+def test_model_compile_is_set_aside_for_the_paged_call_only(compiled, caplog):
+    model = hf.apply(tiny())
+    with torch.no_grad():
+        ref = _generate(model)
+        model.compile(backend="eager")
+        impl = model._compiled_call_impl
+        with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+            got = _generate(model)
+    assert torch.equal(got, ref) and model._compiled_call_impl is impl
+    assert "the model's forward is compiled by torch.compile" in caplog.text
+
+
+def test_paged_step_outside_a_decode_graph_step_is_an_error():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g)
+    with pytest.raises(RuntimeError, match="only inside a decode-graph step"):
+        torch.ops.oxygen.paged_step(q, k, k, 0, None, 0)

@@ -137,10 +137,12 @@ class GraphRunner:
         graph_factory=None,
         capture=None,
         device_type: str = "cuda",
+        static: frozenset[int] | None = None,
     ):
         self.fn = fn
         self.device_type = device_type  # tests drive the bookkeeping on CPU with a fake graph
         self.mutated = mutated
+        self.static = static  # indices of inputs used in place; None: is_static() decides
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.warm: set[tuple] = set()
         self.plain: set[tuple] = set()  # signatures that cannot be captured
@@ -152,9 +154,10 @@ class GraphRunner:
 
     def __call__(self, *args):
         key = self._key(args)
-        capturing = self.device_type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if key is None or key in self.plain or capturing:
+        if key is None or key in self.plain:
             return self.fn(*args)
+        if self.device_type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self.fn(*args)  # inside someone else's capture (a decode graph)
         g = self.graphs.get(key)
         if g is None:
             if key not in self.warm:
@@ -182,10 +185,10 @@ class GraphRunner:
     def _key(self, args) -> tuple | None:
         """The signature; None when nothing is on CUDA or an input cannot be copied in."""
         key, cuda = [], False
-        for a in args:
+        for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
                 cuda |= a.device.type == self.device_type
-                static = is_static(a)
+                static = self._static(i, a)
                 if not static and not _dense(a):
                     return None  # expanded/overlapping: no static buffer can stand in for it
                 ptr = a.data_ptr() if static else None
@@ -196,12 +199,15 @@ class GraphRunner:
                 key.append(type(a).__name__)
         return tuple(key) if cuda else None
 
+    def _static(self, i: int, a: torch.Tensor) -> bool:
+        return is_static(a) if self.static is None else i in self.static
+
     def _capture(self, args) -> _Captured:
         static_args = [
             a
-            if not isinstance(a, torch.Tensor) or is_static(a)
+            if not isinstance(a, torch.Tensor) or self._static(i, a)
             else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(a)
-            for a in args
+            for i, a in enumerate(args)
         ]
         graph = self._new_graph()
         if self.device_type == "cuda":
@@ -210,8 +216,8 @@ class GraphRunner:
             outputs = self.fn(*static_args)
         static_ptrs = {
             a.untyped_storage().data_ptr()
-            for a in args
-            if isinstance(a, torch.Tensor) and is_static(a)
+            for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and self._static(i, a)
         }
         alias = [
             isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in static_ptrs
@@ -238,3 +244,26 @@ class GraphRunner:
 
 def _flat(outputs) -> list:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def inductor_cudagraphify(model, inputs, static_input_idxs=(), **_):
+    """Stands in for Inductor's non-tree `cudagraphify_impl` while the oxygen pool is PyTorch's
+    allocator (allocator.enable patches it in; CUDA-graph trees cannot run there). Inductor's
+    own version captures once, with its first inputs, and returns the graph's output tensors
+    themselves, which the next replay overwrites: HF's static-cache generate() hit a
+    device-side assert with it on the H200, with or without oxygen's pool. This one is
+    GraphRunner: a graph per input signature, outputs cloned.
+
+    model: Inductor's boxed callable (takes a list and clears it); returns the same kind."""
+    del inputs  # GraphRunner warms up and captures on the calls that follow
+    # Inductor keeps graphs whose inputs are mutated out of non-tree CUDA graphs
+    runner = GraphRunner(
+        lambda *args: model(list(args)), frozenset(), static=frozenset(static_input_idxs)
+    )
+
+    def run(new_inputs: list):
+        args = list(new_inputs)
+        new_inputs.clear()
+        return runner(*args)
+
+    return run

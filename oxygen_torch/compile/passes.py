@@ -134,6 +134,9 @@ def _overload(node: Node) -> None:
     node.target = node.target.default
 
 
+_OXYGEN_ALREADY = (torch.ops.oxygen.paged_step, torch.ops.oxygen.paged_step.default)
+
+
 def rewrite_attention(gm: GraphModule, opts: CompileOptions) -> GraphReport:
     """Rewrites gm in place; returns what was found, rewritten and left (with reasons)."""
     report = GraphReport()
@@ -144,7 +147,10 @@ def rewrite_attention(gm: GraphModule, opts: CompileOptions) -> GraphReport:
             getattr(node.target, "default", None) in SDPA_FUNCTIONS + SDPA_PRIVATE
         ):
             _overload(node)
-        if node.target in SDPA_FUNCTIONS:
+        if node.target in _OXYGEN_ALREADY:  # the HF integration's decode step: counted as is
+            report.found += 1
+            report.rewritten["paged_step"] += 1
+        elif node.target in SDPA_FUNCTIONS:
             _rewrite_sdpa(gm, node, opts, report, private=False)
         elif node.target in SDPA_PRIVATE:
             _rewrite_sdpa(gm, node, opts, report, private=True)

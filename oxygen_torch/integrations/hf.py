@@ -127,6 +127,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else 0)
         cache.max_cache_len_hint = int(max_len or 0)
         model_kwargs["past_key_values"] = cache
+        hf_graphs.paged_call(self)
     elif cache is not None and not isinstance(cache, PagedKVCache):
         _stock_for_this_call(self)
         compile_through_oxygen(generation_config, cache, self.device.type)

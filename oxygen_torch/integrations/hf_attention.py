@@ -15,7 +15,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .hf_cache import take_pending
+from .hf_cache import take_pending, traced_step
 
 log = logging.getLogger("oxygen_torch")
 
@@ -67,9 +67,10 @@ class OxygenMask:
         return self._real
 
 
-def oxygen_mask(**kwargs) -> OxygenMask:
-    """Registered with AttentionMaskInterface under "oxygen"."""
-    return OxygenMask(kwargs)
+def oxygen_mask(**kwargs) -> OxygenMask | None:
+    """Registered with AttentionMaskInterface under "oxygen". None in a traced decode-graph step:
+    a decode step reads no mask."""
+    return None if traced_step() else OxygenMask(kwargs)
 
 
 def _paged_unsupported(module, mask, dropout, softcap, kwargs) -> str | None:
@@ -106,6 +107,14 @@ def oxygen_attention_forward(
 
     query: [B, Hq, q, D]; key/value: what the cache's update() returned. Returns ([B, q, Hq, D],
     None) like the stock functions."""
+    if traced_step():  # a decode graph compiles the forward: one opaque op per layer
+        reason = _paged_unsupported(module, attention_mask, dropout, softcap, kwargs)
+        if reason is not None:
+            raise NotImplementedError(f"oxygen decode graphs do not support {reason}")
+        out = torch.ops.oxygen.paged_step(
+            query, key, value, module.layer_idx, scaling, sliding_window or 0
+        )
+        return out, None
     pending = take_pending(key)
     if pending is None:  # not a PagedKVCache (DynamicCache, StaticCache, no cache): stock SDPA
         mask = attention_mask.dense() if isinstance(attention_mask, OxygenMask) else attention_mask

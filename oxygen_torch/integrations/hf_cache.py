@@ -11,6 +11,7 @@ the core, not per layer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from types import SimpleNamespace
@@ -23,6 +24,26 @@ from ..kv.paged_cache import PagedKVCore
 from ..triton_kernels.precision import PrecisionMode
 
 _tls = threading.local()  # .pending: (cache, layer_idx, key, value) between update and attention
+# True while a decode graph compiles the model's forward (torch.compile traces it): update()
+# hands K/V on untouched and the attention function calls oxygen::paged_step, which reads the
+# step's cache at run time. A global, so the compiled code guards on it.
+_TRACING_STEP = False
+
+
+@contextlib.contextmanager
+def tracing_step():
+    """Within: torch.compile traces the forward of a decode-graph step (hf_graphs)."""
+    global _TRACING_STEP
+    before, _TRACING_STEP = _TRACING_STEP, True
+    try:
+        yield
+    finally:
+        _TRACING_STEP = before
+
+
+def traced_step() -> bool:
+    """Whether the code running is a decode-graph step being traced by torch.compile."""
+    return _TRACING_STEP and torch.compiler.is_compiling()
 
 
 def take_pending(key: torch.Tensor):
@@ -66,7 +87,7 @@ class PagedLayer(CacheLayerMixin):
         return self._cache_ref().update(key_states, value_states, self.layer_idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._core.length + query_length, 0
+        return self._cache_ref().get_mask_sizes(query_length, self.layer_idx)
 
     def get_seq_length(self) -> int:
         return self._core.length
@@ -153,6 +174,14 @@ class PagedKVCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"PagedKVCache: layer {layer_idx} of {len(self.layers)}")
         if self._deferred():
+            if torch.compiler.is_compiling():
+                if not _TRACING_STEP:
+                    raise NotImplementedError(
+                        "PagedKVCache under torch.compile: generate() on the paged cache "
+                        "compiles and captures its decode steps itself (kv.decode_graphs); "
+                        "leave the model's forward uncompiled, or pass a StaticCache"
+                    )
+                return key_states, value_states  # oxygen::paged_step stores them
             if getattr(_tls, "pending", None) is not None:
                 _tls.pending = None
                 raise RuntimeError(
@@ -196,8 +225,13 @@ class PagedKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._core.length
 
+    # In a traced decode-graph step no mask is built and the position comes in as an input:
+    # the two give sizes that hold no length, so the compiled step is not specialised on it.
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0 if traced_step() else self._core.length
+
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self._core.length + query_length, 0
+        return (0 if traced_step() else self._core.length) + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

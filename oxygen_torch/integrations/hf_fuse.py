@@ -1,4 +1,11 @@
-"""Fused elementwise work inside captured decode graphs (`kv.decode_graph_fusion`).
+"""Fused kernels inside captured decode graphs (`kv.decode_graph_fusion`).
+
+First choice, `compiled(model, forward)`: the model's whole forward compiled by the "oxygen"
+torch.compile backend (fullgraph, static shapes): attention becomes oxygen::paged_step (one
+opaque op per layer that stores the step's K/V and attends over the paged cache), everything
+else goes to Inductor, which fuses norms, residual adds, rotary and activations around the
+GEMMs. If that compile fails (a graph break, an architecture Dynamo cannot trace), the capture
+falls back to `fused(model)` below, with one warning.
 
 A replayed decode step costs no host time per kernel, but each kernel still costs the GPU a
 couple of microseconds; on a Llama-1.1B shape at batch 16 the eager forward's ~580 small
@@ -19,6 +26,7 @@ import contextlib
 import sys
 import threading
 import types
+import weakref
 
 import torch
 
@@ -28,6 +36,7 @@ RECOMPILE_LIMIT = 64  # one compile per class and input shape: batch sizes x nor
 
 _lock = threading.RLock()
 _compiled: dict = {}  # a class's forward (or a module function) -> its torch.compile'd twin
+_forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> compiled forward
 _active = threading.local()  # .depth: inside fused() on this thread
 
 
@@ -41,6 +50,28 @@ def _compile(fn):
     if c is None:
         c = _compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
     return c
+
+
+@contextlib.contextmanager
+def compiled(model, forward, precision):
+    """Within: yields `forward` compiled whole by backend "oxygen" (module docstring); the
+    compile itself happens at the first call. One compiled forward per model."""
+    from ..compile import make_backend
+    from .hf_cache import tracing_step
+
+    with _lock:
+        fn = _forwards.get(model)
+        if fn is None:
+            backend = make_backend({"precision": precision, "fallback": "error"})
+            fn = _forwards[model] = torch.compile(
+                forward, backend=backend, fullgraph=True, dynamic=False
+            )
+    _active.depth = getattr(_active, "depth", 0) + 1
+    try:
+        with tracing_step(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            yield fn
+    finally:
+        _active.depth -= 1
 
 
 def fusible(model) -> list[str]:
@@ -62,7 +93,7 @@ def _rope_modules(model) -> list[types.ModuleType]:
 
 
 @contextlib.contextmanager
-def fused(model):
+def fused(model, forward=None, precision=None):
     """Within: `model`'s fusible modules and rotary function run compiled (module docstring)."""
     with _lock:
         patched, functions = [], []
@@ -78,7 +109,7 @@ def fused(model):
             _active.depth = getattr(_active, "depth", 0) + 1
             try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                    yield
+                    yield forward
             finally:
                 _active.depth -= 1
         finally:

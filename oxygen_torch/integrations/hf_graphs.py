@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import hf_fuse
-from .hf_cache import PagedKVCache, _cfg_value
+from .hf_cache import PagedKVCache, _cfg_value, tracing_step
 
 WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
 MAX_GRAPHS_PER_MODEL = 4
@@ -45,6 +45,7 @@ _KNOWN = frozenset(
     + ("logits_to_keep", "output_attentions", "output_hidden_states")
 )
 CPU_RERUN = False  # tests: run the bookkeeping on CPU, "replay" re-running the forward
+CPU_FUSE = False  # tests: with CPU_RERUN, fuse on CPU too (the compiled forward's trace)
 
 _lock = threading.RLock()
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
@@ -100,7 +101,7 @@ class DecodeGraph:
         self._turn = 0
         self.graph = None
         self.replays = 0
-        self.fused = False  # captured with the elementwise work compiled (hf_fuse)
+        self.fusion = None  # "compiled" (whole forward) or "modules" (hf_fuse) or None
         self.output = None  # (output type, logits living in the graph's memory)
         self._call = None
         self.lock = threading.Lock()
@@ -145,14 +146,22 @@ class DecodeGraph:
             return out_type(logits=logits.clone(), past_key_values=kw["past_key_values"])
 
     def _first(self, model, forward, core, call: dict, fuse: bool):
-        if fuse:
+        """Warm-up and capture: compiled whole by backend "oxygen" when `fuse`, else (or when
+        that compile fails) with the fusible modules compiled, else unfused; each failure
+        warns once. The step is idempotent, so a failed try leaves nothing to undo."""
+        tries = [("compiled", hf_fuse.compiled), ("modules", hf_fuse.fused)] if fuse else []
+        if fuse and not _cfg_flag("decode_graph_compile"):
+            tries = tries[1:]
+        for how, fusion in tries:
             try:
-                with hf_fuse.fused(model):
-                    return self._warm_and_capture(forward, core, call)
+                with fusion(model, forward, core.precision) as fn:
+                    out = self._warm_and_capture(fn, core, call)
+                self.fusion = how
+                return out
             except _CaptureFailed:
                 raise
-            except Exception as err:  # the compile: the step is idempotent, run it unfused
-                _warn_once(f"oxygen_torch: decode-graph fusion failed, captured unfused: {err!r}")
+            except Exception as err:
+                _warn_once(f"oxygen_torch: decode-graph fusion ({how}) failed: {err!r}")
                 core.lend(self.table, self.seq_lens, self.slots)
         return self._warm_and_capture(forward, core, call)
 
@@ -165,14 +174,14 @@ class DecodeGraph:
             raise _CaptureFailed(out) from err
         finally:
             core.end_graph_step()
-        self.fused = hf_fuse.active()
         return out
 
     def _capture(self, forward, call: dict) -> None:
         if self.device.type != "cuda":
 
             def rerun():
-                out = forward(**self._call)
+                with tracing_step():  # the compiled forward's guards expect it
+                    out = forward(**self._call)
                 if self.output is not None:
                     self.output[1].copy_(out.logits)
                 return out
@@ -268,7 +277,8 @@ def _decode_step(model, forward, kw: dict):
         mg.graphs.move_to_end(key)
     try:
         fresh = g.graph is None  # the fusion setting matters only to a capture
-        fuse = fresh and ids.device.type == "cuda" and _cfg_flag("decode_graph_fusion")
+        on = ids.device.type == "cuda" or CPU_FUSE
+        fuse = fresh and on and _cfg_flag("decode_graph_fusion")
         out = g.run(model, forward, core, kw, fuse=fuse)
         mg.captures += fresh
         return out
@@ -297,32 +307,83 @@ def _usable(model) -> bool:
     return model.device.type == "cuda" or (CPU_RERUN and model.device.type == "cpu")
 
 
+_USER_COMPILED = (
+    "oxygen_torch: the model's forward is compiled by torch.compile; on the paged cache "
+    "generate() runs it uncompiled, and captures the decode steps compiled by backend "
+    '"oxygen" in CUDA graphs where it can (kv.decode_graphs). Pass a StaticCache to run your '
+    "compiled forward as it is."
+)
+_set_aside = threading.local()  # .models: [(model, its _compiled_call_impl)] of this thread
+
+
+def paged_call(model) -> None:
+    """generate() has built a PagedKVCache for this call: a `model.compile()` is set aside until
+    the call ends (decode_graphs' exit). A PagedKVCache is not traced outside a decode-graph
+    step: its host bookkeeping would break the graph at every layer and recompile every step."""
+    impl = model.__dict__.get("_compiled_call_impl")
+    if impl is not None:
+        _warn_once(_USER_COMPILED)
+        model._compiled_call_impl = None
+        _set_aside.__dict__.setdefault("models", []).append((model, impl))
+
+
+def _restore_compiled(model) -> None:
+    kept = []
+    for m, impl in getattr(_set_aside, "models", []):
+        if m is model:
+            m._compiled_call_impl = impl
+        else:
+            kept.append((m, impl))
+    _set_aside.models = kept
+
+
 @contextlib.contextmanager
 def decode_graphs(model):
-    """For one generate() call: one-token steps on a PagedKVCache go through decode graphs."""
-    if not _usable(model):
+    """For one generate() call: one-token steps on a PagedKVCache go through decode graphs, and
+    a forward the user compiled runs uncompiled on the paged cache (see paged_call)."""
+    from . import hf
+
+    if not hf._uses_oxygen(model):
         yield
         return
+    try:
+        with _graphed(model):
+            yield
+    finally:
+        _restore_compiled(model)
+
+
+@contextlib.contextmanager
+def _graphed(model):
     own = model.__dict__.get("forward")
-    if own is not None:  # ours (a generate() inside generate()) or someone else's wrapper
-        if getattr(own, "__name__", "") != "graphed_forward":
+    user_compiled = getattr(own, "_torchdynamo_orig_callable", None)
+    usable = _usable(model)
+    if own is not None and user_compiled is None:
+        # ours (a generate() inside generate()) or someone else's wrapper
+        if getattr(own, "__name__", "") != "graphed_forward" and usable:
             _warn_once(
                 "oxygen_torch: decode steps run without CUDA graphs: the model's forward is "
                 f"replaced on the instance ({own!r}: accelerate hooks or a wrapper)"
             )
         yield
         return
-    with _lock:
-        mg = _graphs.setdefault(model, _ModelGraphs())
-        fp = _fingerprint(model)
-        if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
-            mg.graphs.clear()
-            mg.failed.clear()
-            mg.fingerprint = fp
-    forward = model.forward
+    if usable:
+        with _lock:
+            mg = _graphs.setdefault(model, _ModelGraphs())
+            fp = _fingerprint(model)
+            if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
+                mg.graphs.clear()
+                mg.failed.clear()
+                mg.fingerprint = fp
+    forward = user_compiled if user_compiled is not None else model.forward
 
     def graphed_forward(*args, **kw):
-        out = None if args else _decode_step(model, forward, kw)
+        paged = isinstance(kw.get("past_key_values"), PagedKVCache)
+        if own is not None:
+            if not paged:
+                return own(*args, **kw)  # the user's compiled forward, on another cache
+            _warn_once(_USER_COMPILED)
+        out = None if args or not usable else _decode_step(model, forward, kw)
         return forward(*args, **kw) if out is None else out
 
     model.forward = graphed_forward
@@ -330,7 +391,10 @@ def decode_graphs(model):
         yield
     finally:
         if model.__dict__.get("forward") is graphed_forward:
-            del model.forward
+            if own is not None:
+                model.forward = own
+            else:
+                del model.forward
 
 
 def clear() -> None:
@@ -343,12 +407,12 @@ def stats(model) -> dict:
     """Decode graphs of `model`: held now, captured so far, replays of those held, and input
     signatures that failed to capture (they run eagerly)."""
     mg = _graphs.get(model)
-    if mg is None:
-        return {"graphs": 0, "captures": 0, "replays": 0, "failed": 0, "fused": 0}
+    held = list(mg.graphs.values()) if mg is not None else []
     return {
-        "graphs": len(mg.graphs),
-        "captures": mg.captures,
-        "replays": sum(g.replays for g in mg.graphs.values()),
-        "failed": len(mg.failed),
-        "fused": sum(g.fused for g in mg.graphs.values()),
+        "graphs": len(held),
+        "captures": mg.captures if mg is not None else 0,
+        "replays": sum(g.replays for g in held),
+        "failed": len(mg.failed) if mg is not None else 0,
+        "compiled": sum(g.fusion == "compiled" for g in held),
+        "fused": sum(g.fusion == "modules" for g in held),
     }

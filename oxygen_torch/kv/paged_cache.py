@@ -13,6 +13,7 @@ already in the rotary embedding of K). `length` still counts padding, as transfo
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,19 @@ from .pool import KVPool, PoolKey, get_pool
 from .storage import GUARD_BLOCK, debug_checks_enabled
 
 MiB = 1 << 20
+_stepping = threading.local()  # .core: the core whose decode-graph step runs on this thread
+
+
+def lent_core() -> PagedKVCore:
+    """The core whose decode-graph step (begin_graph_step .. end_graph_step) runs on this
+    thread: what oxygen::paged_step reads and writes."""
+    core = getattr(_stepping, "core", None)
+    if core is None:
+        raise RuntimeError(
+            "oxygen::paged_step runs only inside a decode-graph step of a PagedKVCache "
+            "(PagedKVCore.lend); none is running on this thread"
+        )
+    return core
 
 
 @dataclass
@@ -306,10 +320,28 @@ class PagedKVCore:
         self.table, self.seq_lens, self._lent = table, seq_lens, True
         self._plan = StepPlan(1, slots, None, None)
         self._layer_len = [self.length - 1] * self.num_layers
+        _stepping.core = self
 
     def end_graph_step(self) -> None:
         """Every layer appended this step (a replayed graph does not run the Python forward)."""
         self._layer_len = [self.length] * self.num_layers
+        if getattr(_stepping, "core", None) is self:
+            _stepping.core = None
+
+    def step(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """One layer of a one-token step: stores k/v ([B, Hkv, 1, D]) and attends q
+        ([B, Hq, 1, D]) -> [B, 1, Hq, D]. Decode tokens are never padding."""
+        plan = self.write(layer, k, v)
+        return self.attend(layer, q, plan, scale=scale, sliding_window=sliding_window)
 
     # --- attention and reading ------------------------------------------------------------
 
