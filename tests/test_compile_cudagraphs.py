@@ -118,7 +118,7 @@ def test_runner_with_given_static_indices_uses_those_inputs_in_place():
 
     runner, graphs = _runner(fn, static=frozenset({1}))
     table = torch.randn(3, 4)
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(4)
         (out,) = runner(x, table)
         torch.testing.assert_close(out, x * 2 + table[0])
