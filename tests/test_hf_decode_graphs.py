@@ -286,3 +286,15 @@ def test_paged_step_outside_a_decode_graph_step_is_an_error():
     q, k = torch.randn(2, 4, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g)
     with pytest.raises(RuntimeError, match="only inside a decode-graph step"):
         torch.ops.oxygen.paged_step(q, k, k, 0, None, 0)
+
+
+def test_a_model_with_a_compiled_decode_graph_can_be_collected(compiled):
+    model = hf.apply(tiny())
+    _generate(model)
+    assert hf_graphs.stats(model)["compiled"] == 1
+    for g in hf_graphs._graphs[model].graphs.values():
+        g.graph = None  # the CPU stand-in re-runs the forward, so it holds it; a CUDA graph not
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

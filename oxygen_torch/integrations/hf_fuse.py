@@ -23,10 +23,10 @@ never run them. A compile that fails leaves that step unfused, with one warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
-import weakref
 
 import torch
 
@@ -36,7 +36,6 @@ RECOMPILE_LIMIT = 64  # one compile per class and input shape: batch sizes x nor
 
 _lock = threading.RLock()
 _compiled: dict = {}  # a class's forward (or a module function) -> its torch.compile'd twin
-_forwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> compiled forward
 _active = threading.local()  # .depth: inside fused() on this thread
 
 
@@ -55,21 +54,27 @@ def _compile(fn):
 @contextlib.contextmanager
 def compiled(model, forward, precision):
     """Within: yields `forward` compiled whole by backend "oxygen" (module docstring); the
-    compile itself happens at the first call. One compiled forward per model."""
+    compile itself happens at the first call. One compiled function per forward function and
+    precision, shared by the models of a class (it holds no model: they stay collectable)."""
     from ..compile import make_backend
     from .hf_cache import tracing_step
 
+    func = getattr(forward, "__func__", None)
+    bound = func is not None and getattr(forward, "__self__", None) is model
+    key = (func, "whole", precision)
     with _lock:
-        fn = _forwards.get(model)
+        fn = _compiled.get(key) if bound else None
         if fn is None:
             backend = make_backend({"precision": precision, "fallback": "error"})
-            fn = _forwards[model] = torch.compile(
-                forward, backend=backend, fullgraph=True, dynamic=False
+            fn = torch.compile(
+                func if bound else forward, backend=backend, fullgraph=True, dynamic=False
             )
+            if bound:  # anything else may hold its model: compiled for this capture only
+                _compiled[key] = fn
     _active.depth = getattr(_active, "depth", 0) + 1
     try:
         with tracing_step(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            yield fn
+            yield functools.partial(fn, model) if bound else fn
     finally:
         _active.depth -= 1
 
