@@ -42,12 +42,16 @@ MODES = (
     # the user's line: model.forward = torch.compile(model.forward, backend="oxygen",
     # mode="reduce-overhead"), then generate() on the paged cache after enable()
     "oxygen_compiled",
+    "oxygen_fp8",  # kv.kv_dtype=fp8_e4m3: K/V as e4m3 codes + block scales
     "oxygen_static",
     "cap_hf",
     "cap_oxygen",
+    "cap_oxygen_fp8",
 )
 TIMEOUTS = {"hf_static": 240, "oxygen_static": 240, "cap_hf": 200, "cap_oxygen": 240}
-TIMEOUTS.update(oxygen=240, oxygen_compiled=240, oxygen_modules=240)
+TIMEOUTS.update(oxygen=240, oxygen_compiled=240, oxygen_modules=240, oxygen_fp8=240)
+TIMEOUTS.update(cap_oxygen_fp8=420)
+CAP_BATCHES_FP8 = (128, 160, 192, 224, 256)
 
 
 SMOKE = os.environ.get("BENCH_GENERATE_SMOKE") == "1"  # tiny model on CPU: the plumbing only
@@ -123,8 +127,10 @@ def switch_on(cfg=None, **overrides):
 
 def throughput(mode: str) -> dict:
     if mode.startswith("oxygen"):
-        kv = dict(decode_graphs=mode != "oxygen_eager")
-        switch_on(kv=dict(kv, decode_graph_compile=mode != "oxygen_modules"))
+        kv = dict(
+            decode_graphs=mode != "oxygen_eager", decode_graph_compile=mode != "oxygen_modules"
+        )
+        switch_on(kv=dict(kv, kv_dtype="fp8_e4m3" if mode == "oxygen_fp8" else "auto"))
     model = build_model()
     if mode == "oxygen_compiled":
         model.forward = torch.compile(model.forward, backend="oxygen", mode="reduce-overhead")
@@ -166,11 +172,15 @@ def throughput(mode: str) -> dict:
     return res
 
 
-def capacity_kv_bytes(batch: int, layers=16, kv_heads=8, head_dim=64, bt=16, page=2 << 20):
-    """Arena bytes that hold `batch` sequences of CAP_P + CAP_N tokens (+ the guard block)."""
+def capacity_kv_bytes(
+    batch: int, layers=16, kv_heads=8, head_dim=64, bt=16, page=2 << 20, elem=2
+) -> tuple[int, int]:
+    """(arena bytes that hold `batch` sequences of CAP_P + CAP_N tokens + the guard block,
+    bytes of the fp8 scales' pages those blocks map: one fp32 per block and kv head)."""
     blocks = batch * -(-(CAP_P + CAP_N) // bt) + 1
-    region = -(-blocks * bt * kv_heads * head_dim * 2 // page) * page
-    return 2 * layers * region
+    region = -(-blocks * bt * kv_heads * head_dim * elem // page) * page
+    scales = -(-blocks * kv_heads * 4 // page) * page if elem == 1 else 0
+    return 2 * layers * region, 2 * layers * scales
 
 
 def _long_generate(model, batch: int) -> float:
@@ -195,15 +205,18 @@ def capacity(mode: str) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     model = build_model()
     res, best = {"mode": mode, "runs": {}}, 0
-    for batch in CAP_BATCHES:
+    fp8 = mode == "cap_oxygen_fp8"
+    for batch in CAP_BATCHES_FP8 if fp8 else CAP_BATCHES:
         kv_bytes = 0
-        if mode == "cap_oxygen":
+        if mode.startswith("cap_oxygen"):
             # The arena is outside torch's allocator: cap it at exactly the KV this batch needs
-            # and give torch only what is left of the 24 GiB.
+            # and give torch only what is left of the 24 GiB (fp8: the scales' pages too).
             from oxygen_torch.integrations import hf
 
-            kv_bytes = capacity_kv_bytes(batch)
-            switch_on(types.SimpleNamespace(kv=types.SimpleNamespace(arena_bytes=kv_bytes)))
+            arena, scales = capacity_kv_bytes(batch, elem=1 if fp8 else 2)
+            kv_bytes = arena + scales
+            kv = types.SimpleNamespace(arena_bytes=arena, kv_dtype="fp8_e4m3" if fp8 else "auto")
+            switch_on(types.SimpleNamespace(kv=kv))
             hf.apply(model)
         torch.cuda.set_per_process_memory_fraction((CAP_BYTES - kv_bytes) / total)
         try:
@@ -270,7 +283,7 @@ def table(results: dict) -> str:
             f"{agree} |"
         )
     rows += ["", "| capacity (P=4096, N=256, 24 GiB) | max batch | runs |", "|---|---|---|"]
-    for mode in ("cap_hf", "cap_oxygen"):
+    for mode in ("cap_hf", "cap_oxygen", "cap_oxygen_fp8"):
         r = results.get(mode)
         if r is not None:
             runs = r.get("runs", r.get("error", "")[-100:])

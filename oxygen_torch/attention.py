@@ -20,16 +20,20 @@ def kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, kv_heads, D] -> cache slots slot_mapping[T] (negative = skip), in place."""
+    """k, v: [T, kv_heads, D] -> cache slots slot_mapping[T] (negative = skip), in place; fp8
+    caches also set their (block, head) scales."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if k.device.type == "cuda":
         from .triton_kernels.kv_append import kv_append
 
-        kv_append(k, v, k_cache, v_cache, slot_mapping)
+        kv_append(k, v, k_cache, v_cache, slot_mapping, **scales)
     else:
         from .triton_kernels.reference import kv_append_ref
 
-        kv_append_ref(k, v, k_cache, v_cache, slot_mapping, inplace=True)
+        kv_append_ref(k, v, k_cache, v_cache, slot_mapping, inplace=True, **scales)
 
 
 def paged_attention(
@@ -43,10 +47,12 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (cu_seqlens_q None; q: [B, Hq, D]) or ragged prefill (q: [T, Hq, D]) over the
-    paged cache. Returns q's shape and dtype."""
-    kw = dict(scale=scale, sliding_window=sliding_window)
+    paged cache (fp8 caches with their k_scale / v_scale). Returns q's shape and dtype."""
+    kw = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     if q.device.type != "cuda":
         return _gathered_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **kw)
     if cu_seqlens_q is None:
@@ -61,15 +67,32 @@ def paged_attention(
 
 
 def _gathered_sdpa(
-    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, sliding_window
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    cu_seqlens_q,
+    *,
+    scale,
+    sliding_window,
+    k_scale=None,
+    v_scale=None,
 ):
-    """CPU paged attention: gather each sequence's K/V through its table row, then one SDPA."""
+    """CPU paged attention: gather each sequence's K/V through its table row (fp8 codes times
+    their block scales), then one SDPA."""
     batch, bt = seq_lens.shape[0], k_cache.shape[1]
     lens = seq_lens.to(torch.int64)
     n_k = max(int(lens.max()), 1) if batch else 1
     idx = block_table[:, : -(-n_k // bt)].to(torch.int64)  # [B, nblk]
-    k = k_cache[idx].flatten(1, 2)[:, :n_k].transpose(1, 2)  # [B, Hkv, n_k, D]
-    v = v_cache[idx].flatten(1, 2)[:, :n_k].transpose(1, 2)
+
+    def gather(cache, sc):
+        x = cache[idx]  # [B, nblk, bt, Hkv, D]
+        if sc is not None:
+            x = (x.to(torch.float32) * sc[idx][:, :, None, :, None]).to(q.dtype)
+        return x.flatten(1, 2)[:, :n_k].transpose(1, 2)  # [B, Hkv, n_k, D]
+
+    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
     if cu_seqlens_q is None:
         counts = torch.ones(batch, dtype=torch.int64)
     else:

@@ -138,7 +138,7 @@ def test_decode_graphs_module_fusion_fallback_replays_the_eager_steps(oxygen, mo
     """With the whole-forward compile unavailable the capture fuses modules (hf_fuse.fused)."""
 
     @contextlib.contextmanager
-    def broken(model, forward, precision):
+    def broken(model, forward, core, options):
         raise RuntimeError("whole compile off for this test")
         yield
 
@@ -157,6 +157,40 @@ def test_decode_graphs_module_fusion_fallback_replays_the_eager_steps(oxygen, mo
     assert torch.equal(got.sequences, eager.sequences)
     err = max((a - b).abs().max().item() for a, b in zip(got.logits, eager.logits))
     assert err <= 1e-4 * eager.logits[0].abs().max().item(), err
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fp8_kv_generate_stays_close_to_bf16(oxygen, graphs):
+    """kv.kv_dtype=fp8_e4m3 on the GPU (kv_append's scales, the fp8 decode and prefill kernels;
+    with graphs the decode step compiled whole and replayed): logits within e4m3's rounding of
+    the bf16 cache's, greedy tokens agreeing."""
+    model, ids, mask = _small_model_and_batch("llama")
+    model = model.to(torch.bfloat16)
+    kw = dict(attention_mask=mask, max_new_tokens=32, do_sample=False)
+    kw.update(return_dict_in_generate=True, output_logits=True)
+
+    def cfg(kv_dtype):
+        kv = dict(decode_graphs=graphs, kv_dtype=kv_dtype, debug_checks=True)
+        return _ns(dict(kv=kv))
+
+    with torch.no_grad():
+        hf.apply(model, cfg("auto"))
+        ref = model.generate(ids, **kw)
+        hf.apply(model, cfg("fp8_e4m3"))
+        got = model.generate(ids, **kw)
+    if graphs:
+        assert hf_graphs.stats(model)["compiled"] == 1
+    # each step's logits, on the rows whose tokens so far agree (the same inputs)
+    same = (got.sequences[:, 40:] == ref.sequences[:, 40:]).int().cumprod(1).bool()
+    errs = []
+    for t, (a, b) in enumerate(zip(got.logits, ref.logits)):
+        rows = same[:, t - 1] if t else torch.ones_like(same[:, 0])
+        if rows.any():
+            errs.append(((a[rows] - b[rows]).abs().max() / b[rows].abs().max()).item())
+    err, steps = max(errs), len(errs)
+    print(f"\nfp8 KV (graphs={graphs}): logit rel error {err:.3e} over {steps} steps, "
+          f"tokens agreeing {int(same.sum())}/{same.numel()}")  # fmt: skip
+    assert 0 < err < 0.08 and steps >= 4, (err, steps)
 
 
 def _llama_1b(dtype):

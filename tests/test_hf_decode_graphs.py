@@ -232,7 +232,7 @@ def test_a_failed_whole_compile_falls_back_to_module_fusion_with_a_warning(
     compiled, monkeypatch, caplog
 ):
     @contextlib.contextmanager
-    def broken(model, forward, precision):
+    def broken(model, forward, core, options):
         raise RuntimeError("no trace today")
         yield
 
@@ -249,7 +249,7 @@ def test_a_failed_whole_compile_falls_back_to_module_fusion_with_a_warning(
 
 
 @contextlib.contextmanager
-def _fused_without_compiling(model, forward, precision):
+def _fused_without_compiling(model, forward, core, options):
     yield forward
 
 
@@ -298,3 +298,37 @@ def test_a_model_with_a_compiled_decode_graph_can_be_collected(compiled):
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_compile_config_naming_oxygen_configures_the_paged_call(compiled, monkeypatch, caplog):
+    from transformers import CompileConfig
+
+    from oxygen_torch.kv import pool_stats
+
+    seen = []
+    monkeypatch.setattr(
+        backend_mod, "final_compiler", lambda gm, ex, patches: seen.append(patches) or gm
+    )
+    model = hf.apply(tiny())
+    options = {"kv_dtype": "fp8_e4m3", "inductor": {"max_autotune": False}}
+    cc = CompileConfig(backend="oxygen", options=options)
+    with caplog.at_level(logging.WARNING):
+        _generate(model, compile_config=cc)
+    assert any(p["dtype"] == "float8_e4m3fn" for p in pool_stats())  # the cache's storage
+    assert seen == [{"max_autotune": False}]  # the decode graph's compile got its options
+    assert hf_graphs.stats(model)["compiled"] == 1
+    assert "compile_config" not in caplog.text  # transformers did not report it skipped
+    with pytest.raises(ValueError, match="oxygen backend option 'kv_dtype'"):
+        _generate(model, compile_config=CompileConfig(backend="oxygen", options={"kv_dtype": 4}))
+
+
+def test_compile_config_with_another_backend_warns_on_the_paged_cache(compiled, caplog):
+    from transformers import CompileConfig
+
+    model = hf.apply(tiny())
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        got = _generate(model, compile_config=CompileConfig())  # inductor
+    assert "compile_config backend 'inductor' is not used on the paged cache" in caplog.text
+    assert hf_graphs.stats(model)["compiled"] == 1
+    hf_graphs.CPU_RERUN = False
+    assert torch.equal(got, _generate(model))

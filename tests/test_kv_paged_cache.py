@@ -239,3 +239,79 @@ def test_emptied_pages_wait_for_their_event_and_can_be_reused_before():
     ev.done = True
     st._reap()
     assert 1 in backing.mapped and 2 not in backing.mapped and 6 not in backing.mapped
+
+
+def _fp8_close(got, want):
+    """e4m3 keeps 3 mantissa bits: a value is off by at most 1/16 of itself, or (subnormal
+    codes) a few 2^-9 steps of its block's scale, itself <= amax x 4 / 448."""
+    amax = want.abs().amax()
+    bound = want.abs() / 16 + amax * 4 / 448 * 2**-9 * 2
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    assert (got - want).abs().max() > 0  # really quantised
+
+
+def test_fp8_core_stores_codes_and_scales_in_mapped_pages():
+    pytest.importorskip("oxygen_torch.allocator")
+    torch.manual_seed(3)
+    core = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20,
+                       kv_dtype="fp8_e4m3")  # fmt: skip
+    ref = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20)
+    ks, vs = [], []
+    for q_len in (21, 1, 1, 12):
+        k, v = torch.randn(2, 2, q_len, 64) * 3, torch.randn(2, 2, q_len, 64)
+        ks.append(k)
+        vs.append(v)
+        for layer in range(2):
+            core.write(layer, k, v)
+            ref.write(layer, k, v)
+    pool = core.pool
+    assert pool.storage.k[0].dtype == torch.float8_e4m3fn
+    assert pool.k_scale(1).shape == (pool.storage.num_blocks, 2)
+    st = next(p for p in pool_stats() if p["dtype"] == "float8_e4m3fn")
+    base = next(p for p in pool_stats() if p["dtype"] == "float32")
+    # 1-byte codes against 4-byte floats; the scales' pages count in the pool's mapped bytes
+    assert st["block_bytes_all_layers"] * 4 == base["block_bytes_all_layers"]
+    assert pool.scales.mapped_bytes() == 4 * (2 << 20)  # one page in each of the 4 regions
+    assert st["mapped_bytes"] == pool.storage.mapped_bytes() + pool.scales.mapped_bytes()
+    kd, vd = core.dense(1)
+    _fp8_close(kd, torch.cat(ks, 2))
+    _fp8_close(vd, torch.cat(vs, 2))
+    # attention over the codes = attention over their dequantised values, which the dense
+    # readback gives: decode and prefill against the float64 reference
+    for q_len in (1, 5):
+        q = torch.randn(2, 4, q_len, 64)
+        k, v = torch.randn(2, 2, q_len, 64), torch.randn(2, 2, q_len, 64)
+        out = core.attend(0, q, core.write(0, k, v), scale=0.125, sliding_window=None)
+        core.write(1, k, v)
+        kd, vd = core.dense(0)
+        for i in range(2):
+            want = _dense_out(q[i].double(), kd[i].double(), vd[i].double(), 0.125, None)
+            torch.testing.assert_close(out[i], want.float(), rtol=1e-4, atol=1e-4)
+    core.release()
+    ref.release()
+
+
+def test_fp8_fork_copies_the_scales_of_a_shared_block():
+    torch.manual_seed(4)
+    core = PagedKVCore(1, block_tokens=16, backing="torch", kv_dtype="fp8_e4m3")
+    k = torch.randn(1, 2, 20, 64)
+    core.write(0, k, k)
+    twin = core.fork()
+    k2 = torch.randn(1, 2, 1, 64) * 100  # a large token: the copy's block keeps the old scale
+    twin.write(0, k2, k2)
+    core.write(0, k[:, :, :1], k[:, :, :1])
+    a, _ = core.dense(0)
+    b, _ = twin.dense(0)
+    torch.testing.assert_close(a[:, :, :20], b[:, :, :20])  # the copied block: same values
+    _fp8_close(a[:, :, :20], k)
+    twin.release()
+    core.release()
+
+
+def test_kv_dtype_must_be_known_and_match_a_16_bit_model():
+    with pytest.raises(ValueError, match="kv_dtype 'int4' is not allowed"):
+        PagedKVCore(1, kv_dtype="int4")
+    core = PagedKVCore(1, backing="torch", kv_dtype="bf16")
+    with pytest.raises(ValueError, match="kv.kv_dtype='bf16' with a torch.float32 model"):
+        core.write(0, torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64))
+    assert core.pool is None  # nothing was bound

@@ -39,26 +39,30 @@ def float_to_fp8(x: torch.Tensor, like_dtype: torch.dtype) -> torch.Tensor:
     return codes.view(torch.uint8) if like_dtype == torch.uint8 else codes
 
 
-def _fp8_block_scales(x, blocks, offsets, valid, scale_table):
-    """The kv_append scale policy, for one of K/V. x: [T, H, D]; returns the new scale table.
+def _fp8_block_scales(x, blocks, offsets, valid, scale_table) -> None:
+    """The kv_append scale policy, for one of K/V. x: [T, H, D]; updates scale_table in place,
+    reading and writing only the rows of the blocks this call writes (a paged pool's other rows
+    may lie on unmapped pages).
 
     A (block, head) scale is (re)set by a call that writes the block's slot 0, or whose stored
     scale is <= 0 (never set): it becomes max(amax over the call's tokens in that block, floor)
     x headroom / 448. Other blocks keep their scale; values beyond 448 x scale saturate.
     """
-    nb, h = scale_table.shape
+    h = scale_table.shape[1]
+    vb = blocks[valid]
+    if vb.numel() == 0:
+        return
+    rows, inv = torch.unique(vb, return_inverse=True)  # the blocks written, and each token's
     factor = torch.tensor(FP8_HEADROOM / FP8_MAX, dtype=torch.float32)
     amax = x.abs().amax(-1).to(torch.float32).clamp_min(FP8_AMAX_FLOOR)  # [T, H]
     cand = (amax * factor)[valid]  # [T_valid, H]
-    vb = blocks[valid]
-    new = torch.zeros((nb, h), dtype=torch.float32, device=x.device)
-    new.scatter_reduce_(0, vb[:, None].expand(-1, h), cand, reduce="amax", include_self=True)
-    leader = torch.zeros(nb, dtype=torch.bool, device=x.device)
-    leader[vb[offsets[valid] == 0]] = True
-    touched = torch.zeros(nb, dtype=torch.bool, device=x.device)
-    touched[vb] = True
-    fresh = touched[:, None] & (leader[:, None] | (scale_table <= 0))  # [NB, H]
-    return torch.where(fresh, new, scale_table)
+    new = torch.zeros((rows.numel(), h), dtype=torch.float32, device=x.device)
+    new.scatter_reduce_(0, inv[:, None].expand(-1, h), cand, reduce="amax", include_self=True)
+    leader = torch.zeros(rows.numel(), dtype=torch.bool, device=x.device)
+    leader[inv[offsets[valid] == 0]] = True
+    old = scale_table[rows]
+    fresh = leader[:, None] | (old <= 0)  # [rows, H]
+    scale_table[rows] = torch.where(fresh, new, old)
 
 
 def kv_append_ref(
@@ -79,7 +83,7 @@ def kv_append_ref(
     blocks, offsets = slots.clamp_min(0) // bt, slots.clamp_min(0) % bt
     for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if is_fp8(cache.dtype):
-            sc.copy_(_fp8_block_scales(x, blocks, offsets, valid, sc))
+            _fp8_block_scales(x, blocks, offsets, valid, sc)
             q = x.to(torch.float32) / sc[blocks][:, :, None]  # [T, H, D]
             vals = float_to_fp8(q, cache.dtype)
         else:

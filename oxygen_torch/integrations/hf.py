@@ -123,7 +123,14 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         _warn_once(f"oxygen_torch: head_dim {head_dim} has no kernel; stock attention is used")
         default = False
     if default:
-        cache = PagedKVCache(config=text, cfg=active_cfg())
+        opts, given = _paged_compile_options(generation_config)
+        cache = PagedKVCache(
+            config=text,
+            cfg=active_cfg(),
+            kv_dtype=opts.kv_dtype if "kv_dtype" in given else None,
+            precision=opts.precision if "precision" in given else None,
+        )
+        cache.compile_options = opts
         max_len = kwargs.get("max_cache_length", args[2] if len(args) > 2 else 0)
         cache.max_cache_len_hint = int(max_len or 0)
         model_kwargs["past_key_values"] = cache
@@ -132,6 +139,28 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
         _stock_for_this_call(self)
         compile_through_oxygen(generation_config, cache, self.device.type)
     return out
+
+
+def _paged_compile_options(generation_config):
+    """A compile_config on a generate() that runs on the paged cache: transformers would skip it
+    (the cache is not its compileable kind), so it is taken here. Backend "oxygen" configures
+    the call: its options set the cache's kv_dtype and precision when given, and the compile of
+    the decode graphs (inductor, fallback...). Another backend cannot trace the paged cache:
+    one warning, and the decode graphs compile with backend "oxygen" as without it. Returns
+    (validated CompileOptions or None, the options the caller gave)."""
+    from ..compile import CompileOptions
+
+    cc = generation_config.compile_config
+    if cc is None:
+        return None, {}
+    generation_config.compile_config = None  # this call's copy: transformers skips nothing
+    if cc.backend != NAME:
+        _warn_once(
+            f"oxygen_torch: compile_config backend {cc.backend!r} is not used on the paged "
+            'cache; its decode steps are compiled by backend "oxygen" (kv.decode_graphs)'
+        )
+        return None, {}
+    return CompileOptions.from_user(cc.options, cc.mode), dict(cc.options or {})
 
 
 def compile_through_oxygen(generation_config, cache, device_type: str) -> bool:

@@ -109,7 +109,10 @@ class PagedKVCache(Cache):
 
     config: the (text) model config; gives the number of layers and which are sliding.
     cfg: an OxygenConfig (or anything with .kv.block_tokens, .kv.arena_bytes, .kv.debug_checks,
-    .pool.page_size, .kernel.precision); defaults to the active one.
+    .kv.kv_dtype, .pool.page_size, .kernel.precision); defaults to the active one.
+    kv_dtype: overrides cfg's kv.kv_dtype ("auto", or "fp8_e4m3": K/V stored as e4m3 codes with
+    one fp32 scale per block and kv head; half the bytes of bf16). precision: overrides
+    cfg's kernel.precision.
     """
 
     def __init__(
@@ -120,23 +123,18 @@ class PagedKVCache(Cache):
         cfg: Any = None,
         backing: str = "auto",
         block_tokens: int | None = None,
+        kv_dtype: str | None = None,
+        precision: Any = None,
     ):
         if cfg is None:
             from . import hf
 
             cfg = hf.active_cfg()
-        kv_dtype = _cfg_value(cfg, "kv", "kv_dtype", "auto")
-        if kv_dtype != "auto":
-            from .hf import _warn_once
-
-            _warn_once(
-                f"oxygen_torch: kv.kv_dtype={kv_dtype!r} is not wired into the HF cache "
-                "yet; the KV cache keeps the model's dtype"
-            )
         layer_types = self._layer_types(config, num_layers)
         self._config = config
         self._any_sliding = any(t != "full_attention" for t in layer_types)
-        precision = _cfg_value(cfg, "kernel", "precision", PrecisionMode.AUTO_MIXED)
+        if precision is None:
+            precision = _cfg_value(cfg, "kernel", "precision", PrecisionMode.AUTO_MIXED)
         self._core = PagedKVCore(
             len(layer_types),
             block_tokens=block_tokens or _cfg_value(cfg, "kv", "block_tokens", 16),
@@ -145,8 +143,10 @@ class PagedKVCache(Cache):
             page_size=_cfg_value(cfg, "pool", "page_size", 2 << 20),
             debug=_cfg_value(cfg, "kv", "debug_checks", False),
             precision=PrecisionMode.parse(precision),
+            kv_dtype=kv_dtype or _cfg_value(cfg, "kv", "kv_dtype", "auto"),
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
+        self.compile_options = None  # backend "oxygen" options of the call (compile_config)
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(layer_types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)

@@ -52,22 +52,30 @@ def _compile(fn):
 
 
 @contextlib.contextmanager
-def compiled(model, forward, precision):
+def compiled(model, forward, core, options=None):
     """Within: yields `forward` compiled whole by backend "oxygen" (module docstring); the
-    compile itself happens at the first call. One compiled function per forward function and
-    precision, shared by the models of a class (it holds no model: they stay collectable)."""
+    compile itself happens at the first call. options: the call's CompileOptions (a
+    compile_config naming backend "oxygen"), else the core's precision and fallback "error".
+    One compiled function per forward function and options, shared by the models of a class
+    (it holds no model: they stay collectable)."""
     from ..compile import make_backend
     from .hf_cache import tracing_step
 
+    if options is None:
+        spec = {"precision": core.precision.name.lower(), "fallback": "error"}
+    else:  # the decode graph is the CUDA graph: the compile inside it is plain
+        spec = {**options.as_dict(), "mode": "default"}
     func = getattr(forward, "__func__", None)
     bound = func is not None and getattr(forward, "__self__", None) is model
-    key = (func, "whole", precision)
+    key = (func, "whole", repr(sorted(spec.items())))
     with _lock:
         fn = _compiled.get(key) if bound else None
         if fn is None:
-            backend = make_backend({"precision": precision, "fallback": "error"})
             fn = torch.compile(
-                func if bound else forward, backend=backend, fullgraph=True, dynamic=False
+                func if bound else forward,
+                backend=make_backend(spec),
+                fullgraph=True,
+                dynamic=False,
             )
             if bound:  # anything else may hold its model: compiled for this capture only
                 _compiled[key] = fn
@@ -98,7 +106,7 @@ def _rope_modules(model) -> list[types.ModuleType]:
 
 
 @contextlib.contextmanager
-def fused(model, forward=None, precision=None):
+def fused(model, forward=None, core=None, options=None):
     """Within: `model`'s fusible modules and rotary function run compiled (module docstring)."""
     with _lock:
         patched, functions = [], []

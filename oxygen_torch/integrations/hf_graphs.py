@@ -154,7 +154,8 @@ class DecodeGraph:
             tries = tries[1:]
         for how, fusion in tries:
             try:
-                with fusion(model, forward, core.precision) as fn:
+                options = call["past_key_values"].compile_options
+                with fusion(model, forward, core, options) as fn:
                     out = self._warm_and_capture(fn, core, call)
                 self.fusion = how
                 return out
@@ -261,6 +262,8 @@ def _decode_step(model, forward, kw: dict):
     present = tuple(n for n in _STATIC_INPUTS if isinstance(kw.get(n), torch.Tensor))
     key = (ids.shape[0], width, present, ltk if not isinstance(ltk, torch.Tensor) else None)
     key += (id(core.pool), tuple((kw[n].dtype, tuple(kw[n].shape)) for n in present))
+    if cache.compile_options is not None:  # a compile_config's options: a graph of their own
+        key += (repr(sorted(cache.compile_options.as_dict().items())),)
     with _lock:
         mg = _graphs.get(model)
         if mg is None or key in mg.failed or isinstance(ltk, torch.Tensor):

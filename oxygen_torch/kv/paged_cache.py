@@ -25,6 +25,10 @@ from .pool import KVPool, PoolKey, get_pool
 from .storage import GUARD_BLOCK, debug_checks_enabled
 
 MiB = 1 << 20
+# kv.kv_dtype: how K/V are stored. auto = the model's dtype; fp16 / bf16 must be the model's
+# dtype (no conversion); fp8_e4m3 = e4m3 codes with one fp32 scale per (block, kv head)
+KV_DTYPES = {"auto": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES["fp8_e4m3"] = torch.float8_e4m3fn
 _stepping = threading.local()  # .core: the core whose decode-graph step runs on this thread
 
 
@@ -63,7 +67,14 @@ class PagedKVCore:
         page_size: int = 2 * MiB,
         debug: bool = False,
         precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
+        kv_dtype: str = "auto",
     ):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"PagedKVCore: kv_dtype {kv_dtype!r} is not allowed; allowed: "
+                f"{', '.join(KV_DTYPES)}"
+            )
+        self.kv_dtype = kv_dtype
         self.num_layers = num_layers
         self.block_tokens = block_tokens
         self.backing, self.arena_bytes, self.page_size = backing, arena_bytes, page_size
@@ -96,12 +107,19 @@ class PagedKVCore:
     def _bind(self, k: torch.Tensor) -> None:
         # k: [B, Hkv, q, D]
         batch, hkv, _, d = k.shape
+        stored = KV_DTYPES[self.kv_dtype]
+        if stored is not None and stored != k.dtype and stored != torch.float8_e4m3fn:
+            raise ValueError(
+                f"PagedKVCache: kv.kv_dtype={self.kv_dtype!r} with a {k.dtype} model: the cache "
+                "stores the model's dtype (auto) or fp8_e4m3"
+            )
+        self.model_dtype = k.dtype
         key = PoolKey(
             k.device,
             self.num_layers,
             hkv,
             d,
-            k.dtype,
+            stored or k.dtype,
             self.block_tokens,
             self.backing,
             self.arena_bytes,
@@ -126,10 +144,10 @@ class PagedKVCore:
                 f"PagedKVCache: new keys {list(k.shape)} do not match the cache (batch "
                 f"{len(self.seqs)}, {key.num_kv_heads} kv heads, head_dim {key.head_dim})"
             )
-        if k.dtype != key.dtype or k.device != key.device:
+        if k.dtype != self.model_dtype or k.device != key.device:
             raise ValueError(
-                f"PagedKVCache: keys are {k.dtype} on {k.device}, the cache holds "
-                f"{key.dtype} on {key.device}"
+                f"PagedKVCache: keys are {k.dtype} on {k.device}, the cache takes "
+                f"{self.model_dtype} on {key.device}"
             )
 
     # --- writing --------------------------------------------------------------------------
@@ -162,7 +180,11 @@ class PagedKVCore:
             vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
         if self.debug:
             st.check_blocks(self.table)
-        kv_write(kk, vv, st.k[layer], st.v[layer], plan.slot_mapping)
+        pool = self.pool
+        kv_write(
+            kk, vv, st.k[layer], st.v[layer], plan.slot_mapping,
+            pool.k_scale(layer), pool.v_scale(layer),
+        )  # fmt: skip
         return plan
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
@@ -248,9 +270,10 @@ class PagedKVCore:
         """Copy-on-write: block dst of every layer's K and V becomes a copy of block src."""
         idx = self._to_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous())
         src, dst = idx[0], idx[1]
-        st = self.pool.storage
-        for cache in (*st.k, *st.v):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        for st in (self.pool.storage, self.pool.scales):
+            for cache in (*st.k, *st.v) if st is not None else ():
+                raw = cache.view(torch.uint8)  # bytes: index_copy_ has no fp8 kernel
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     # --- the block table on the device ----------------------------------------------------
 
@@ -359,6 +382,7 @@ class PagedKVCore:
         batch, hq, q_len, d = q.shape
         if self.debug:
             st.check_blocks(self.table)
+        scales = dict(k_scale=self.pool.k_scale(layer), v_scale=self.pool.v_scale(layer))
         if plan.cu_seqlens_q is None:
             out = paged_attention(
                 q[:, :, 0],
@@ -369,6 +393,7 @@ class PagedKVCore:
                 scale=scale,
                 sliding_window=sliding_window,
                 precision=self.precision,
+                **scales,
             )  # [B, Hq, D]
             return out.unsqueeze(1)
         qr = q.transpose(1, 2).reshape(batch * q_len, hq, d)
@@ -384,6 +409,7 @@ class PagedKVCore:
             scale=scale,
             sliding_window=sliding_window,
             precision=self.precision,
+            **scales,
         )
         if plan.q_index is not None:
             full = out.new_zeros(batch * q_len, hq, d)
@@ -401,8 +427,11 @@ class PagedKVCore:
         nblk = -(-n // self.block_tokens)
         idx = self.table[:, :nblk].to(torch.int64)  # [B, nblk]: only allocated blocks
         out = []
-        for cache in (st.k[layer], st.v[layer]):
+        scales = (self.pool.k_scale(layer), self.pool.v_scale(layer))
+        for cache, sc in zip((st.k[layer], st.v[layer]), scales):
             x = cache[idx]  # [B, nblk, bt, Hkv, D]
+            if sc is not None:  # fp8 codes x their (block, head) scale
+                x = (x.to(torch.float32) * sc[idx][:, :, None, :, None]).to(self.model_dtype)
             x = x.flatten(1, 2)[:, :n]
             out.append(x.transpose(1, 2))
         return out[0], out[1]
@@ -448,10 +477,11 @@ class PagedKVCore:
             page_size=self.page_size,
             debug=self.debug,
             precision=self.precision,
+            kv_dtype=self.kv_dtype,
         )
         if self.seqs is None:
             return other
-        other.pool = self.pool
+        other.pool, other.model_dtype = self.pool, self.model_dtype
         other.seqs = SequenceBlocks(self.pool.manager, self.block_tokens)
         with self.pool.lock:
             other.seqs.blocks = [list(b) for b in self.seqs.blocks]

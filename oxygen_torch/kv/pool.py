@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..triton_kernels._checks import is_fp8
 from .block_manager import BlockManager
 from .storage import GUARD_BLOCK, KVStorage, make_backing
 
@@ -43,14 +44,52 @@ class KVPool:
         self.storage = KVStorage(
             backing, key.num_layers, key.num_kv_heads, key.head_dim, key.dtype, key.block_tokens
         )
+        # fp8 K/V: one fp32 scale per (block, kv head) and layer, in a storage of their own whose
+        # pages are mapped with the blocks they serve (k_scale(layer) / v_scale(layer))
+        self.scales: KVStorage | None = None
+        if is_fp8(key.dtype):
+            per_region = -(-self.storage.num_blocks * key.num_kv_heads * 4 // key.page_size)
+            nbytes = 2 * key.num_layers * per_region * key.page_size
+            self.scales = KVStorage(
+                make_backing(key.backing, nbytes, key.device, key.page_size),
+                key.num_layers, key.num_kv_heads, 1, torch.float32, 1,
+            )  # fmt: skip
         self.manager = BlockManager(
             self.storage.num_blocks,
             first_id=GUARD_BLOCK + 1,
-            on_alloc=self.storage.on_alloc,
-            on_free=self.storage.on_free,
+            on_alloc=self._on_alloc,
+            on_free=self._on_free,
         )
         # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
         self.lock = threading.RLock()
+
+    def _on_alloc(self, blocks: list[int]) -> None:
+        self.storage.on_alloc(blocks)
+        if self.scales is not None:
+            try:
+                self.scales.on_alloc(blocks)
+            except BaseException:
+                self.storage.on_free(blocks)
+                raise
+
+    def _on_free(self, blocks: list[int]) -> None:
+        self.storage.on_free(blocks)
+        if self.scales is not None:
+            self.scales.on_free(blocks)
+
+    def k_scale(self, layer: int) -> torch.Tensor | None:
+        """fp8 pools: layer's K scales [num_blocks, kv_heads] fp32; None otherwise."""
+        return self._scale(self.scales.k[layer]) if self.scales is not None else None
+
+    def v_scale(self, layer: int) -> torch.Tensor | None:
+        return self._scale(self.scales.v[layer]) if self.scales is not None else None
+
+    def _scale(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], t.shape[2])[: self.storage.num_blocks]
+
+    def mapped_bytes(self, peak: bool = False) -> int:
+        extra = self.scales.mapped_bytes(peak) if self.scales is not None else 0
+        return self.storage.mapped_bytes(peak) + extra
 
     def stats(self) -> dict:
         s = self.storage
@@ -62,15 +101,19 @@ class KVPool:
             "blocks_total": self.manager.num_blocks - self.manager.first_id,
             "blocks_used": self.manager.num_used,
             "peak_blocks_used": self.manager.peak_used,
-            "mapped_bytes": s.mapped_bytes(),
-            "peak_mapped_bytes": s.mapped_bytes(peak=True),
-            "reserved_bytes": s.backing.capacity,
+            "dtype": str(self.key.dtype).removeprefix("torch."),
+            "mapped_bytes": self.mapped_bytes(),
+            "peak_mapped_bytes": self.mapped_bytes(peak=True),
+            "reserved_bytes": s.backing.capacity
+            + (self.scales.backing.capacity if self.scales is not None else 0),
         }
 
     def close(self) -> None:
         if self.key.device.type == "cuda":
             torch.cuda.synchronize(self.key.device)  # no queued kernel may read what we unmap
         self.storage.backing.close()
+        if self.scales is not None:
+            self.scales.backing.close()
 
 
 def default_arena_bytes(device: torch.device) -> int:
