@@ -60,7 +60,9 @@ class CompileOptions:
     attention_type: str = "dense"
     block_m: int | None = None
     block_n: int | None = None
-    kv_dtype: str = "auto"  # storage of paged KV caches made for compiled models (HF integration)
+    # the PagedKVCache of a generate() whose compile_config names backend "oxygen" with it (the
+    # HF integration); a graph compiled by itself holds no KV cache and does not read it
+    kv_dtype: str = "auto"
     fallback: str = "warn"  # attention left as is: warn, or raise (error)
     inductor: dict[str, Any] = field(default_factory=dict)  # config_patches for compile_fx
     mode: str = "default"
