@@ -361,9 +361,12 @@ def _graphed(model):
     own = model.__dict__.get("forward")
     user_compiled = getattr(own, "_torchdynamo_orig_callable", None)
     usable = _usable(model)
+    if not usable and user_compiled is None:  # nothing to capture and nothing to set aside
+        yield
+        return
     if own is not None and user_compiled is None:
         # ours (a generate() inside generate()) or someone else's wrapper
-        if getattr(own, "__name__", "") != "graphed_forward" and usable:
+        if getattr(own, "__name__", "") != "graphed_forward":
             _warn_once(
                 "oxygen_torch: decode steps run without CUDA graphs: the model's forward is "
                 f"replaced on the instance ({own!r}: accelerate hooks or a wrapper)"
@@ -407,8 +410,10 @@ def clear() -> None:
 
 
 def stats(model) -> dict:
-    """Decode graphs of `model`: held now, captured so far, replays of those held, and input
-    signatures that failed to capture (they run eagerly)."""
+    """Decode graphs of `model`: held now, captured so far, replays of those held, input
+    signatures that failed to capture (they run eagerly), and of those held, how many were
+    captured from the forward compiled whole by backend "oxygen" (compiled) or with only its
+    RMSNorm / MLP / rotary modules compiled (fused)."""
     mg = _graphs.get(model)
     held = list(mg.graphs.values()) if mg is not None else []
     return {
