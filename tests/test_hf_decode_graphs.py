@@ -332,3 +332,13 @@ def test_compile_config_with_another_backend_warns_on_the_paged_cache(compiled, 
     assert hf_graphs.stats(model)["compiled"] == 1
     hf_graphs.CPU_RERUN = False
     assert torch.equal(got, _generate(model))
+
+
+def test_two_models_of_a_class_share_one_compile_and_keep_their_weights(compiled):
+    a, b = hf.apply(tiny(seed=0)), hf.apply(tiny(seed=5))
+    got = [_generate(m, n=10) for m in (a, b)]
+    hf_graphs.CPU_RERUN = False
+    ref = [_generate(m, n=10) for m in (a, b)]
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert not torch.equal(ref[0], ref[1])  # different weights, different tokens
+    assert oc.stats()["graphs_compiled"] == 1  # the weights are inputs of the one graph
