@@ -1,5 +1,7 @@
-"""torch.library custom ops of oxygen_torch: the eager HF integration and the compile backend
-call the same ops, so both paths run the same kernels.
+"""torch.library custom ops of oxygen_torch, what compiled graphs call. The paged ops wrap the
+launchers that the HF integration's eager path calls directly (oxygen_torch.attention: an op
+dispatch per layer would only add host time there), and the compiled decode step's
+oxygen::paged_step runs that same eager code, so every path runs the same kernels.
 
 - ``oxygen::attention(q, k, v, attn_mask, is_causal, scale, precision, block_m, block_n)``:
   dense attention on [B, H, S, D] with torch SDPA's semantics (top-left causal, bool or additive
