@@ -342,3 +342,18 @@ def test_two_models_of_a_class_share_one_compile_and_keep_their_weights(compiled
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert not torch.equal(ref[0], ref[1])  # different weights, different tokens
     assert oc.stats()["graphs_compiled"] == 1  # the weights are inputs of the one graph
+
+
+def test_a_failed_step_leaves_no_cache_on_the_thread(graphs, monkeypatch):
+    from oxygen_torch.kv import paged_cache
+
+    def broken(self, forward, core, call):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(hf_graphs.DecodeGraph, "_warm_and_capture", broken)
+    model = hf.apply(tiny())
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        _generate(model)
+    assert getattr(paged_cache._stepping, "core", None) is None
+    with pytest.raises(RuntimeError, match="only inside a decode-graph step"):
+        paged_cache.lent_core()

@@ -33,6 +33,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from ..kv.paged_cache import forget_step
 from . import hf_fuse
 from .hf_cache import PagedKVCache, _cfg_value, tracing_step
 
@@ -140,6 +141,7 @@ class DecodeGraph:
                 self.graph.replay()
             finally:
                 self._call = None  # it holds this step's cache
+                forget_step(core)  # the replay runs no op; a failed step must not keep it
             core.end_graph_step()
             self.replays += 1
             out_type, logits = self.output

@@ -44,6 +44,13 @@ def lent_core() -> PagedKVCore:
     return core
 
 
+def forget_step(core: PagedKVCore) -> None:
+    """This thread's decode-graph step of `core` is over (done, or failed: the thread must not
+    keep the core alive nor hand it to a later oxygen::paged_step)."""
+    if getattr(_stepping, "core", None) is core:
+        _stepping.core = None
+
+
 @dataclass
 class StepPlan:
     """Where one forward pass's new tokens go; shared by all layers."""
@@ -348,8 +355,7 @@ class PagedKVCore:
     def end_graph_step(self) -> None:
         """Every layer appended this step (a replayed graph does not run the Python forward)."""
         self._layer_len = [self.length] * self.num_layers
-        if getattr(_stepping, "core", None) is self:
-            _stepping.core = None
+        forget_step(self)
 
     def step(
         self,
