@@ -66,6 +66,15 @@ def paged_attention(
     )
 
 
+def gather_blocks(cache, scale, idx, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first n tokens of each row's blocks idx [B, nblk] of cache [num_blocks, bt, Hkv, D]
+    -> [B, Hkv, n, D] in dtype (fp8 codes times their (block, head) scale)."""
+    x = cache[idx]  # [B, nblk, bt, Hkv, D]
+    if scale is not None:
+        x = (x.to(torch.float32) * scale[idx][:, :, None, :, None]).to(dtype)
+    return x.flatten(1, 2)[:, :n].transpose(1, 2)
+
+
 def _gathered_sdpa(
     q,
     k_cache,
@@ -85,14 +94,8 @@ def _gathered_sdpa(
     lens = seq_lens.to(torch.int64)
     n_k = max(int(lens.max()), 1) if batch else 1
     idx = block_table[:, : -(-n_k // bt)].to(torch.int64)  # [B, nblk]
-
-    def gather(cache, sc):
-        x = cache[idx]  # [B, nblk, bt, Hkv, D]
-        if sc is not None:
-            x = (x.to(torch.float32) * sc[idx][:, :, None, :, None]).to(q.dtype)
-        return x.flatten(1, 2)[:, :n_k].transpose(1, 2)  # [B, Hkv, n_k, D]
-
-    k, v = gather(k_cache, k_scale), gather(v_cache, v_scale)
+    k = gather_blocks(k_cache, k_scale, idx, n_k, q.dtype)
+    v = gather_blocks(v_cache, v_scale, idx, n_k, q.dtype)
     if cu_seqlens_q is None:
         counts = torch.ones(batch, dtype=torch.int64)
     else:

@@ -79,12 +79,8 @@ def compiled(model, forward, core, options=None):
             )
             if bound:  # anything else may hold its model: compiled for this capture only
                 _compiled[key] = fn
-    _active.depth = getattr(_active, "depth", 0) + 1
-    try:
-        with tracing_step(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            yield functools.partial(fn, model) if bound else fn
-    finally:
-        _active.depth -= 1
+    with tracing_step(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        yield functools.partial(fn, model) if bound else fn
 
 
 def fusible(model) -> list[str]:

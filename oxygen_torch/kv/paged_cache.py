@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import kv_write, paged_attention
+from ..attention import gather_blocks, kv_write, paged_attention
 from ..triton_kernels.precision import PrecisionMode
 from .block_manager import SequenceBlocks
 from .pool import KVPool, PoolKey, get_pool
@@ -27,8 +27,12 @@ from .storage import GUARD_BLOCK, debug_checks_enabled
 MiB = 1 << 20
 # kv.kv_dtype: how K/V are stored. auto = the model's dtype; fp16 / bf16 must be the model's
 # dtype (no conversion); fp8_e4m3 = e4m3 codes with one fp32 scale per (block, kv head)
-KV_DTYPES = {"auto": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-KV_DTYPES["fp8_e4m3"] = torch.float8_e4m3fn
+KV_DTYPES = {
+    "auto": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
 _stepping = threading.local()  # .core: the core whose decode-graph step runs on this thread
 
 
@@ -432,15 +436,9 @@ class PagedKVCore:
         st, n = self.pool.storage, self.length
         nblk = -(-n // self.block_tokens)
         idx = self.table[:, :nblk].to(torch.int64)  # [B, nblk]: only allocated blocks
-        out = []
-        scales = (self.pool.k_scale(layer), self.pool.v_scale(layer))
-        for cache, sc in zip((st.k[layer], st.v[layer]), scales):
-            x = cache[idx]  # [B, nblk, bt, Hkv, D]
-            if sc is not None:  # fp8 codes x their (block, head) scale
-                x = (x.to(torch.float32) * sc[idx][:, :, None, :, None]).to(self.model_dtype)
-            x = x.flatten(1, 2)[:, :n]
-            out.append(x.transpose(1, 2))
-        return out[0], out[1]
+        pool, dtype = self.pool, self.model_dtype
+        k = gather_blocks(st.k[layer], pool.k_scale(layer), idx, n, dtype)
+        return k, gather_blocks(st.v[layer], pool.v_scale(layer), idx, n, dtype)
 
     # --- sequence operations --------------------------------------------------------------
 

@@ -47,13 +47,18 @@ class KVPool:
         # fp8 K/V: one fp32 scale per (block, kv head) and layer, in a storage of their own whose
         # pages are mapped with the blocks they serve (k_scale(layer) / v_scale(layer))
         self.scales: KVStorage | None = None
+        self._k_scales: list[torch.Tensor] = []  # per layer, as the kernels take them:
+        self._v_scales: list[torch.Tensor] = []  # [num_blocks, kv_heads] views of self.scales
         if is_fp8(key.dtype):
-            per_region = -(-self.storage.num_blocks * key.num_kv_heads * 4 // key.page_size)
+            n = self.storage.num_blocks
+            per_region = -(-n * key.num_kv_heads * 4 // key.page_size)
             nbytes = 2 * key.num_layers * per_region * key.page_size
             self.scales = KVStorage(
                 make_backing(key.backing, nbytes, key.device, key.page_size),
                 key.num_layers, key.num_kv_heads, 1, torch.float32, 1,
             )  # fmt: skip
+            self._k_scales = [t.view(t.shape[0], t.shape[2])[:n] for t in self.scales.k]
+            self._v_scales = [t.view(t.shape[0], t.shape[2])[:n] for t in self.scales.v]
         self.manager = BlockManager(
             self.storage.num_blocks,
             first_id=GUARD_BLOCK + 1,
@@ -79,13 +84,10 @@ class KVPool:
 
     def k_scale(self, layer: int) -> torch.Tensor | None:
         """fp8 pools: layer's K scales [num_blocks, kv_heads] fp32; None otherwise."""
-        return self._scale(self.scales.k[layer]) if self.scales is not None else None
+        return self._k_scales[layer] if self._k_scales else None
 
     def v_scale(self, layer: int) -> torch.Tensor | None:
-        return self._scale(self.scales.v[layer]) if self.scales is not None else None
-
-    def _scale(self, t: torch.Tensor) -> torch.Tensor:
-        return t.view(t.shape[0], t.shape[2])[: self.storage.num_blocks]
+        return self._v_scales[layer] if self._v_scales else None
 
     def mapped_bytes(self, peak: bool = False) -> int:
         extra = self.scales.mapped_bytes(peak) if self.scales is not None else 0
