@@ -71,9 +71,12 @@ native = Extension(
 setup(
     packages=[
         "oxygen_torch",
+        "oxygen_torch.pool",
         "oxygen_torch.kv",
-        "oxygen_torch.integrations",
         "oxygen_torch.compile",
+        "oxygen_torch.integrations",
+        "oxygen_torch.integrations.hf",
+        "oxygen_torch.tools",
         "oxygen_torch.triton_kernels",
     ],
     # triton_kernels/ sits at the top level but installs as oxygen_torch.triton_kernels: the bare

@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-from oxygen_torch.progress import progress
+from oxygen_torch.tools.progress import progress
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20]
 ENABLE = (
-    "import types; from oxygen_torch import allocator; allocator.enable_allocator("
+    "import types; from oxygen_torch import pool as allocator; allocator.enable_allocator("
     "types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend='auto'))"
 )
 
@@ -63,7 +63,7 @@ for sz in SIZES:
     res[f"torch.empty {{sz}}"] = per_pair(empty, 20000)
     s = torch.cuda.current_stream()
     if {oxygen}:
-        from oxygen_torch import _native
+        from oxygen_torch.pool import native as _native
         lib = _native.lib(); h = lib.oxygen_global_pool(0); st = s.cuda_stream
         res[f"C loop {{sz}}"] = lib.oxygen_pool_bench(h, sz, 20000, st) / 1e3
         pair = lambda: lib.oxygen_free(lib.oxygen_malloc(sz, 0, st), sz, 0, st)
@@ -77,7 +77,7 @@ print(json.dumps(res))
 
 GROWTH = """
 import json, time, torch
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
 torch.cuda.init()
 GiB = 1 << 30
 res = {}

@@ -38,7 +38,7 @@ from oxygen_torch.triton_kernels import (
 from oxygen_torch.triton_kernels.paged_decode import decode_launch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from oxygen_torch.progress import progress
+from oxygen_torch.tools.progress import progress
 
 HQ, HKV, D = 32, 8, 128
 DECODE = [(32, 4096), (64, 1024), (8, 32768), (1, 32768)]

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from oxygen_torch.progress import progress
+from oxygen_torch.tools.progress import progress
 
 B, P, N = 16, 512, 256
 MODES = ("hf_static", "oxygen", "oxygen_default", "oxygen_enabled")
@@ -38,7 +38,7 @@ CHILD_TIMEOUT_S = 300
 
 
 def build_model():
-    from oxygen_torch.demo_models import random_llama
+    from oxygen_torch.tools.demo_models import random_llama
 
     model = random_llama(attn_implementation="sdpa")
     return model, model.config

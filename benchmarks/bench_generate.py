@@ -26,7 +26,7 @@ import types
 
 import torch
 
-from oxygen_torch.progress import progress
+from oxygen_torch.tools.progress import progress
 
 GIB = 1 << 30
 CAP_BYTES = 24 * GIB
@@ -61,7 +61,7 @@ if SMOKE:
 
 
 def build_model():
-    from oxygen_torch.demo_models import LLAMA_1B, random_llama
+    from oxygen_torch.tools.demo_models import LLAMA_1B, random_llama
 
     shape = dict(LLAMA_1B)
     if SMOKE:
@@ -105,7 +105,7 @@ def kv_peak_bytes() -> int:
 
 def pool_churn() -> dict:
     """The global pool's map/unmap counters, or {} where it is not PyTorch's allocator."""
-    from oxygen_torch import allocator
+    from oxygen_torch import pool as allocator
 
     if not (DEVICE == "cuda" and allocator.is_enabled()):
         return {}
@@ -118,7 +118,7 @@ def switch_on(cfg=None, **overrides):
     idempotent). With a cfg: the HF integration only, torch's own allocator (the capacity test
     caps it)."""
     import oxygen_torch
-    from oxygen_torch.integrations import hf
+    from oxygen_torch.integrations.hf import integration as hf
 
     if cfg is None:
         cfg = oxygen_torch.enable(**overrides)
@@ -162,7 +162,7 @@ def throughput(mode: str) -> dict:
     except RuntimeError as exc:  # a global pluggable allocator may not report device stats
         res["torch_stats"] = str(exc)[:200]
     if mode.startswith("oxygen"):
-        from oxygen_torch.integrations import hf_graphs
+        from oxygen_torch.integrations.hf import graphs as hf_graphs
 
         res["kv_peak_mapped_GiB"] = round(kv_peak_bytes() / GIB, 2)
         res["decode_graphs"] = hf_graphs.stats(model)
@@ -211,7 +211,7 @@ def capacity(mode: str) -> dict:
         if mode.startswith("cap_oxygen"):
             # The arena is outside torch's allocator: cap it at exactly the KV this batch needs
             # and give torch only what is left of the 24 GiB (fp8: the scales' pages too).
-            from oxygen_torch.integrations import hf
+            from oxygen_torch.integrations.hf import integration as hf
 
             arena, scales = capacity_kv_bytes(batch, elem=1 if fp8 else 2)
             kv_bytes = arena + scales

@@ -3,7 +3,7 @@ empty_cache on 2026-11-29. Run under cuda-gdb for a native backtrace; prints eac
 
 import torch
 
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
 
 MiB = 1 << 20
 torch.cuda.init()

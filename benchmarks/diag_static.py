@@ -35,18 +35,18 @@ def child(variant: str) -> dict:
         import oxygen_torch
 
         if variant == "allocator":
-            from oxygen_torch import allocator
+            from oxygen_torch import pool as allocator
 
             allocator.enable_allocator(oxygen_torch.load_config().pool)
         else:
             oxygen_torch.enable()
     if variant == "hf":
-        from oxygen_torch.integrations import hf
+        from oxygen_torch.integrations.hf import integration as hf
 
         hf.enable_hf()
     from transformers import CompileConfig
 
-    from oxygen_torch.demo_models import LLAMA_1B, random_llama
+    from oxygen_torch.tools.demo_models import LLAMA_1B, random_llama
 
     model = random_llama(dict(LLAMA_1B, num_hidden_layers=2), init_on_device=True)
     g = torch.Generator().manual_seed(1)

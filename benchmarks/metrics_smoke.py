@@ -23,7 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import oxygen_torch
-from oxygen_torch import cli_stats, leakcheck, metrics
+from oxygen_torch.tools import cli_stats, leakcheck, metrics
 
 MiB = 1 << 20
 KEYS = [
@@ -42,7 +42,7 @@ KEYS = [
 
 
 def build(device: str):
-    from oxygen_torch.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
+    from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
 
     big = device == "cuda"
     return random_llama(

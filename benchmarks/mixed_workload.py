@@ -39,7 +39,7 @@ def setup(mode: str):
     import torch
 
     if mode == "oxygen":
-        from oxygen_torch import allocator
+        from oxygen_torch import pool as allocator
 
         cfg = types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
         if os.environ.get("OXYGEN_HYSTERESIS_MS"):  # compare settings; default pool.hysteresis_ms
@@ -97,7 +97,7 @@ def run(mode: str, calls: int) -> dict:
         "seconds": round(dt, 1),
     }
     if mode == "oxygen":
-        from oxygen_torch import allocator
+        from oxygen_torch import pool as allocator
 
         s = allocator.memory_stats()
         r["oxygen"] = {k: s[k] for k in (

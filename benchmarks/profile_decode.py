@@ -44,10 +44,10 @@ def child(mode: str) -> None:
 
         oxygen_torch.enable()
     elif mode == "oxygen_hf":
-        from oxygen_torch.integrations import hf
+        from oxygen_torch.integrations.hf import integration as hf
 
         hf.enable_hf()
-    from oxygen_torch.demo_models import LLAMA_1B, random_llama
+    from oxygen_torch.tools.demo_models import LLAMA_1B, random_llama
 
     model = random_llama(dict(LLAMA_1B), init_on_device=True)
     ids = torch.randint(1, 32000, (B, P), generator=torch.Generator().manual_seed(1)).cuda()

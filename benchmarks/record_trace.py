@@ -36,7 +36,7 @@ def workload(calls: int, max_new: int) -> list[tuple[int, int, int]]:
 
 
 def build_model():
-    from oxygen_torch.demo_models import random_llama
+    from oxygen_torch.tools.demo_models import random_llama
 
     model = random_llama()
     model.config._attn_implementation = "sdpa"

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
 
 TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "generate_trace.jsonl.gz"
 GiB = 1 << 30

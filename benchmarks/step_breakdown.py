@@ -59,8 +59,8 @@ def main() -> None:
     ap.add_argument("--fusion", choices=("compiled", "modules", "off"), default="compiled")
     args = ap.parse_args()
     import oxygen_torch
-    from oxygen_torch.demo_models import LLAMA_1B, random_llama
-    from oxygen_torch.integrations import hf_graphs
+    from oxygen_torch.integrations.hf import graphs as hf_graphs
+    from oxygen_torch.tools.demo_models import LLAMA_1B, random_llama
 
     fusion = args.fusion != "off"
     oxygen_torch.enable(

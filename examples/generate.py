@@ -26,7 +26,7 @@ GIB = 1 << 30
 def build_model(args):
     import transformers as T
 
-    from oxygen_torch.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
+    from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
 
     dtype = getattr(torch, args.dtype)
     if not args.checkpoint:
@@ -54,7 +54,7 @@ def prompts(args, vocab):
 def switch_on():
     """oxygen_torch.enable(); wires the HF integration itself if enable() does not yet."""
     import oxygen_torch
-    from oxygen_torch.integrations import hf
+    from oxygen_torch.integrations.hf import integration as hf
 
     cfg = oxygen_torch.enable()
     if not hf.is_enabled():
@@ -74,7 +74,7 @@ def oxygen_stats(device: str) -> dict:
 
         stats = getattr(oxygen_torch, "memory_stats", None)
         if stats is None:
-            from oxygen_torch.allocator import memory_stats as stats
+            from oxygen_torch.pool import memory_stats as stats
         s = stats()
         keys = ("allocated_bytes", "mapped_bytes", "peak_mapped_bytes", "fragmentation")
         out["memory_stats"] = {k: s[k] for k in keys if k in s}

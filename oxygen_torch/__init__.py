@@ -2,10 +2,13 @@
 inference. ``oxygen_torch.enable()`` before the first CUDA allocation; ``generate()`` unchanged.
 """
 
-from . import compile  # noqa: F401  (registers the torch.compile backend "oxygen")
-from .allocator import Arena, VirtualPool, pool
+from . import (
+    compile,  # noqa: F401  (registers the torch.compile backend "oxygen")
+    pool,  # the package; calling it is the MemPool route (pool/__init__.py)
+)
 from .api import active_config, apply, disable, empty_cache, enable, is_enabled, memory_stats
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
+from .pool import Arena, VirtualPool
 from .triton_kernels.precision import PrecisionMode
 
 __version__ = "0.1.0"
@@ -14,7 +17,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # PagedKVCache needs transformers (the optional `hf` extra): imported on first use
     if name == "PagedKVCache":
-        from .integrations.hf_cache import PagedKVCache
+        from .integrations.hf.cache import PagedKVCache
 
         return PagedKVCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import pool
+from .compile import inductor
 from .config import OxygenConfig, load_config
 
 _lock = threading.Lock()
@@ -16,15 +18,20 @@ _active: OxygenConfig | None = None
 
 
 def _attach_allocator(cfg: OxygenConfig) -> None:
-    from .allocator import enable_allocator
-
-    enable_allocator(cfg.pool)
+    pool.enable_allocator(cfg.pool)
 
 
 def _detach_allocator() -> None:
-    from .allocator import disable_allocator
+    pool.disable_allocator()
 
-    disable_allocator()
+
+def _attach_compile(cfg: OxygenConfig) -> None:
+    if pool.route.installed():  # Inductor's CUDA graphs must then go through oxygen's runner
+        inductor.attach()
+
+
+def _detach_compile() -> None:
+    inductor.detach()
 
 
 def _hf_available() -> bool:
@@ -52,6 +59,7 @@ def _attachments():
     """(name, attach(cfg), detach()) for each part enable() switches on, in order."""
     return [
         ("allocator", _attach_allocator, _detach_allocator),
+        ("compile", _attach_compile, _detach_compile),
         ("transformers", _attach_hf, _detach_hf),
     ]
 
@@ -113,14 +121,14 @@ def memory_stats(device: int | None = None) -> dict:
 
     With enable() on a GPU these are the global pool's (the allocator PyTorch uses); on a CPU
     machine, the host backend's."""
-    from .allocator import memory_stats as _stats
+    from .pool import memory_stats as _stats
 
     return _stats(device)
 
 
 def empty_cache() -> None:
     """Unmap pages with nothing live and release cached physical handles."""
-    from .allocator import empty_cache as _empty
+    from .pool import empty_cache as _empty
 
     _empty()
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from oxygen_torch import allocator
+from oxygen_torch import pool as allocator
+from oxygen_torch.config import PoolConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = [
@@ -56,7 +57,7 @@ def test_memory_stats_keys_and_histogram():
     s = allocator.memory_stats()
     assert all(k in s for k in REQUIRED), [k for k in REQUIRED if k not in s]
     frag = s["fragmentation"]  # None without a global pool: arenas keep no allocation counters
-    assert frag is None if not allocator._global_handle(0) else 0.0 <= frag <= 1.0
+    assert frag is None if not allocator.stats._global_handle(0) else 0.0 <= frag <= 1.0
     assert isinstance(allocator.raw_counters(), dict)
     hist = allocator.map_latency_histogram()
     assert all(isinstance(b, float) and n >= 0 for b, n in hist)
@@ -75,7 +76,7 @@ def test_global_entry_points_on_the_host_backend():
     out = run_py(
         """
         import ctypes, json
-        from oxygen_torch import _native
+        from oxygen_torch.pool import native as _native
         lib = _native.lib()
         # host backend, 2 MiB pages, 64 MiB capacity, NULL on OOM (PyTorch gets an exception)
         _native.check(lib.oxygen_configure(b"host", 2 << 20, 0.9, 64 << 20, 0, 0, 0, 0), "cfg")
@@ -89,7 +90,7 @@ def test_global_entry_points_on_the_host_backend():
         lib.oxygen_free(ptrs[0], 0, 0, None)  # double free: reported, ignored
         # configuring again once the pool exists is refused
         refused = lib.oxygen_configure(b"host", 2 << 20, 0.9, 0, 0, 0, 0, 0)
-        from oxygen_torch.allocator import memory_stats, empty_cache
+        from oxygen_torch.pool import memory_stats, empty_cache
         empty_cache()
         s = memory_stats(0)
         print(json.dumps({"big": big, "refused": refused, "ooms": s["num_ooms"],
@@ -124,10 +125,11 @@ def test_global_configure_passes_page_fraction_and_hysteresis(monkeypatch):
             calls.append(args)
             return 0
 
-    monkeypatch.setattr(allocator._native, "lib", lambda: Lib())
-    monkeypatch.setattr(allocator._route, "configured", False)
-    cfg = types.SimpleNamespace(page_size=4 << 20, reserve_fraction=0.5, hysteresis_ms=37.5)
-    allocator._configure(cfg)
+    route = allocator.route
+    monkeypatch.setattr(route._native, "lib", lambda: Lib())
+    monkeypatch.setattr(route._route, "configured", False)
+    cfg = PoolConfig(page_size=4 << 20, reserve_fraction=0.5, hysteresis_ms=37.5)
+    route._configure(cfg)
     assert calls == [(b"cuda", 4 << 20, 0.5, 0, 0, 0, 37500, 1)]
-    allocator._configure(types.SimpleNamespace())  # defaults: 2 MiB pages, 0.9, 20 ms
+    route._configure(PoolConfig())  # defaults: 2 MiB pages, 0.9, 20 ms
     assert calls[1] == (b"cuda", 2 << 20, 0.9, 0, 0, 0, 20000, 1)

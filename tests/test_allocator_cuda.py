@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 ENABLE = """
 import json, sys, types, torch
-from oxygen_torch import allocator
+from oxygen_torch import pool as allocator
 allocator.enable_allocator(types.SimpleNamespace(page_size=2 << 20, reserve_fraction={frac},
                                                  backend="auto"))
 """
@@ -45,7 +45,7 @@ def tensor_at(ptr: int, nbytes: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def test_cuda_virtual_pool_with_torch_tensors():
-    from oxygen_torch.allocator import VirtualPool
+    from oxygen_torch.pool import VirtualPool
 
     torch.cuda.init()
     stream = torch.cuda.current_stream()
@@ -72,7 +72,7 @@ def test_cuda_virtual_pool_with_torch_tensors():
 
 
 def test_cuda_arena_pages_hold_data():
-    from oxygen_torch.allocator import Arena
+    from oxygen_torch.pool import Arena
 
     with Arena(64 * MiB, backend="cuda") as ar:
         ar.map_pages(0, 4)
@@ -132,7 +132,7 @@ def test_global_route_refuses_after_cuda_init():
         """
         import json, types, torch
         torch.zeros(1, device="cuda")
-        from oxygen_torch import allocator
+        from oxygen_torch import pool as allocator
         try:
             allocator.enable_allocator(types.SimpleNamespace(backend="auto"))
             msg = ""
@@ -257,7 +257,8 @@ print(json.dumps({"msg": msg, "sum": float(x.sum()), "ooms": allocator.memory_st
 
 
 def test_mempool_route_after_cuda_init():
-    from oxygen_torch import _native, allocator
+    from oxygen_torch import pool as allocator
+    from oxygen_torch.pool import native as _native
 
     torch.zeros(1, device="cuda")
     with allocator.pool():

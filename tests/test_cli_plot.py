@@ -7,7 +7,7 @@ import textwrap
 import matplotlib.image
 import pytest
 
-from oxygen_torch import cli_plot
+from oxygen_torch.tools import cli_plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -38,8 +38,8 @@ def test_plot_demo_writes_a_png(tmp_path):
 
 SCRIPT = """
     import sys, time
-    from oxygen_torch import metrics
-    from oxygen_torch.allocator import VirtualPool
+    from oxygen_torch.tools import metrics
+    from oxygen_torch.pool import VirtualPool
 
     pool = VirtualPool(backend="host", capacity=256 << 20)
     metrics.register_pool(pool, name="script")

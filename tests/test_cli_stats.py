@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from oxygen_torch import cli, cli_stats, metrics
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
+from oxygen_torch.tools import cli, cli_stats, metrics
 
 MiB = 1 << 20
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 import transformers as T
 
-from oxygen_torch.demo_models import random_llama
-from oxygen_torch.integrations import hf, hf_fuse, hf_graphs
-from oxygen_torch.integrations.hf_cache import PagedKVCache
+from oxygen_torch.integrations.hf import PagedKVCache
+from oxygen_torch.integrations.hf import fuse as hf_fuse
+from oxygen_torch.integrations.hf import graphs as hf_graphs
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.tools.demo_models import random_llama
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"

@@ -17,9 +17,11 @@ from test_hf_generate import batch, tiny
 
 import oxygen_torch.compile as oc
 from oxygen_torch.compile import backend as backend_mod
-from oxygen_torch.integrations import hf, hf_fuse, hf_graphs
+from oxygen_torch.integrations.hf import fuse as hf_fuse
+from oxygen_torch.integrations.hf import graphs as hf_graphs
+from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
-from oxygen_torch.kv.paged_cache import PagedKVCore
+from oxygen_torch.kv.core import PagedKVCore
 
 
 @pytest.fixture
@@ -345,7 +347,7 @@ def test_two_models_of_a_class_share_one_compile_and_keep_their_weights(compiled
 
 
 def test_a_failed_step_leaves_no_cache_on_the_thread(graphs, monkeypatch):
-    from oxygen_torch.kv import paged_cache
+    from oxygen_torch import context
 
     def broken(self, forward, core, call):
         raise RuntimeError("warm-up failed")
@@ -354,6 +356,6 @@ def test_a_failed_step_leaves_no_cache_on_the_thread(graphs, monkeypatch):
     model = hf.apply(tiny())
     with pytest.raises(RuntimeError, match="warm-up failed"):
         _generate(model)
-    assert getattr(paged_cache._stepping, "core", None) is None
+    assert context.current().lent is None
     with pytest.raises(RuntimeError, match="only inside a decode-graph step"):
-        paged_cache.lent_core()
+        context.lent_core()

@@ -9,8 +9,9 @@ import torch
 import transformers as T
 
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations import hf, hf_graphs
-from oxygen_torch.integrations.hf_cache import PagedKVCache
+from oxygen_torch.integrations.hf import PagedKVCache
+from oxygen_torch.integrations.hf import graphs as hf_graphs
+from oxygen_torch.integrations.hf import integration as hf
 
 COMMON = dict(
     hidden_size=64,

@@ -12,8 +12,8 @@ from test_hf_generate import COMMON  # the tiny model shape shared by the HF tes
 from transformers import AttentionInterface, DynamicCache, GenerationMixin, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from oxygen_torch.integrations import hf
-from oxygen_torch.integrations.hf_cache import PagedKVCache
+from oxygen_torch.integrations.hf import PagedKVCache
+from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv.storage import KVStorage
 
 STOCK_GENERATE = GenerationMixin.generate

@@ -6,7 +6,7 @@ import pytest
 import torch
 from oxygen_torch.triton_kernels.reference import dense_attention_ref
 
-from oxygen_torch.kv.paged_cache import PagedKVCore
+from oxygen_torch.kv.core import PagedKVCore
 from oxygen_torch.kv.pool import pool_stats
 from oxygen_torch.kv.storage import GUARD_BLOCK, KVStorage
 
@@ -160,7 +160,7 @@ def test_layers_out_of_step_are_an_error():
 
 
 def test_blocks_return_when_the_cache_object_is_dropped():
-    from oxygen_torch.integrations.hf_cache import PagedKVCache
+    from oxygen_torch.integrations.hf import PagedKVCache
 
     cache = PagedKVCache(num_layers=2, backing="torch")
     k = torch.randn(2, 2, 40, 64)
@@ -176,7 +176,7 @@ def test_blocks_return_when_the_cache_object_is_dropped():
 
 
 def test_host_arena_maps_pages_as_blocks_are_used_and_unmaps_them_after():
-    pytest.importorskip("oxygen_torch.allocator")
+    pytest.importorskip("oxygen_torch.pool")
     core = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20)
     k = torch.randn(2, 2, 1, 64)
     core.write(0, k, k)  # binds the pool: block 0 (guard) + one block per sequence
@@ -200,7 +200,7 @@ def test_host_arena_maps_pages_as_blocks_are_used_and_unmaps_them_after():
 def test_cpu_paged_attention_matches_the_float64_references(window):
     from oxygen_torch.triton_kernels.reference import paged_decode_ref, paged_prefill_ref
 
-    from oxygen_torch.attention import paged_attention
+    from oxygen_torch.kv.attention import paged_attention
 
     torch.manual_seed(4)
     k_cache, v_cache = torch.randn(12, 4, 2, 64), torch.randn(12, 4, 2, 64)
@@ -251,7 +251,7 @@ def _fp8_close(got, want):
 
 
 def test_fp8_core_stores_codes_and_scales_in_mapped_pages():
-    pytest.importorskip("oxygen_torch.allocator")
+    pytest.importorskip("oxygen_torch.pool")
     torch.manual_seed(3)
     core = PagedKVCore(2, block_tokens=16, backing="arena", arena_bytes=64 << 20,
                        kv_dtype="fp8_e4m3")  # fmt: skip

@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from oxygen_torch import _native, allocator, cli, leakcheck, metrics
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch import pool as allocator
+from oxygen_torch.pool import VirtualPool
+from oxygen_torch.pool import native as _native
+from oxygen_torch.tools import cli, leakcheck, metrics
 
 MiB = 1 << 20
 

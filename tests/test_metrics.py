@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from oxygen_torch import metrics
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
+from oxygen_torch.tools import metrics
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from oxygen_torch import _native
+from oxygen_torch.pool import native as _native
 
 HAS_DRIVER = True
 try:

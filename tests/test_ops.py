@@ -1,6 +1,7 @@
-"""The oxygen:: custom ops on CPU: torch.library.opcheck (schema, fake kernels, AOT dispatch with
-dynamic shapes), values against torch SDPA in float64, and the paged ops (append, then decode and
-prefill) against dense attention over the same keys."""
+"""oxygen::attention on CPU: torch.library.opcheck (schema, fake kernels, AOT dispatch with
+dynamic shapes) and values against torch SDPA in float64; the one paged dispatch
+(oxygen_torch.kv.attention: append, then decode and prefill) against dense attention over the
+same keys."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import oxygen_torch.ops  # noqa: F401  (registers torch.ops.oxygen)
+import oxygen_torch.compile  # noqa: F401  (registers torch.ops.oxygen)
+from oxygen_torch.kv.attention import kv_write, paged_attention
 
 ops = torch.ops.oxygen
 
@@ -74,7 +76,7 @@ def test_attention_opcheck(b, hq, hkv, sq, sk, d, causal, kind, scale):
 
 
 def _paged(lens, hkv, d, bt=16, seed=0):
-    """Caches filled through oxygen::kv_append with shuffled blocks; returns the dense K/V too."""
+    """Caches filled through kv_write with shuffled blocks; returns the dense K/V too."""
     nblocks = sum(-(-n // bt) for n in lens) + 2
     k_cache = torch.zeros(nblocks, bt, hkv, d)
     v_cache = torch.zeros_like(k_cache)
@@ -88,7 +90,7 @@ def _paged(lens, hkv, d, bt=16, seed=0):
         pos = torch.arange(n)
         slots = torch.tensor(blocks, dtype=torch.int64)[pos // bt] * bt + pos % bt
         k, v = _randn(n, hkv, d, seed=seed + 2 * b), _randn(n, hkv, d, seed=seed + 2 * b + 1)
-        ops.kv_append(k, v, k_cache, v_cache, slots, None, None)
+        kv_write(k, v, k_cache, v_cache, slots)
         dense.append((k, v))
     return k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), dense
 
@@ -97,7 +99,7 @@ def test_kv_append_writes_in_place_and_skips_negative_slots():
     k_cache = torch.zeros(4, 16, 2, 16)
     v_cache = torch.zeros_like(k_cache)
     k, v = _randn(3, 2, 16, seed=1), _randn(3, 2, 16, seed=2)
-    ops.kv_append(k, v, k_cache, v_cache, torch.tensor([17, -1, 63]), None, None)
+    kv_write(k, v, k_cache, v_cache, torch.tensor([17, -1, 63]))
     torch.testing.assert_close(k_cache[1, 1], k[0])
     torch.testing.assert_close(v_cache[3, 15], v[2])
     assert k_cache.count_nonzero() == 2 * 2 * 16  # the skipped token wrote nothing
@@ -107,7 +109,7 @@ def test_paged_decode_and_prefill_match_dense():
     lens, hq, hkv, d = [37, 5, 20], 4, 2, 16
     k_cache, v_cache, table, seq_lens, dense = _paged(lens, hkv, d)
     q = _randn(len(lens), hq, d, seed=9)
-    out = ops.paged_attention(q, k_cache, v_cache, table, seq_lens)
+    out = paged_attention(q, k_cache, v_cache, table, seq_lens)
     for b, (k, v) in enumerate(dense):
         # decode: the query is the last token, it sees every cached key
         ref = _sdpa64(q[b][None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
@@ -115,7 +117,7 @@ def test_paged_decode_and_prefill_match_dense():
     new = [3, 1, 4]  # prefill: the last `new` tokens of each sequence, causal over the rest
     cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
     qp = _randn(sum(new), hq, d, seed=10)
-    outp = ops.paged_attention(qp, k_cache, v_cache, table, seq_lens, cu)
+    outp = paged_attention(qp, k_cache, v_cache, table, seq_lens, cu)
     for b, (k, v) in enumerate(dense):
         n, m = lens[b], new[b]
         mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)  # bottom-right aligned
@@ -124,37 +126,3 @@ def test_paged_decode_and_prefill_match_dense():
         torch.testing.assert_close(
             outp[cu[b] : cu[b + 1]], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5
         )
-
-
-def test_paged_ops_opcheck():
-    k_cache, v_cache, table, seq_lens, _ = _paged([20, 9], 2, 16)
-    q = _randn(2, 4, 16, seed=3)
-    torch.library.opcheck(ops.paged_attention.default, (q, k_cache, v_cache, table, seq_lens))
-    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
-    qp = _randn(3, 4, 16, seed=4)
-    torch.library.opcheck(ops.paged_attention.default, (qp, k_cache, v_cache, table, seq_lens, cu))
-    k, v = _randn(2, 2, 16, seed=5), _randn(2, 2, 16, seed=6)
-    torch.library.opcheck(
-        ops.kv_append.default, (k, v, k_cache, v_cache, torch.tensor([3, 40]), None, None)
-    )
-
-
-def test_paged_step_compiles_without_graph_breaks():
-    """A decode step (append + attend) traced with fullgraph: the mutation of the caches survives
-    functionalization and the result equals eager."""
-    k_cache, v_cache, table, seq_lens, _ = _paged([15, 30], 2, 16)
-
-    def step(q, k, v, kc, vc, slots, table, lens):
-        ops.kv_append(k, v, kc, vc, slots, None, None)
-        return ops.paged_attention(q, kc, vc, table, lens)
-
-    q, k, v = _randn(2, 4, 16, seed=1), _randn(2, 2, 16, seed=2), _randn(2, 2, 16, seed=3)
-    slots = (table[:, 0].long() * 16 + torch.tensor([15, 14])).contiguous()
-    lens = seq_lens + 1
-    kc2, vc2 = k_cache.clone(), v_cache.clone()
-    ref = step(q, k, v, k_cache, v_cache, slots, table, lens)
-    out = torch.compile(step, backend="aot_eager", fullgraph=True)(
-        q, k, v, kc2, vc2, slots, table, lens
-    )
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(kc2, k_cache)  # the compiled step wrote the cache in place

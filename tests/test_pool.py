@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from oxygen_torch import _native
-from oxygen_torch.allocator import Arena, VirtualPool
+from oxygen_torch.pool import Arena, VirtualPool
+from oxygen_torch.pool import native as _native
 
 MiB = 1 << 20
 PAGE = 2 * MiB

@@ -5,7 +5,7 @@ never overlap, and mapped bytes cover exactly what live blocks need (plus idle p
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
 
 MiB = 1 << 20
 PAGE = 2 * MiB

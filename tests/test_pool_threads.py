@@ -5,7 +5,7 @@ import ctypes
 import random
 import threading
 
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
 
 MiB = 1 << 20
 SIZES = [0, 1, 512, 700, 4096, 5000, 65536, 300_000, 1 << 20, (1 << 20) + 1, 3 * MiB + 17, 9 * MiB]

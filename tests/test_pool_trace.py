@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from oxygen_torch import _native
-from oxygen_torch.allocator import VirtualPool
+from oxygen_torch.pool import VirtualPool
+from oxygen_torch.pool import native as _native
 
 MiB = 1 << 20
 PAGE = 2 * MiB

@@ -6,7 +6,8 @@ imported (`register()` is idempotent).
     oxygen_torch.compile.stats()   # graphs compiled, attention found / rewritten / left (why)
 """
 
-from .. import ops as _ops  # noqa: F401  (registers the oxygen:: ops the passes emit)
+from ..kv import ops as _kv_ops  # noqa: F401  (oxygen::paged_step, left alone by the passes)
+from . import ops as _ops  # noqa: F401  (registers oxygen::attention, which the passes emit)
 from .backend import (
     AttentionLeftWarning,
     UnsupportedAttentionError,

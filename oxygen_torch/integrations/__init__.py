@@ -1,1 +1,1 @@
-"""See DESIGN.md."""
+"""Integrations with the libraries users run: transformers (hf)."""

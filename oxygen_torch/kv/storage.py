@@ -6,7 +6,7 @@ kernels expect. Block b of every region sits at the same offset inside its regio
 block needs are the same page numbers in every region: they are mapped in all regions together.
 
 Two backings:
-- `ArenaBacking` (default): the VMM arena of `oxygen_torch.allocator` (cuda on a GPU, memfd+mmap
+- `ArenaBacking` (default): the VMM arena of `oxygen_torch.pool` (cuda on a GPU, memfd+mmap
   on the host). Only pages holding live blocks are mapped. Touching an unmapped page segfaults
   (host) or poisons the CUDA context, so only block-table-driven kernels touch these tensors, and
   block 0 is a guard block that stays mapped (unused table entries point at it).
@@ -15,11 +15,12 @@ Two backings:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 
 import torch
+
+from ..pool import Arena
 
 log = logging.getLogger("oxygen_torch")
 
@@ -55,28 +56,12 @@ class TorchBacking:
         self.flat = None
 
 
-class _CudaRange:
-    """Presents [ptr, ptr + nbytes) on `device` to torch through __cuda_array_interface__."""
-
-    def __init__(self, ptr: int, nbytes: int, owner):
-        self._owner = owner  # keeps the arena alive while torch holds the tensor
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 class ArenaBacking:
     """The VMM arena: pages mapped on demand."""
 
     name = "arena"
 
     def __init__(self, nbytes: int, device: torch.device, page_size: int = 2 * MiB):
-        from ..allocator import Arena
-
         backend = "cuda" if device.type == "cuda" else "host"
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -88,12 +73,7 @@ class ArenaBacking:
 
     def tensor(self) -> torch.Tensor:
         if self.flat is None:
-            base, n = self.arena.base, self.capacity
-            if self.device.type == "cuda":
-                self.flat = torch.as_tensor(_CudaRange(base, n, self.arena), device=self.device)
-            else:
-                buf = (ctypes.c_byte * n).from_address(base)
-                self.flat = torch.frombuffer(buf, dtype=torch.uint8, count=n)
+            self.flat = self.arena.as_tensor()
         return self.flat
 
     def map_pages(self, first: int, count: int) -> None:

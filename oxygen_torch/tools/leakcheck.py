@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import _native
+from ..pool import native as _native
 
 MEMFD_NAME = "oxygen_page"  # the name the host backend gives every physical page
 MiB = 1 << 20
@@ -140,18 +140,16 @@ def check_process(expect_released: bool = True) -> LeakReport:
 
 
 def _open_arenas(device: int) -> list:
-    try:
-        from .allocator import _arenas  # the registry of live Arena objects (weak references)
-    except Exception:
-        return []
-    return [a for a in list(_arenas) if a._h and a.device == device]
+    from ..pool import live_arenas
+
+    return live_arenas(device)
 
 
 def _empty_global_cache() -> None:
-    try:
-        from . import allocator
+    from .. import pool
 
-        allocator.empty_cache()
+    try:
+        pool.empty_cache()
     except Exception:  # no pool in this install, or never created: nothing to empty
         pass
 
@@ -233,7 +231,7 @@ def exercise(backend: str, device: int = 0, rounds: int = 3) -> LeakReport:
     or the driver (cuda) sees exactly what it saw before."""
     rep = LeakReport()
     try:
-        from .allocator import VirtualPool
+        from ..pool import VirtualPool
     except Exception as exc:  # the pool is not built in this install
         rep.skipped.append(f"{backend} pool life cycle: pool unavailable ({exc})")
         return rep

@@ -58,8 +58,8 @@ def compiled(model, forward, core, options=None):
     compile_config naming backend "oxygen"), else the core's precision and fallback "error".
     One compiled function per forward function and options, shared by the models of a class
     (it holds no model: they stay collectable)."""
-    from ..compile import make_backend
-    from .hf_cache import tracing_step
+    from ...compile import make_backend
+    from .cache import tracing_step
 
     if options is None:
         spec = {"precision": core.precision.name.lower(), "fallback": "error"}

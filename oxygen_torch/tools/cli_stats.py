@@ -1,7 +1,7 @@
 """python -m oxygen_torch stats [--url URL] [--json]
 
 Prints ``memory_stats()`` as a table: of this process (the global pool and any registered
-``VirtualPool``; useful as ``oxygen_torch.cli_stats.render()`` from inside a program), or of a
+``VirtualPool``; useful as ``oxygen_torch.tools.cli_stats.render()`` from inside a program), or of a
 running process through its metrics endpoint (``--url http://127.0.0.1:9400/metrics``).
 """
 

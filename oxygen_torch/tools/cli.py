@@ -11,8 +11,8 @@ import importlib
 import platform
 import sys
 
-from . import _native
-from .config import OxygenConfig, load_config
+from ..config import OxygenConfig, load_config
+from ..pool import native as _native
 
 
 def _version_of(module: str) -> str:

@@ -19,11 +19,11 @@ from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..config import KVConfig
-from ..kv.pool import release_pools
-from . import hf_graphs
-from .hf_attention import oxygen_attention_forward, oxygen_mask
-from .hf_cache import PagedKVCache
+from ...config import KVConfig
+from ...kv.pool import release_pools
+from . import graphs as hf_graphs
+from .attention import oxygen_attention_forward, oxygen_mask
+from .cache import PagedKVCache
 
 log = logging.getLogger("oxygen_torch")
 
@@ -48,7 +48,7 @@ def active_cfg():
     if _cfg is not None:
         return _cfg
     try:
-        from .. import api
+        from ... import api
 
         return api.active_config()
     except ImportError:
@@ -148,7 +148,7 @@ def _paged_compile_options(generation_config):
     the decode graphs (inductor, fallback...). Another backend cannot trace the paged cache:
     one warning, and the decode graphs compile with backend "oxygen" as without it. Returns
     (validated CompileOptions or None, the options the caller gave)."""
-    from ..compile import CompileOptions
+    from ...compile import CompileOptions
 
     cc = generation_config.compile_config
     if cc is None:

@@ -13,13 +13,13 @@ already in the rotary embedding of K). `length` still counts padding, as transfo
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from ..attention import gather_blocks, kv_write, paged_attention
+from .. import context
 from ..triton_kernels.precision import PrecisionMode
+from .attention import gather_blocks, kv_write, paged_attention
 from .block_manager import SequenceBlocks
 from .pool import KVPool, PoolKey, get_pool
 from .storage import GUARD_BLOCK, debug_checks_enabled
@@ -33,26 +33,6 @@ KV_DTYPES = {
     "bf16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
-_stepping = threading.local()  # .core: the core whose decode-graph step runs on this thread
-
-
-def lent_core() -> PagedKVCore:
-    """The core whose decode-graph step (begin_graph_step .. end_graph_step) runs on this
-    thread: what oxygen::paged_step reads and writes."""
-    core = getattr(_stepping, "core", None)
-    if core is None:
-        raise RuntimeError(
-            "oxygen::paged_step runs only inside a decode-graph step of a PagedKVCache "
-            "(PagedKVCore.lend); none is running on this thread"
-        )
-    return core
-
-
-def forget_step(core: PagedKVCore) -> None:
-    """This thread's decode-graph step of `core` is over (done, or failed: the thread must not
-    keep the core alive nor hand it to a later oxygen::paged_step)."""
-    if getattr(_stepping, "core", None) is core:
-        _stepping.core = None
 
 
 @dataclass
@@ -354,12 +334,12 @@ class PagedKVCore:
         self.table, self.seq_lens, self._lent = table, seq_lens, True
         self._plan = StepPlan(1, slots, None, None)
         self._layer_len = [self.length - 1] * self.num_layers
-        _stepping.core = self
+        context.lend(self)
 
     def end_graph_step(self) -> None:
         """Every layer appended this step (a replayed graph does not run the Python forward)."""
         self._layer_len = [self.length] * self.num_layers
-        forget_step(self)
+        context.forget(self)
 
     def step(
         self,

@@ -15,7 +15,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .hf_cache import take_pending, traced_step
+from .cache import take_pending, traced_step
 
 log = logging.getLogger("oxygen_torch")
 

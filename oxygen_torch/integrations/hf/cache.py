@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from ..kv.paged_cache import PagedKVCore
-from ..triton_kernels.precision import PrecisionMode
+from ...kv.core import PagedKVCore
+from ...triton_kernels.precision import PrecisionMode
 
 _tls = threading.local()  # .pending: (cache, layer_idx, key, value) between update and attention
 # True while a decode graph compiles the model's forward (torch.compile traces it): update()
@@ -127,7 +127,7 @@ class PagedKVCache(Cache):
         precision: Any = None,
     ):
         if cfg is None:
-            from . import hf
+            from . import integration as hf
 
             cfg = hf.active_cfg()
         layer_types = self._layer_types(config, num_layers)

@@ -11,7 +11,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-LIB_PATH = Path(__file__).resolve().parent / "_oxygen.so"
+LIB_PATH = Path(__file__).resolve().parent.parent / "_oxygen.so"
 
 # Status codes of csrc/vmm_backend.h
 OK = 0

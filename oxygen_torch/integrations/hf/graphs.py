@@ -33,9 +33,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ..kv.paged_cache import forget_step
-from . import hf_fuse
-from .hf_cache import PagedKVCache, _cfg_value, tracing_step
+from ... import context
+from . import fuse as hf_fuse
+from .cache import PagedKVCache, _cfg_value, tracing_step
 
 WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
 MAX_GRAPHS_PER_MODEL = 4
@@ -53,7 +53,9 @@ _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Mo
 
 
 def _warn_once(msg: str) -> None:
-    from .hf import _warn_once  # the integration's one warn-once set (hf imports this module)
+    from .integration import (
+        _warn_once,  # the integration's one warn-once set (hf imports this module)
+    )
 
     _warn_once(msg)
 
@@ -141,7 +143,7 @@ class DecodeGraph:
                 self.graph.replay()
             finally:
                 self._call = None  # it holds this step's cache
-                forget_step(core)  # the replay runs no op; a failed step must not keep it
+                context.forget(core)  # the replay runs no op; a failed step must not keep it
             core.end_graph_step()
             self.replays += 1
             out_type, logits = self.output
@@ -299,13 +301,13 @@ def _decode_step(model, forward, kw: dict):
 
 
 def _cfg_flag(name: str) -> bool:
-    from . import hf
+    from . import integration as hf
 
     return bool(_cfg_value(hf.active_cfg(), "kv", name, True))
 
 
 def _usable(model) -> bool:
-    from . import hf
+    from . import integration as hf
 
     if not _cfg_flag("decode_graphs") or not hf._uses_oxygen(model):
         return False
@@ -346,7 +348,7 @@ def _restore_compiled(model) -> None:
 def decode_graphs(model):
     """For one generate() call: one-token steps on a PagedKVCache go through decode graphs, and
     a forward the user compiled runs uncompiled on the paged cache (see paged_call)."""
-    from . import hf
+    from . import integration as hf
 
     if not hf._uses_oxygen(model):
         yield

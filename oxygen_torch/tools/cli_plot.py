@@ -84,7 +84,7 @@ def reader(source: str):
 
     def read():
         if source == "oxygen" and "oxygen_torch" in sys.modules:
-            from oxygen_torch import metrics
+            from oxygen_torch.tools import metrics
 
             return metrics.pool_totals()
         torch = sys.modules.get("torch")
@@ -233,7 +233,7 @@ def demo_child(source: str, path: str, interval: float) -> None:
     allocator. CPU: a host-backend VirtualPool (there is no default-allocator twin on CPU)."""
     import torch
 
-    from oxygen_torch import metrics
+    from oxygen_torch.tools import metrics
 
     if torch.cuda.is_available():
         if source == "oxygen":
@@ -244,7 +244,7 @@ def demo_child(source: str, path: str, interval: float) -> None:
         alloc = lambda n: torch.empty(n, dtype=torch.uint8, device="cuda")
         free, unit = (lambda t: None), 256 << 10  # dropping the reference frees the tensor
     else:
-        from oxygen_torch.allocator import VirtualPool
+        from oxygen_torch.pool import VirtualPool
 
         pool = VirtualPool(backend="host", capacity=2 << 30)
         metrics.register_pool(pool)
@@ -311,7 +311,7 @@ def _run_one(source: str, path: Path, args: argparse.Namespace, cmd: list[str], 
     if cmd:
         return record(cmd, path, source, args.interval, label)
     code = (
-        "from oxygen_torch.cli_plot import demo_child; "
+        "from oxygen_torch.tools.cli_plot import demo_child; "
         f"demo_child({source!r}, {str(path)!r}, {args.interval!r})"
     )
     env = dict(os.environ)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_kernels.precision import PrecisionMode
+from ..triton_kernels.precision import PrecisionMode
 
 
 def kv_write(
@@ -27,11 +27,11 @@ def kv_write(
     caches also set their (block, head) scales."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if k.device.type == "cuda":
-        from .triton_kernels.kv_append import kv_append
+        from ..triton_kernels.kv_append import kv_append
 
         kv_append(k, v, k_cache, v_cache, slot_mapping, **scales)
     else:
-        from .triton_kernels.reference import kv_append_ref
+        from ..triton_kernels.reference import kv_append_ref
 
         kv_append_ref(k, v, k_cache, v_cache, slot_mapping, inplace=True, **scales)
 
@@ -56,10 +56,10 @@ def paged_attention(
     if q.device.type != "cuda":
         return _gathered_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **kw)
     if cu_seqlens_q is None:
-        from .triton_kernels.paged_decode import paged_decode
+        from ..triton_kernels.paged_decode import paged_decode
 
         return paged_decode(q, k_cache, v_cache, block_table, seq_lens, precision=precision, **kw)
-    from .triton_kernels.paged_prefill import paged_prefill
+    from ..triton_kernels.paged_prefill import paged_prefill
 
     return paged_prefill(
         q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, precision=precision, **kw

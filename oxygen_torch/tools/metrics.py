@@ -109,7 +109,7 @@ def _global_stats() -> list[dict]:
     try:
         import torch
 
-        from . import allocator
+        from .. import pool as allocator
     except Exception:  # pool not built here: the exporter must still answer
         return []
     out = []

@@ -1,0 +1,305 @@
+"""The VMM pool as Python objects: ``VirtualPool`` (a pool of its own: tests, benchmarks) and
+``Arena`` (a reserved range whose pages the KV cache maps explicitly).
+
+The mechanism lives in ``_oxygen.so`` (csrc/): one reserved virtual range per pool, 2 MiB physical
+pages mapped exactly while live blocks touch them, handles created ahead by a refill thread.
+Statistics are atomics in C, read here without taking any allocation lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+import torch
+
+from . import native as _native
+
+MiB = 1 << 20
+DEFAULT_PAGE = 2 * MiB  # the VMM granularity the H200 reports
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in ("auto", "cuda", "host"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'host', got {backend!r}")
+    if backend != "auto":
+        return backend
+    try:
+        return "cuda" if _native.cuda_probe()[1] > 0 else "host"
+    except (_native.NativeError, _native.NativeLibraryError):
+        return "host"
+
+
+def _stream_handle(stream: Any) -> int:
+    """A cudaStream_t value from an int, a torch.cuda.Stream, or None (the legacy stream, 0)."""
+    if stream is None:
+        return 0
+    return int(getattr(stream, "cuda_stream", stream))
+
+
+def _read(fn, handle) -> dict:
+    names = _native.lib().oxygen_stats_names().decode().split(",")
+    arr = (ctypes.c_uint64 * len(names))()
+    n = fn(handle, arr, len(names))
+    return dict(zip(names, arr[:n], strict=False))
+
+
+def _derive(raw: dict, backend: str, device: int) -> dict:
+    """The documented statistics (names like PyTorch's where it has one) from the raw counters."""
+    d = dict(raw)
+    peak_mapped = raw.get("peak_mapped_bytes", 0)
+    d["fragmentation"] = (
+        1.0 - raw.get("peak_allocated_bytes", 0) / peak_mapped if peak_mapped else 0.0
+    )
+    maps, unmaps = raw.get("num_maps", 0), raw.get("num_unmaps", 0)
+    d["mean_map_latency_us"] = raw.get("map_ns", 0) / maps / 1e3 if maps else 0.0
+    d["mean_unmap_latency_us"] = raw.get("unmap_ns", 0) / unmaps / 1e3 if unmaps else 0.0
+    d["physical_bytes"] = raw.get("mapped_bytes", 0) + raw.get("handle_cache_pages", 0) * raw.get(
+        "page_size", 0
+    )
+    d["backend"] = backend
+    d["device"] = device
+    return d
+
+
+def _oom(message: str) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(message)
+
+
+class _NativeObject:
+    """A native pool or arena: released by close(), at the end of a with-block, or when collected.
+    close() releases everything: blocks still live are unmapped, do not touch them afterwards."""
+
+    _h = None
+    _destroy = ""  # name of the C function that releases the handle
+
+    def close(self) -> None:
+        if self._h:
+            getattr(_native.lib(), self._destroy)(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules it needs may already be gone
+            pass
+
+
+class VirtualPool(_NativeObject):
+    """One pool as a Python object (tests, benchmarks, the KV cache). ``capacity`` is the physical
+    limit in bytes (default: device memory x ``reserve_fraction``); the virtual range reserved is
+    twice that, so that holes never starve it."""
+
+    _destroy = "oxygen_pool_destroy"
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        capacity: int | None = None,
+        page_size: int = DEFAULT_PAGE,
+        device: int = 0,
+        reserve_fraction: float = 0.9,
+        low_pages: int = 0,
+        high_pages: int = 0,
+        hysteresis_us: int = 0,
+    ):
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
+        if not 0 < reserve_fraction <= 1:
+            raise ValueError(f"reserve_fraction must be in (0, 1], got {reserve_fraction}")
+        self.backend = _resolve_backend(backend)
+        self.device = device
+        self.page_size = page_size
+        lib = _native.lib()
+        h = ctypes.c_void_p()
+        _native.check(
+            lib.oxygen_pool_create(
+                self.backend.encode(),
+                device,
+                page_size,
+                capacity or 0,
+                reserve_fraction,
+                low_pages,
+                high_pages,
+                hysteresis_us,
+                ctypes.byref(h),
+            ),
+            f"creating a {self.backend} pool",
+        )
+        self._h = h.value
+        self.base = int(lib.oxygen_pool_base(self._h))
+        raw = self._raw()
+        self.capacity = raw["max_pages"] * raw["page_size"]
+
+    def _handle(self) -> int:
+        if not self._h:
+            raise RuntimeError("this VirtualPool is closed")
+        return self._h
+
+    def _raw(self) -> dict:
+        return _read(_native.lib().oxygen_pool_stats, self._handle())
+
+    def malloc(self, size: int, stream: Any = 0) -> int:
+        """Address of a new block of ``size`` bytes; raises torch.OutOfMemoryError with the
+        pool's figures when the pool (after reclaiming) or the device has no memory left."""
+        out = ctypes.c_void_p()
+        lib = _native.lib()
+        st = lib.oxygen_pool_malloc(self._handle(), size, _stream_handle(stream), ctypes.byref(out))
+        if st == _native.OK:
+            return int(out.value)
+        if st == _native.ERR_OOM:
+            raise _oom(self._oom_message(size))
+        _native.check(st, f"malloc({size})")
+        raise AssertionError("unreachable")
+
+    def _oom_message(self, size: int) -> str:
+        s = self.stats()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if _native.lib().oxygen_pool_mem_info(self._h, ctypes.byref(free), ctypes.byref(total)):
+            free.value = total.value = 0
+        return (
+            f"oxygen_torch pool ({self.backend}, device {self.device}) out of memory: requested "
+            f"{size / MiB:.2f} MiB; live {s['allocated_bytes'] / MiB:.2f} MiB, mapped "
+            f"{s['mapped_bytes'] / MiB:.2f} MiB, capacity {self.capacity / MiB:.2f} MiB, reserved "
+            f"VA {s['reserved_va_bytes'] / MiB:.2f} MiB, device free {free.value / MiB:.2f} MiB "
+            f"of {total.value / MiB:.2f} MiB"
+        )
+
+    def free(self, ptr: int, size: int | None = None, stream: Any = 0) -> bool:
+        """Free a block. A double free or unknown pointer is reported once on stderr, counted in
+        ``stats()['num_bad_frees']`` and ignored: returns False then."""
+        st = _native.lib().oxygen_pool_free(
+            self._handle(), ptr, -1 if size is None else size, _stream_handle(stream)
+        )
+        return st == _native.OK
+
+    def empty_cache(self) -> None:
+        """Wait for the device, then unmap every page with nothing live and drop cached handles."""
+        _native.lib().oxygen_pool_empty_cache(self._handle())
+
+    def reset_peak(self) -> None:
+        _native.lib().oxygen_pool_reset_peak(self._handle())
+
+    def prepare(self, nbytes: int) -> None:
+        """Create physical handles now for ``nbytes`` (growth then only maps)."""
+        _native.check(_native.lib().oxygen_pool_prepare(self._handle(), nbytes), "prepare")
+
+    def bench(self, size: int, iters: int, stream: Any = 0) -> float:
+        """Nanoseconds per malloc+free pair, looped in C (no Python per call)."""
+        return float(
+            _native.lib().oxygen_pool_bench(self._handle(), size, iters, _stream_handle(stream))
+        )
+
+    def stats(self) -> dict:
+        return _derive(self._raw(), self.backend, self.device)
+
+    def latency_histogram(self) -> list[int]:
+        arr = (ctypes.c_uint64 * 16)()
+        n = _native.lib().oxygen_pool_latency_hist(self._handle(), arr, 16)
+        return list(arr[:n])
+
+
+_arenas: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_arenas(device: int | None = None) -> list[Arena]:
+    """The arenas not yet closed (on `device`, when given)."""
+    return [a for a in list(_arenas) if a._h and (device is None or a.device == device)]
+
+
+class Arena(_NativeObject):
+    """A reserved virtual range for the KV cache; its pages are mapped explicitly. Handles come
+    from the device context shared with the global pool and count in the same mapped bytes.
+
+    Touching an unmapped page is fatal (SIGSEGV on the host backend, an illegal address that
+    poisons the CUDA context on a GPU): unmap only pages no kernel can still read."""
+
+    _destroy = "oxygen_arena_destroy"
+
+    def __init__(
+        self,
+        nbytes: int,
+        backend: str = "auto",
+        device: int = 0,
+        page_size: int = DEFAULT_PAGE,
+        reserve_fraction: float = 0.9,
+    ):
+        if nbytes <= 0:
+            raise ValueError(f"Arena size must be > 0 bytes, got {nbytes}")
+        self.backend = _resolve_backend(backend)
+        self.device = device
+        lib = _native.lib()
+        h = ctypes.c_void_p()
+        _native.check(
+            lib.oxygen_arena_create(
+                self.backend.encode(), device, page_size, nbytes, reserve_fraction, ctypes.byref(h)
+            ),
+            f"creating a {self.backend} KV arena of {nbytes} bytes",
+        )
+        self._h = h.value
+        self.base = int(lib.oxygen_arena_base(self._h))
+        self.page_size = int(lib.oxygen_arena_page_size(self._h))
+        self.num_pages = int(lib.oxygen_arena_pages(self._h))
+        self.capacity = self.num_pages * self.page_size
+        _arenas.add(self)
+
+    def _handle(self) -> int:
+        if not self._h:
+            raise RuntimeError("this Arena is closed")
+        return self._h
+
+    def map_pages(self, first: int, count: int = 1) -> None:
+        _native.check(
+            _native.lib().oxygen_arena_map(self._handle(), first, count),
+            f"arena map_pages({first}, {count})",
+        )
+
+    def unmap_pages(self, first: int, count: int = 1) -> None:
+        _native.check(
+            _native.lib().oxygen_arena_unmap(self._handle(), first, count),
+            f"arena unmap_pages({first}, {count})",
+        )
+
+    def is_mapped(self, page: int) -> bool:
+        return bool(_native.lib().oxygen_arena_is_mapped(self._handle(), page))
+
+    def mapped_pages(self) -> int:
+        return int(_native.lib().oxygen_arena_mapped_pages(self._handle()))
+
+    def stats(self) -> dict:
+        return _derive(
+            _read(_native.lib().oxygen_arena_stats, self._handle()), self.backend, self.device
+        )
+
+    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A flat tensor over the whole range, no copy: the one view of an arena as a tensor.
+
+        cuda: through ``__cuda_array_interface__`` (the tensor keeps the arena alive; torch asks
+        the driver about the base address, so map page 0 first). host: over the mapping, which
+        the tensor does not own: keep the arena alive while it is used."""
+        self._handle()
+        if self.backend == "cuda":
+            t = torch.as_tensor(self, device=torch.device("cuda", self.device))
+        else:
+            buf = (ctypes.c_byte * self.capacity).from_address(self.base)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=self.capacity)
+        return t.view(dtype)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.backend != "cuda":
+            raise AttributeError("__cuda_array_interface__ exists only on a cuda arena")
+        return {
+            "shape": (self.capacity,),
+            "typestr": "|u1",
+            "data": (self.base, False),
+            "version": 3,
+            "strides": None,
+        }
