@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,18 @@ _MISSING = object()
 @dataclass(frozen=True)
 class Patch:
     group: str  # who replaced it ("allocator", "transformers", "compile", ...)
-    owner: Any
+    owner_ref: Any  # the owner, or a weak reference to it (weak=True: a model instance)
     name: str  # attribute name, or the key of a registry entry
     original: Any  # _MISSING: there was none
     value: Any
     why: str
     item: bool  # a registry entry (owner[name]) rather than an attribute
+    weak: bool = False
+    own: bool = True  # the owner held the attribute itself (not through its class)
+
+    @property
+    def owner(self) -> Any:
+        return self.owner_ref() if self.weak else self.owner_ref
 
     def describe(self) -> str:
         where = getattr(self.owner, "__qualname__", None) or type(self.owner).__qualname__
@@ -42,18 +49,18 @@ _stack: list[Patch] = []
 _warned: set[str] = set()
 
 
-def replace(owner: Any, name: str, value: Any, *, why: str, group: str) -> Any:
-    """Sets owner.name = value, recording the original; returns the original (or None)."""
+def replace(owner: Any, name: str, value: Any, *, why: str, group: str, weak: bool = False) -> Any:
+    """Sets owner.name = value, recording the original; returns the original (or None).
+    weak: hold the owner weakly (an instance, such as a model, that must stay collectable)."""
     with _lock:
-        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-        if original is _MISSING:
-            original = getattr(owner, name, _MISSING)
-            inherited = original is not _MISSING
-        else:
-            inherited = False
-        _stack.append(
-            Patch(group, owner, name, _MISSING if inherited else original, value, why, False)
-        )
+        try:
+            # config objects and modules answer through __getattr__: treat as their own
+            own = name in vars(owner) or not hasattr(type(owner), name)
+        except TypeError:  # no __dict__ (slots, extension objects)
+            own = True
+        original = getattr(owner, name, _MISSING)
+        ref = weakref.ref(owner) if weak else owner
+        _stack.append(Patch(group, ref, name, original, value, why, False, weak, own))
         setattr(owner, name, value)
         return None if original is _MISSING else original
 
@@ -73,22 +80,35 @@ def undo(group: str) -> None:
             if p.group != group:
                 keep.append(p)
                 continue
+            owner = p.owner
+            if owner is None:  # a weakly held owner that is gone: nothing to put back
+                continue
             if p.item:
                 if p.original is _MISSING:
-                    p.owner.pop(p.name, None)
+                    owner.pop(p.name, None)
                 else:
-                    p.owner[p.name] = p.original
-            elif p.original is _MISSING:
-                if p.name in getattr(p.owner, "__dict__", {}):
-                    delattr(p.owner, p.name)
+                    owner[p.name] = p.original
             else:
-                setattr(p.owner, p.name, p.original)
+                _put_back(owner, p)
         _stack[:] = reversed(keep)
 
 
+def _put_back(owner: Any, p: Patch) -> None:
+    """owner.name is the original again: set back where the owner held it, removed where it
+    came through the class (or was not there at all)."""
+    if p.own and p.original is not _MISSING:
+        setattr(owner, p.name, p.original)
+        return
+    try:
+        delattr(owner, p.name)
+    except AttributeError:
+        pass
+
+
 def applied(group: str | None = None) -> list[Patch]:
+    """What is replaced now (weakly held owners that are gone left out), oldest first."""
     with _lock:
-        return [p for p in _stack if group is None or p.group == group]
+        return [p for p in _stack if (group is None or p.group == group) and p.owner is not None]
 
 
 def require(owner: Any, name: str, *, library: str, what: str) -> Any:

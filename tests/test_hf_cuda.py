@@ -44,9 +44,9 @@ CFG_FP32 = dict(kv=dict(debug_checks=True), kernel=dict(precision="fp32_safe"))
 
 
 def _ns(d):
-    import types
+    from oxygen_torch.config import load_config
 
-    return types.SimpleNamespace(**{k: types.SimpleNamespace(**v) for k, v in d.items()})
+    return load_config(**d)
 
 
 @pytest.fixture
@@ -69,7 +69,8 @@ def _small_model_and_batch(arch):
     """A small random-weight float32 model of `arch` on the GPU, and a left-padded batch of 3."""
     conf_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
-    model = model_cls(conf_cls(**SMALL, **extra, attn_implementation="sdpa")).cuda().eval()
+    stock = "sdpa" if model_cls._supports_sdpa else "eager"  # transformers 5.24: gemma2 eager
+    model = model_cls(conf_cls(**SMALL, **extra, attn_implementation=stock)).cuda().eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     ids, mask = _padded_batch(3, 40, 256, (7, 0, 19), "cuda")

@@ -16,7 +16,10 @@ import torch
 from test_hf_generate import batch, tiny
 
 import oxygen_torch.compile as oc
+from oxygen_torch import _patching
 from oxygen_torch.compile import backend as backend_mod
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import compat
 from oxygen_torch.integrations.hf import fuse as hf_fuse
 from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
@@ -27,7 +30,7 @@ from oxygen_torch.kv.core import PagedKVCore
 @pytest.fixture
 def graphs(monkeypatch):
     monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
-    monkeypatch.setattr(hf, "_warned", set())  # each test sees its own warnings
+    _patching.forget_warnings()  # each test sees its own warnings
     yield
     hf.disable_hf()
 
@@ -58,7 +61,7 @@ def test_generate_keeps_no_cache_alive(graphs):
     original = hf_graphs.DecodeGraph.run
 
     def run(self, model, forward, core, kw, **options):
-        caches.append(weakref.ref(kw["past_key_values"]))
+        caches.append(weakref.ref(compat.given_cache(kw)))
         return original(self, model, forward, core, kw, **options)
 
     hf_graphs.DecodeGraph.run = run
@@ -101,12 +104,10 @@ def test_outputs_the_graph_cannot_give_run_eagerly_with_a_warning(graphs, caplog
 
 
 def test_decode_graphs_off_and_disable(graphs):
-    from types import SimpleNamespace as NS
-
-    model = hf.apply(tiny(), NS(kv=NS(decode_graphs=False)))
+    model = hf.apply(tiny(), load_config(kv={"decode_graphs": False}))
     _generate(model)
     assert hf_graphs.stats(model)["captures"] == 0
-    hf.apply(model, NS(kv=NS(decode_graphs=True)))
+    hf.apply(model, load_config(kv={"decode_graphs": True}))
     _generate(model)
     assert hf_graphs.stats(model)["graphs"] == 1
     hf.disable_hf()
@@ -295,7 +296,7 @@ def test_a_model_with_a_compiled_decode_graph_can_be_collected(compiled):
     _generate(model)
     assert hf_graphs.stats(model)["compiled"] == 1
     for g in hf_graphs._graphs[model].graphs.values():
-        g.graph = None  # the CPU stand-in re-runs the forward, so it holds it; a CUDA graph not
+        g.runner = None  # the CPU stand-in re-runs the forward, so it holds it; a CUDA graph not
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -349,7 +350,7 @@ def test_two_models_of_a_class_share_one_compile_and_keep_their_weights(compiled
 def test_a_failed_step_leaves_no_cache_on_the_thread(graphs, monkeypatch):
     from oxygen_torch import context
 
-    def broken(self, forward, core, call):
+    def broken(self, *args):
         raise RuntimeError("warm-up failed")
 
     monkeypatch.setattr(hf_graphs.DecodeGraph, "_warm_and_capture", broken)

@@ -12,6 +12,7 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import PagedKVCache
 from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.integrations.hf.generate import prefill_chunk
 
 COMMON = dict(
     hidden_size=64,
@@ -50,7 +51,8 @@ ARCHS = {
 def tiny(arch="llama", seed=0):
     conf_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(seed)
-    model = model_cls(conf_cls(**COMMON, **extra, attn_implementation="sdpa")).eval()
+    stock = "sdpa" if model_cls._supports_sdpa else "eager"  # transformers 5.24: gemma2 eager
+    model = model_cls(conf_cls(**COMMON, **extra, attn_implementation=stock)).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
@@ -98,7 +100,7 @@ def test_greedy_and_logits_with_left_padding(arch, oxygen):
             do_sample=False,
             return_dict_in_generate=True,
         )
-        cache = PagedKVCache(config=m.config) if hf._uses_oxygen(m) else None
+        cache = PagedKVCache(config=m.config) if hf.uses_oxygen(m) else None
         logits = m(ids, attention_mask=mask, past_key_values=cache).logits
         return out, logits
 
@@ -239,11 +241,11 @@ def input_shapes(model) -> list[tuple[int, int]]:
 
 
 def test_prefill_chunk_rule():
-    assert hf.prefill_chunk(16, 512, 16, 16384) is None  # 8192 tokens: one pass
-    assert hf.prefill_chunk(64, 4096, 16, 16384) == 256
-    assert hf.prefill_chunk(4096, 64, 16, 16384) == 16  # never shorter than a KV block
-    assert hf.prefill_chunk(4096, 16, 16, 16384) is None  # one block long already
-    assert hf.prefill_chunk(64, 4096, 16, 0) is None  # 0: never chunk
+    assert prefill_chunk(16, 512, 16, 16384) is None  # 8192 tokens: one pass
+    assert prefill_chunk(64, 4096, 16, 16384) == 256
+    assert prefill_chunk(4096, 64, 16, 16384) == 16  # never shorter than a KV block
+    assert prefill_chunk(4096, 16, 16, 16384) is None  # one block long already
+    assert prefill_chunk(64, 4096, 16, 0) is None  # 0: never chunk
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -300,8 +302,6 @@ def test_beam_search_and_returned_sequences_with_chunked_prefill(oxygen):
 def test_fp8_kv_cache_generate_stays_close_to_stock(oxygen):
     """kv.kv_dtype=fp8_e4m3: K/V stored as e4m3 codes + block scales; the logits stay within
     e4m3's rounding of stock's, and the greedy tokens agree."""
-    from types import SimpleNamespace as NS
-
     from oxygen_torch.kv import pool_stats
 
     model = tiny()
@@ -310,7 +310,7 @@ def test_fp8_kv_cache_generate_stays_close_to_stock(oxygen):
     kw.update(output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-        oxygen.apply(model, NS(kv=NS(kv_dtype="fp8_e4m3")))
+        oxygen.apply(model, load_config(kv={"kv_dtype": "fp8_e4m3"}))
         got = model.generate(ids, **kw)
     assert any(p["dtype"] == "float8_e4m3fn" for p in pool_stats())
     err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, ref.logits))

@@ -3,7 +3,6 @@
 import copy
 import gc
 import logging
-import types
 
 import pytest
 import torch
@@ -12,14 +11,14 @@ from test_hf_generate import COMMON  # the tiny model shape shared by the HF tes
 from transformers import AttentionInterface, DynamicCache, GenerationMixin, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import PagedKVCache
+from oxygen_torch.integrations.hf import generate as gen
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv.storage import KVStorage
 
 STOCK_GENERATE = GenerationMixin.generate
-CFG = types.SimpleNamespace(
-    kv=types.SimpleNamespace(block_tokens=16, arena_bytes=0, debug_checks=False)
-)
+CFG = load_config(kv={"block_tokens": 16, "arena_bytes": 0, "debug_checks": False})
 
 
 def llama(seed=0, **kw):
@@ -63,7 +62,8 @@ def test_unsupported_model_keeps_stock_attention_with_one_warning(enabled, caplo
     with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
         model = T.Gemma2ForCausalLM(cfg)
         T.Gemma2ForCausalLM(cfg)
-    assert model.config._attn_implementation == "sdpa"
+    stock = "sdpa" if T.Gemma2ForCausalLM._supports_sdpa else "eager"  # 5.24: eager
+    assert model.config._attn_implementation == stock
     msgs = [r.getMessage() for r in caplog.records if "soft-capping" in r.getMessage()]
     assert len(msgs) == 1, msgs
 
@@ -90,24 +90,25 @@ def test_static_cache_decode_compiles_through_the_oxygen_backend(enabled, monkey
     """generate() with a compileable cache asks transformers to compile with backend "oxygen"
     on a GPU unless the caller set a compile_config (transformers compiles only on GPUs, so the
     call is watched here; the decision itself is checked directly)."""
-    from transformers import CompileConfig, GenerationConfig
+    from transformers import CompileConfig
 
     seen = []
-    real = hf.compile_through_oxygen
-    monkeypatch.setattr(hf, "compile_through_oxygen", lambda *a: seen.append(a) or real(*a))
-    greedy(llama(), cache_implementation="static")
-    assert len(seen) == 1 and isinstance(seen[0][1], StaticCache) and seen[0][2] == "cpu"
-    assert seen[0][0].compile_config is None  # nothing compiles on the CPU: left alone
+    real = gen.oxygen_compile_config
+    monkeypatch.setattr(gen, "oxygen_compile_config", lambda *a: seen.append((a, real(*a))) or None)
+    model = llama()
+    greedy(model, cache_implementation="static")
+    (call, cache, device), decided = seen[0]
+    assert len(seen) == 1 and cache == "static" and device == "cpu"
+    assert decided is None  # nothing compiles on the CPU: left alone
 
-    static = seen[0][1]
-    conf = GenerationConfig()
-    assert hf.compile_through_oxygen(conf, static, "cuda")
-    assert conf.compile_config.backend == "oxygen" and conf.compile_config.mode == "reduce-overhead"
-    mine = GenerationConfig(compile_config=CompileConfig(backend="inductor", mode="default"))
-    assert not hf.compile_through_oxygen(mine, static, "cuda")
-    assert mine.compile_config.backend == "inductor"  # the caller's choice is kept
-    assert not hf.compile_through_oxygen(GenerationConfig(disable_compile=True), static, "cuda")
-    assert not hf.compile_through_oxygen(GenerationConfig(), DynamicCache(), "cuda")
+    cc = real(call, cache, "cuda")
+    assert cc.backend == "oxygen" and cc.mode == "reduce-overhead"
+    static = StaticCache(config=model.config, max_cache_len=32)
+    assert real(gen._Call(model, (), {}), static, "cuda").backend == "oxygen"
+    mine = CompileConfig(backend="inductor", mode="default")
+    assert real(gen._Call(model, (), {"compile_config": mine}), static, "cuda") is None
+    assert real(gen._Call(model, (), {"disable_compile": True}), static, "cuda") is None
+    assert real(gen._Call(model, (), {}), DynamicCache(), "cuda") is None
 
 
 def test_output_attentions_falls_back_to_stock(enabled):

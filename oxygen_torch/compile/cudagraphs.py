@@ -21,6 +21,7 @@ compiles without graphs and `GraphRunner` wraps the compiled callable:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import warnings
@@ -119,6 +120,35 @@ def mutated_inputs(gm: GraphModule) -> frozenset[int]:
     return frozenset(hit)
 
 
+class CaptureError(RuntimeError):
+    """A strict runner's capture failed after its warm-up call had run: carries that result."""
+
+    def __init__(self, result):
+        super().__init__("CUDA-graph capture failed")
+        self.result = result
+
+
+class RerunGraph:
+    """Stands in for a CUDA graph on CPU: a replay runs the captured call again and writes its
+    outputs into the captured ones, as a replayed graph rewrites its buffers (the decode graphs'
+    bookkeeping is tested this way on machines without a GPU)."""
+
+    def __init__(self):
+        self.call = None
+        self.outs: list = []
+        self.replays = 0
+
+    def record(self, fn, args, outputs) -> None:
+        self.call, self.outs = (fn, args), _flat(outputs)
+
+    def replay(self) -> None:
+        fn, args = self.call
+        for old, new in zip(self.outs, _flat(fn(*args))):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+        self.replays += 1
+
+
 class _Captured:
     def __init__(self, graph, static_args, outputs, alias_static):
         self.graph = graph
@@ -128,7 +158,14 @@ class _Captured:
 
 
 class GraphRunner:
-    """Calls `fn` through CUDA graphs captured per input signature (module docstring)."""
+    """Calls `fn` through CUDA graphs captured per input signature (module docstring). The one
+    CUDA-graph runner: the backend's mode="reduce-overhead" and generate()'s decode graphs.
+
+    warm_capture: capture in the call that warms up (its result is the warm-up's), for a call
+    that may run twice (a decode step writes the same K/V to the same slots); `between()` runs
+    after that warm-up, before the capture. strict: a failed capture raises CaptureError
+    carrying the warm-up's result, instead of warning and running that signature plainly.
+    device_type "cpu" with no graph_factory: RerunGraph stands in for the graph."""
 
     def __init__(
         self,
@@ -138,18 +175,26 @@ class GraphRunner:
         capture=None,
         device_type: str = "cuda",
         static: frozenset[int] | None = None,
+        *,
+        warm_capture: bool = False,
+        between=None,
+        strict: bool = False,
     ):
         self.fn = fn
-        self.device_type = device_type  # tests drive the bookkeeping on CPU with a fake graph
+        self.device_type = device_type
         self.mutated = mutated
         self.static = static  # indices of inputs used in place; None: is_static() decides
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self.warm: set[tuple] = set()
         self.plain: set[tuple] = set()  # signatures that cannot be captured
-        self._new_graph = graph_factory or torch.cuda.CUDAGraph
+        self.warm_capture, self.between, self.strict = warm_capture, between, strict
+        cpu = device_type != "cuda"
+        self._new_graph = graph_factory or (RerunGraph if cpu else torch.cuda.CUDAGraph)
         # thread_local: other threads (the pool's refill thread) may keep calling CUDA meanwhile
-        self._capture_ctx = capture or functools.partial(
-            torch.cuda.graph, capture_error_mode="thread_local"
+        self._capture_ctx = capture or (
+            (lambda graph: contextlib.nullcontext())
+            if cpu
+            else functools.partial(torch.cuda.graph, capture_error_mode="thread_local")
         )
 
     def __call__(self, *args):
@@ -159,28 +204,35 @@ class GraphRunner:
         if self.device_type == "cuda" and torch.cuda.is_current_stream_capturing():
             return self.fn(*args)  # inside someone else's capture (a decode graph)
         g = self.graphs.get(key)
-        if g is None:
-            if key not in self.warm:
-                self.warm.add(key)
-                return self.fn(*args)
-            if len(self.graphs) >= MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-            try:
-                g = self._capture(args)
-            except Exception as err:  # an op that cannot be captured: run this signature plainly
-                self.plain.add(key)
-                count_cuda_graph("skipped")
-                warnings.warn(
-                    f"oxygen backend: CUDA-graph capture failed, running without a "
-                    f"graph for this input signature: {err}",
-                    stacklevel=2,
-                )
-                return self.fn(*args)
-            self.graphs[key] = g
-            count_cuda_graph("captured")
-        else:
+        if g is not None:
             self.graphs.move_to_end(key)
-        return self._replay(g, args)
+            return self._replay(g, args)
+        warm = None
+        if key not in self.warm or self.warm_capture:
+            self.warm.add(key)
+            warm = self.fn(*args)
+            if not self.warm_capture:
+                return warm
+            if self.between is not None:
+                self.between()
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        try:
+            g = self._capture(args)
+        except Exception as err:  # an op that cannot be captured: run this signature plainly
+            self.plain.add(key)
+            count_cuda_graph("skipped")
+            if self.strict:
+                raise CaptureError(warm) from err
+            warnings.warn(
+                f"oxygen backend: CUDA-graph capture failed, running without a "
+                f"graph for this input signature: {err}",
+                stacklevel=2,
+            )
+            return warm if self.warm_capture else self.fn(*args)
+        self.graphs[key] = g
+        count_cuda_graph("captured")
+        return warm if self.warm_capture else self._replay(g, args)
 
     def _key(self, args) -> tuple | None:
         """The signature; None when nothing is on CUDA or an input cannot be copied in."""
@@ -214,6 +266,8 @@ class GraphRunner:
             torch.cuda.synchronize()
         with self._capture_ctx(graph):
             outputs = self.fn(*static_args)
+        if hasattr(graph, "record"):  # the CPU stand-in
+            graph.record(self.fn, static_args, outputs)
         static_ptrs = {
             a.untyped_storage().data_ptr()
             for i, a in enumerate(args)

@@ -1,45 +1,33 @@
-"""The "oxygen" attention function and its mask function, as transformers calls them.
+"""The "oxygen" attention and mask functions, as transformers calls them.
 
-transformers builds masks through the mask function registered under the model's attention
-implementation (without one it silently drops the causal mask). Ours builds nothing: it returns an
-`OxygenMask` that keeps the arguments. The paged path reads only which new tokens are padding
-(one host sync per prefill, none per decode step); any other path asks it for the exact mask
-stock SDPA would have got (`dense()`), so falling back never changes an answer.
+Which path a forward takes is decided by the forward itself, never by shared state: a forward on
+a PagedKVCache marks its mask in the step context (``PagedKVCache.get_mask_sizes`` runs just
+before the mask function) and hands its K/V over from ``update``; any other forward (a
+DynamicCache, a StaticCache, no cache, HF's compiled static-cache step) gets exactly what stock
+SDPA would: ``sdpa_mask`` and ``sdpa_attention_forward``. So two threads on one model, one on the
+paged cache and one on its own cache, each get the attention they asked for.
+
+On the paged path the mask function builds nothing: it returns an ``OxygenMask`` that keeps the
+arguments. Attention reads only which new tokens are padding (one host sync per prefill, none
+per decode step); ``dense()`` gives the exact mask stock SDPA would have got.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from .cache import take_pending, traced_step
-
-log = logging.getLogger("oxygen_torch")
-
-_SLIDING_PARTS = sorted(["causal_mask_function", "sliding_window_overlay.<locals>.inner_mask"])
-
-
-def _mask_kind(fn) -> str:
-    """'causal', 'sliding' or 'custom' (image-token overlays, packing, bidirectional...)."""
-    if fn is causal_mask_function:
-        return "causal"
-    if getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask" and fn.__closure__:
-        parts = [c.cell_contents for c in fn.__closure__]
-        funcs = next((p for p in parts if isinstance(p, tuple)), ())
-        if sorted(getattr(f, "__qualname__", "") for f in funcs) == _SLIDING_PARTS:
-            return "sliding"
-    return "custom"
+from ... import context
+from .compat import mask_kind
 
 
 class OxygenMask:
-    """What the mask function returns to the layers: the arguments of the mask, unbuilt."""
+    """What the mask function returns to the layers of a paged forward: the arguments, unbuilt."""
 
     def __init__(self, kwargs: dict):
         self.kwargs = kwargs
-        self.kind = _mask_kind(kwargs.get("mask_function", causal_mask_function))
+        self.kind = mask_kind(kwargs.get("mask_function", causal_mask_function))
         self.window = kwargs.get("local_size") if self.kind == "sliding" else None
         self._dense = self._real = None
         self._built = self._real_done = False
@@ -67,10 +55,14 @@ class OxygenMask:
         return self._real
 
 
-def oxygen_mask(**kwargs) -> OxygenMask | None:
-    """Registered with AttentionMaskInterface under "oxygen". None in a traced decode-graph step:
-    a decode step reads no mask."""
-    return None if traced_step() else OxygenMask(kwargs)
+def oxygen_mask(**kwargs):
+    """Registered with AttentionMaskInterface under "oxygen"."""
+    if torch.compiler.is_compiling():
+        # a decode-graph step reads no mask; any other compiled forward is not on the paged cache
+        return None if context.is_tracing() else sdpa_mask(**kwargs)
+    if context.take_mask(kwargs["q_length"], kwargs["kv_length"]) is None:
+        return sdpa_mask(**kwargs)
+    return OxygenMask(kwargs)
 
 
 def _paged_unsupported(module, mask, dropout, softcap, kwargs) -> str | None:
@@ -107,7 +99,9 @@ def oxygen_attention_forward(
 
     query: [B, Hq, q, D]; key/value: what the cache's update() returned. Returns ([B, q, Hq, D],
     None) like the stock functions."""
-    if traced_step():  # a decode graph compiles the forward: one opaque op per layer
+    if torch.compiler.is_compiling():
+        if not context.is_tracing():  # HF's compiled static-cache step, a user's compile...
+            return _stock(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         reason = _paged_unsupported(module, attention_mask, dropout, softcap, kwargs)
         if reason is not None:
             raise NotImplementedError(f"oxygen decode graphs do not support {reason}")
@@ -115,13 +109,9 @@ def oxygen_attention_forward(
             query, key, value, module.layer_idx, scaling, sliding_window or 0
         )
         return out, None
-    pending = take_pending(key)
+    pending = context.take_pending(key)
     if pending is None:  # not a PagedKVCache (DynamicCache, StaticCache, no cache): stock SDPA
-        mask = attention_mask.dense() if isinstance(attention_mask, OxygenMask) else attention_mask
-        return sdpa_attention_forward(
-            module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    cache, layer_idx, key, value = pending
+        return _stock(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     reason = _paged_unsupported(module, attention_mask, dropout, softcap, kwargs)
     if reason is not None:
         raise NotImplementedError(
@@ -137,5 +127,16 @@ def oxygen_attention_forward(
             f"oxygen attention: layer sliding_window={sliding_window} differs from the mask's "
             f"window {window}"
         )
-    out = cache.attend(layer_idx, query, key, value, mask, scaling=scaling, sliding_window=window)
+    out = pending.cache.attend(
+        pending.layer, query, pending.key, pending.value, mask, scaling=scaling,
+        sliding_window=window,
+    )  # fmt: skip
     return out, None
+
+
+def _stock(module, query, key, value, mask, dropout, scaling, kwargs):
+    if isinstance(mask, OxygenMask):  # a paged forward's mask reaching another cache's layer
+        mask = mask.dense()
+    return sdpa_attention_forward(
+        module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+    )

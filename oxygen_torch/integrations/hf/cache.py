@@ -11,58 +11,18 @@ the core, not per layer.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ... import context
+from ...config import OxygenConfig, load_config
 from ...kv.core import PagedKVCore
 from ...triton_kernels.precision import PrecisionMode
-
-_tls = threading.local()  # .pending: (cache, layer_idx, key, value) between update and attention
-# True while a decode graph compiles the model's forward (torch.compile traces it): update()
-# hands K/V on untouched and the attention function calls oxygen::paged_step, which reads the
-# step's cache at run time. A global, so the compiled code guards on it.
-_TRACING_STEP = False
-
-
-@contextlib.contextmanager
-def tracing_step():
-    """Within: torch.compile traces the forward of a decode-graph step (hf_graphs)."""
-    global _TRACING_STEP
-    before, _TRACING_STEP = _TRACING_STEP, True
-    try:
-        yield
-    finally:
-        _TRACING_STEP = before
-
-
-def traced_step() -> bool:
-    """Whether the code running is a decode-graph step being traced by torch.compile."""
-    return _TRACING_STEP and torch.compiler.is_compiling()
-
-
-def take_pending(key: torch.Tensor):
-    """The (cache, layer_idx, key, value) that update() handed over for this `key`, or None."""
-    pending = getattr(_tls, "pending", None)
-    if pending is None:
-        return None
-    _tls.pending = None
-    if pending[2] is not key:
-        raise RuntimeError(
-            "oxygen attention: the keys given to attention are not the ones PagedKVCache.update "
-            "returned (the model transforms K/V after the cache update); this architecture is "
-            "not supported by oxygen attention"
-        )
-    return pending
-
-
-def _cfg_value(cfg, section: str, name: str, default):
-    return getattr(getattr(cfg, section, None), name, default) if cfg is not None else default
+from .compat import layer_types
 
 
 class PagedLayer(CacheLayerMixin):
@@ -108,8 +68,8 @@ class PagedKVCache(Cache):
     """A transformers Cache over oxygen's paged KV pool (see the module docstring).
 
     config: the (text) model config; gives the number of layers and which are sliding.
-    cfg: an OxygenConfig (or anything with .kv.block_tokens, .kv.arena_bytes, .kv.debug_checks,
-    .kv.kv_dtype, .pool.page_size, .kernel.precision); defaults to the active one.
+    cfg: the OxygenConfig (kv.*, pool.page_size, kernel.precision); default: ``load_config()``
+    (OXYGEN_CONF, OXYGEN_CONFIG_FILE, the defaults). generate() passes the model's.
     kv_dtype: overrides cfg's kv.kv_dtype ("auto", or "fp8_e4m3": K/V stored as e4m3 codes with
     one fp32 scale per block and kv head; half the bytes of bf16). precision: overrides
     cfg's kernel.precision.
@@ -120,34 +80,32 @@ class PagedKVCache(Cache):
         config: Any = None,
         *,
         num_layers: int | None = None,
-        cfg: Any = None,
+        cfg: OxygenConfig | None = None,
         backing: str = "auto",
         block_tokens: int | None = None,
         kv_dtype: str | None = None,
         precision: Any = None,
     ):
-        if cfg is None:
-            from . import integration as hf
-
-            cfg = hf.active_cfg()
-        layer_types = self._layer_types(config, num_layers)
+        cfg = cfg if cfg is not None else load_config()
+        types = self._layer_types(config, num_layers)
+        self.cfg = cfg
         self._config = config
-        self._any_sliding = any(t != "full_attention" for t in layer_types)
-        if precision is None:
-            precision = _cfg_value(cfg, "kernel", "precision", PrecisionMode.AUTO_MIXED)
+        self._any_sliding = any(t != "full_attention" for t in types)
         self._core = PagedKVCore(
-            len(layer_types),
-            block_tokens=block_tokens or _cfg_value(cfg, "kv", "block_tokens", 16),
+            len(types),
+            block_tokens=block_tokens or cfg.kv.block_tokens,
             backing=backing,
-            arena_bytes=_cfg_value(cfg, "kv", "arena_bytes", 0),
-            page_size=_cfg_value(cfg, "pool", "page_size", 2 << 20),
-            debug=_cfg_value(cfg, "kv", "debug_checks", False),
-            precision=PrecisionMode.parse(precision),
-            kv_dtype=kv_dtype or _cfg_value(cfg, "kv", "kv_dtype", "auto"),
+            arena_bytes=cfg.kv.arena_bytes,
+            page_size=cfg.pool.page_size,
+            debug=cfg.kv.debug_checks,
+            precision=PrecisionMode.parse(
+                precision if precision is not None else cfg.kernel.precision
+            ),
+            kv_dtype=kv_dtype or cfg.kv.kv_dtype,
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
-        layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(layer_types)]
+        layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)
 
@@ -159,8 +117,7 @@ class PagedKVCache(Cache):
                 if hasattr(config, "get_text_config")
                 else config
             )
-            layer_types, _ = get_layer_types_and_kwargs(text)
-            return list(layer_types)
+            return layer_types(text)
         if num_layers is None:
             raise ValueError("PagedKVCache: pass the model config (or num_layers)")
         return ["full_attention"] * num_layers
@@ -175,20 +132,14 @@ class PagedKVCache(Cache):
             raise IndexError(f"PagedKVCache: layer {layer_idx} of {len(self.layers)}")
         if self._deferred():
             if torch.compiler.is_compiling():
-                if not _TRACING_STEP:
+                if not context.TRACING:
                     raise NotImplementedError(
                         "PagedKVCache under torch.compile: generate() on the paged cache "
                         "compiles and captures its decode steps itself (kv.decode_graphs); "
                         "leave the model's forward uncompiled, or pass a StaticCache"
                     )
                 return key_states, value_states  # oxygen::paged_step stores them
-            if getattr(_tls, "pending", None) is not None:
-                _tls.pending = None
-                raise RuntimeError(
-                    "PagedKVCache: the previous update() was not consumed by oxygen attention "
-                    "(the model bypasses the attention interface); not supported"
-                )
-            _tls.pending = (self, layer_idx, key_states, value_states)
+            context.hand_over(self, layer_idx, key_states, value_states)
             return key_states, value_states
         self._core.write(layer_idx, key_states, value_states)
         return self._core.dense(layer_idx)
@@ -227,11 +178,18 @@ class PagedKVCache(Cache):
 
     # In a traced decode-graph step no mask is built and the position comes in as an input:
     # the two give sizes that hold no length, so the compiled step is not specialised on it.
+    # Outside a trace, get_mask_sizes is what transformers asks just before it calls the mask
+    # function: the step context notes that the mask about to be built is this cache's.
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return 0 if traced_step() else self._core.length
+        return 0 if context.is_tracing() else self._core.length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return (0 if traced_step() else self._core.length) + query_length, 0
+        if context.is_tracing():
+            return query_length, 0
+        kv_length = self._core.length + query_length
+        if self._deferred():
+            context.mark_mask(self, query_length, kv_length)
+        return kv_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

@@ -30,8 +30,11 @@ import types
 
 import torch
 
+from ... import _patching, context
+
 _SUFFIXES = ("RMSNorm", "MLP", "RotaryEmbedding")  # module classes whose forward is compiled
 _ROPE_FN = "apply_rotary_pos_emb"
+GROUP = "fuse"
 RECOMPILE_LIMIT = 64  # one compile per class and input shape: batch sizes x norm widths
 
 _lock = threading.RLock()
@@ -59,7 +62,6 @@ def compiled(model, forward, core, options=None):
     One compiled function per forward function and options, shared by the models of a class
     (it holds no model: they stay collectable)."""
     from ...compile import make_backend
-    from .cache import tracing_step
 
     if options is None:
         spec = {"precision": core.precision.name.lower(), "fallback": "error"}
@@ -79,7 +81,7 @@ def compiled(model, forward, core, options=None):
             )
             if bound:  # anything else may hold its model: compiled for this capture only
                 _compiled[key] = fn
-    with tracing_step(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with context.tracing(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         yield functools.partial(fn, model) if bound else fn
 
 
@@ -104,17 +106,16 @@ def _rope_modules(model) -> list[types.ModuleType]:
 @contextlib.contextmanager
 def fused(model, forward=None, core=None, options=None):
     """Within: `model`'s fusible modules and rotary function run compiled (module docstring)."""
-    with _lock:
-        patched, functions = [], []
+    why = "a decode graph's capture runs the compiled twin (same math, fused kernels)"
+    with _lock:  # one capture at a time: the group below is this capture's
         try:
             for m in model.modules():
                 if type(m).__name__.endswith(_SUFFIXES) and "forward" not in m.__dict__:
-                    m.forward = types.MethodType(_compile(type(m).forward), m)
-                    patched.append(m)
+                    twin = types.MethodType(_compile(type(m).forward), m)
+                    _patching.replace(m, "forward", twin, why=why, group=GROUP, weak=True)
             for mod in _rope_modules(model):
-                original = getattr(mod, _ROPE_FN)
-                setattr(mod, _ROPE_FN, _compile(original))
-                functions.append((mod, original))
+                twin = _compile(getattr(mod, _ROPE_FN))
+                _patching.replace(mod, _ROPE_FN, twin, why=why, group=GROUP)
             _active.depth = getattr(_active, "depth", 0) + 1
             try:
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -122,7 +123,4 @@ def fused(model, forward=None, core=None, options=None):
             finally:
                 _active.depth -= 1
         finally:
-            for m in patched:
-                del m.forward
-            for mod, original in functions:
-                setattr(mod, _ROPE_FN, original)
+            _patching.undo(GROUP)

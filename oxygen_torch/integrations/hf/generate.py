@@ -1,0 +1,191 @@
+"""generate() after enable(): the paged cache where transformers would build a DynamicCache.
+
+Through public arguments only, decided per call from the call's own arguments: a PagedKVCache is
+passed as the call's cache (``cache=`` from transformers 5.24, ``past_key_values=`` before), a
+long prompt gets ``prefill_chunk_size`` (transformers' own chunked prefill), and on a GPU a
+compileable cache (StaticCache) gets ``compile_config`` naming backend "oxygen". A cache the
+caller passes, another ``cache_implementation``, ``use_cache=False`` or ``output_attentions`` are
+respected: that call runs as stock transformers would (its forward on another cache takes stock
+SDPA by itself, see attention.py). Nothing is written to the model or its configs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ... import _patching
+from ...config import OxygenConfig
+from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
+from . import compat
+from .cache import PagedKVCache
+
+log = logging.getLogger("oxygen_torch")
+NAME = "oxygen"
+
+
+class _Call:
+    """The generation options of one call: its kwargs over its generation config."""
+
+    def __init__(self, model, args: tuple, kwargs: dict):
+        self.kwargs = kwargs
+        self.base = kwargs.get("generation_config") or model.generation_config
+        self.inputs = kwargs.get("inputs", kwargs.get("input_ids", args[0] if args else None))
+
+    def opt(self, name: str):
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return getattr(self.base, name, None)
+
+    def prompt_shape(self) -> tuple[int, int] | None:
+        ids = self.inputs
+        if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
+            embeds = self.kwargs.get("inputs_embeds")
+            return tuple(embeds.shape[:2]) if embeds is not None else None
+        return tuple(ids.shape)
+
+    def max_length(self) -> int:
+        shape = self.prompt_shape()
+        new = self.opt("max_new_tokens")
+        if new is not None and shape is not None:
+            return shape[1] + new
+        return self.opt("max_length") or 0
+
+
+def prefill_chunk(batch: int, length: int, block_tokens: int, limit: int) -> int | None:
+    """Chunk length along the sequence for a batch x length prompt, or None for one pass: chunks
+    of about `limit` tokens over the whole batch, never shorter than one KV block."""
+    if limit <= 0 or batch * length <= limit:
+        return None
+    chunk = max(limit // batch, block_tokens)
+    return chunk if chunk < length else None
+
+
+def oxygen_compile_config(call: _Call, cache, device_type: str):
+    """transformers compiles the decode step of a compileable cache (StaticCache...) on a GPU with
+    CompileConfig() -- Inductor, mode "reduce-overhead" -- unless the call names its own
+    compile_config. After enable() that default becomes backend "oxygen" (same mode): attention
+    rewritten to oxygen's kernels and the backend's own CUDA graphs, which run on the pool. (On
+    the H200, inductor's CUDA graphs replayed a device-side assert under the global pluggable
+    allocator, and its graph trees need an allocator API the pluggable one lacks.) `cache`: the
+    caller's cache, or the cache_implementation name. Returns the CompileConfig, or None."""
+    compileable = (
+        getattr(cache, "is_compileable", False)
+        if not isinstance(cache, str)
+        else cache in ("static", "sliding_window", "hybrid", "hybrid_chunked")
+    )
+    if (
+        device_type != "cuda"
+        or call.opt("compile_config") is not None
+        or call.opt("disable_compile")
+        or not compileable
+    ):
+        return None
+    from transformers import CompileConfig
+
+    log.info("oxygen_torch: generate() compiles the static-cache decode with backend='oxygen'")
+    return CompileConfig(backend=NAME, mode="reduce-overhead")
+
+
+def _paged_compile_options(call: _Call):
+    """A compile_config on a generate() that runs on the paged cache (transformers would skip
+    it: the cache is not its compileable kind). Backend "oxygen" configures the call: its
+    options set the cache's kv_dtype and precision when given, and the compile of the decode
+    graphs (inductor, fallback...). Another backend cannot trace the paged cache: one warning.
+    Returns (validated CompileOptions or None, the options the caller gave)."""
+    from ...compile import CompileOptions
+
+    cc = call.opt("compile_config")
+    if cc is None:
+        return None, {}
+    if cc.backend != NAME:
+        _patching.warn_once(
+            f"oxygen_torch: compile_config backend {cc.backend!r} is not used on the paged "
+            'cache; its decode steps are compiled by backend "oxygen" (kv.decode_graphs)'
+        )
+        return None, {}
+    return CompileOptions.from_user(cc.options, cc.mode), dict(cc.options or {})
+
+
+def _stock_reason(model, call: _Call) -> str | None:
+    """Why this call keeps transformers' own cache (None: it runs on the paged cache)."""
+    if call.opt("use_cache") is False:
+        return "use_cache=False"
+    impl = call.opt("cache_implementation")
+    if impl not in (None, "dynamic"):
+        return f"cache_implementation={impl!r}"
+    if call.opt("output_attentions"):
+        return "output_attentions"  # paged attention has no weights to give
+    if not getattr(model, "_supports_default_dynamic_cache", lambda: True)():
+        return "a model that brings its own cache"
+    return None
+
+
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, PagedKVCache | None]:
+    """This call's kwargs on oxygen, and the PagedKVCache given to it (None: it runs stock)."""
+    call = _Call(model, args, kwargs)
+    name = compat.cache_arg(type(model))
+    device = model.device.type
+    if name is None:
+        _patching.warn_once(
+            f"oxygen_torch: transformers {compat.VERSION}: {type(model).__name__}.forward takes "
+            f"none of {', '.join(compat.CACHE_ARGS)}; generate() runs on transformers' own "
+            "cache (this layout is unknown to oxygen_torch)"
+        )
+        return kwargs, None
+    user = compat.given_cache(kwargs)
+    if user is not None or _stock_reason(model, call) is not None:
+        cc = oxygen_compile_config(call, user or call.opt("cache_implementation"), device)
+        return ({**kwargs, "compile_config": cc} if cc is not None else kwargs), None
+    text = model.config.get_text_config(decoder=True)
+    if device == "cuda" and _head_dim(text) not in SUPPORTED_HEAD_DIMS:
+        _patching.warn_once(
+            f"oxygen_torch: head_dim {_head_dim(text)} has no kernel; stock attention is used"
+        )
+        return kwargs, None
+    opts, given = _paged_compile_options(call)
+    cache = PagedKVCache(
+        config=text,
+        cfg=cfg,
+        kv_dtype=opts.kv_dtype if "kv_dtype" in given else None,
+        precision=opts.precision if "precision" in given else None,
+    )
+    cache.compile_options = opts
+    cache.max_cache_len_hint = max(call.max_length() - 1, 0)
+    out = {**kwargs, name: cache}
+    if call.opt("cache_implementation") == "dynamic":  # ours is the dynamic cache
+        out["cache_implementation"] = None
+    if call.opt("compile_config") is not None:  # taken here: transformers would only skip it
+        out["compile_config"] = None
+    chunk = _chunk(call, cfg)
+    if chunk is not None:
+        log.info("oxygen_torch: prefill of %s tokens in chunks of %d", call.prompt_shape(), chunk)
+        out["prefill_chunk_size"] = chunk
+    return out, cache
+
+
+def _chunk(call: _Call, cfg: OxygenConfig) -> int | None:
+    """A long prompt on the paged cache is prefilled in chunks: the MLP activations of a
+    64 x 4096-token prompt alone are 2.75 GiB each, which decided how large a batch fits. A
+    prefill_chunk_size the caller set is kept."""
+    shape = call.prompt_shape()
+    if call.opt("prefill_chunk_size") is not None or call.inputs is None or shape is None:
+        return None
+    expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
+    return prefill_chunk(
+        shape[0] * expand, shape[1], cfg.kv.block_tokens, cfg.kv.prefill_chunk_tokens
+    )
+
+
+def check_used(model, cache: PagedKVCache | None) -> None:
+    """After the call: a paged cache that was never written means transformers did not use it
+    (a layout oxygen does not know): say so once, never silently."""
+    if cache is not None and cache._core.pool is None:
+        _patching.warn_once(
+            f"oxygen_torch: transformers {compat.VERSION}: generate() on "
+            f"{type(model).__name__} did not use the paged cache it was given; it ran on "
+            "transformers' own cache (this layout is unknown to oxygen_torch)"
+        )

@@ -1,0 +1,92 @@
+"""A model's call while oxygen is on: installed once per model class, deciding per call.
+
+Nothing about one call is ever written into the model: other threads run the same model at the
+same time, and the model's own attributes (its forward, a ``model.compile()``) stay what the user
+made them. Instead the model's class gets, once, through the patch module, a ``__call__`` that
+chooses by each call's own arguments:
+
+- a call on a PagedKVCache: a one-token step goes through a decode graph (graphs.py) where it
+  can; anything else runs the model's uncompiled forward. A compile the user put on the forward
+  (``model.forward = torch.compile(...)`` or ``model.compile()``) is not used for that call (one
+  warning): the cache's host bookkeeping would break the graph at every layer and recompile
+  every step. The decode graphs are compiled by backend "oxygen".
+- any other call (a DynamicCache, a StaticCache, no cache, someone's trace): ``nn.Module``'s own
+  ``__call__``, exactly as without oxygen.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ... import _patching, context
+from . import compat, graphs
+from .cache import PagedKVCache
+
+GROUP = "transformers"
+_MODULE_CALL = torch.nn.Module.__call__
+_USER_COMPILED = (
+    "oxygen_torch: the model's forward is compiled by torch.compile; on the paged cache "
+    "generate() runs it uncompiled, and captures the decode steps compiled by backend "
+    '"oxygen" in CUDA graphs where it can (kv.decode_graphs). Pass a StaticCache to run your '
+    "compiled forward as it is."
+)
+_lock = threading.Lock()
+
+
+def _compiled(fn) -> bool:
+    return getattr(fn, "_torchdynamo_orig_callable", None) is not None
+
+
+def _model_call(self, *args, **kw):
+    """The model class's __call__ while oxygen is on (see the module docstring)."""
+    if not torch.compiler.is_compiling():
+        cache = compat.given_cache(kw)
+        if isinstance(cache, PagedKVCache):
+            return _paged_call(self, cache, args, kw)
+    return _MODULE_CALL(self, *args, **kw)
+
+
+def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
+    ctx = context.current()
+    ctx.mask_for = ctx.pending = None  # whatever an interrupted forward left on this thread
+    own = model.__dict__.get("forward")
+    if model.__dict__.get("_compiled_call_impl") is not None or _compiled(own):
+        _patching.warn_once(_USER_COMPILED)
+    if model._forward_hooks or model._forward_pre_hooks:
+        _patching.warn_once(
+            "oxygen_torch: decode steps run without CUDA graphs: the model has forward hooks"
+        )
+        return _MODULE_CALL(model, *args, **kw)
+    if own is not None and not _compiled(own):
+        _patching.warn_once(
+            "oxygen_torch: decode steps run without CUDA graphs: the model's forward is replaced "
+            f"on the instance ({own!r}: accelerate hooks or a wrapper)"
+        )
+        return own(*args, **kw)
+    forward = own._torchdynamo_orig_callable if own is not None else model.forward
+    if not args:
+        name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)
+        out = graphs.decode_step(model, forward, kw, cache, name)
+        if out is not None:
+            return out
+    return forward(*args, **kw)
+
+
+def ensure(model) -> None:
+    """Installs the router on `model`'s class unless it is there (idempotent, thread-safe)."""
+    cls = type(model)
+    with _lock:
+        if cls.__call__ is _model_call:
+            return
+        if cls.__call__ is not _MODULE_CALL:
+            _patching.warn_once(
+                f"oxygen_torch: {cls.__name__} defines its own __call__: its generate() calls "
+                "run on the paged cache without decode graphs"
+            )
+            return
+        _patching.replace(
+            cls, "__call__", _model_call, group=GROUP,
+            why="a call on the paged cache: decode graphs, the user's compile set aside",
+        )  # fmt: skip
