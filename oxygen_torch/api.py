@@ -121,22 +121,24 @@ def memory_stats(device: int | None = None) -> dict:
 
     With enable() on a GPU these are the global pool's (the allocator PyTorch uses); on a CPU
     machine, the host backend's."""
-    from .pool import memory_stats as _stats
-
-    return _stats(device)
+    return pool.memory_stats(device)
 
 
 def empty_cache() -> None:
     """Unmap pages with nothing live and release cached physical handles."""
-    from .pool import empty_cache as _empty
-
-    _empty()
+    pool.empty_cache()
 
 
 def apply(model, **overrides: Any):
-    """Switch a transformers model created before enable() to oxygen attention and paged KV."""
+    """Switch a transformers model created before enable() to oxygen attention and paged KV.
+
+    Keyword overrides (as for enable()) apply to this model only, over enable()'s own."""
     from .integrations.hf import apply as _apply
 
-    return _apply(
-        model, _active if _active is not None and not overrides else load_config(**overrides)
-    )
+    active = _active
+    if active is not None and not overrides:
+        return _apply(model, active)
+    given = {}
+    if active is not None:  # what enable() was given stays; the overrides go over it
+        given = {k: v for k, v in active.as_dict().items() if active.sources.get(k) == "enable()"}
+    return _apply(model, load_config(**given, **overrides))

@@ -13,16 +13,16 @@ already in the rotary embedding of K). `length` still counts padding, as transfo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .. import context
 from ..triton_kernels.precision import PrecisionMode
 from .attention import gather_blocks, kv_write, paged_attention
 from .block_manager import SequenceBlocks
+from .graph_step import GraphStepMixin
+from .plan import StepPlan
 from .pool import KVPool, PoolKey, get_pool
 from .storage import GUARD_BLOCK, debug_checks_enabled
+from .table import BlockTableMixin
 
 MiB = 1 << 20
 # kv.kv_dtype: how K/V are stored. auto = the model's dtype; fp16 / bf16 must be the model's
@@ -35,17 +35,7 @@ KV_DTYPES = {
 }
 
 
-@dataclass
-class StepPlan:
-    """Where one forward pass's new tokens go; shared by all layers."""
-
-    q_len: int
-    slot_mapping: torch.Tensor  # [B * q_len] int32 on the device; -1 = padding, not stored
-    cu_seqlens_q: torch.Tensor | None  # [B + 1] int32; None = decode (one real token per row)
-    q_index: torch.Tensor | None  # [T_real] int64: real rows of the flattened [B * q_len]
-
-
-class PagedKVCore:
+class PagedKVCore(BlockTableMixin, GraphStepMixin):
     """KV cache of a batch of sequences in a shared KVPool. One table serves all layers."""
 
     def __init__(
@@ -211,15 +201,6 @@ class PagedKVCore:
         if cows:
             self._copy_blocks(cows)
 
-    def _reserve_one_each(self) -> None:
-        """_reserve of one token per sequence; without the block manager when every sequence's
-        last block has room and is its own (15 steps in 16 at 16-token blocks)."""
-        bt, seqs, refcount = self.block_tokens, self.seqs, self.pool.manager.refcount
-        if all(n % bt and refcount(b[-1]) == 1 for n, b in zip(seqs.lens, seqs.blocks)):
-            seqs.lens[:] = [n + 1 for n in seqs.lens]
-        else:
-            self._reserve([1] * len(seqs.lens))
-
     def _decode_slots(self, lens0: list[int]) -> list[int]:
         bt, blocks = self.block_tokens, self.seqs.blocks
         return [blocks[b][p // bt] * bt + p % bt for b, p in enumerate(lens0)]
@@ -265,96 +246,6 @@ class PagedKVCore:
             for cache in (*st.k, *st.v) if st is not None else ():
                 raw = cache.view(torch.uint8)  # bytes: index_copy_ has no fp8 kernel
                 raw.index_copy_(0, dst, raw.index_select(0, src))
-
-    # --- the block table on the device ----------------------------------------------------
-
-    def _grow_table(self, need: int) -> None:
-        cap = self._table_host.shape[1]
-        if need <= cap:
-            return
-        while cap < need:
-            cap *= 2
-        grown = torch.full((self._table_host.shape[0], cap), GUARD_BLOCK, dtype=torch.int32)
-        grown[:, : self._table_host.shape[1]] = self._table_host
-        self._table_host = grown
-        self._dirty = None
-        if not self._lent:  # a lent table is reloaded whole at the next eager step
-            self.table = self._to_device(grown)
-
-    def _mark_dirty(self, col: int) -> None:
-        c0, c1 = self._dirty if self._dirty is not None else (col, col + 1)
-        self._dirty = (min(c0, col), max(c1, col + 1))
-
-    def _flush_table(self) -> None:
-        if self._dirty is None:
-            return
-        c0, c1 = self._dirty
-        self._dirty = None
-        if self.device.type == "cpu":
-            self.table[:, c0:c1] = self._table_host[:, c0:c1]
-        else:
-            part = self._to_device(self._table_host[:, c0:c1].contiguous())
-            self.table[:, c0:c1].copy_(part)
-
-    def _reload(self) -> None:
-        """The whole table and the lengths to the device (after select/crop, or after decode
-        graph steps, whose table lived in the graph's buffers)."""
-        self._dirty, self._lent = None, False
-        self.table = self._to_device(self._table_host)
-        self.seq_lens = self._to_device(torch.tensor(self.seqs.lens, dtype=torch.int32))
-
-    # --- decode steps replayed from a CUDA graph -------------------------------------------
-
-    def begin_graph_step(self, width: int) -> tuple[torch.Tensor, list[int]]:
-        """Plans one decode step (one token per sequence) on the host, for a graph that reads
-        the block table, lengths and slots from its own buffers.
-
-        Returns (table columns [B, width] int32 on the host, lengths + slots as one list of 2B
-        ints); the caller copies them into the graph's buffers and calls `lend` with them. The
-        step is begun: layers then append once each (forward or capture), or `end_graph_step`
-        marks them appended (replay)."""
-        if self.seqs is None:
-            raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
-        if not all(n == self.length for n in self._layer_len):
-            raise RuntimeError("PagedKVCache: the previous step did not reach every layer")
-        lens0 = list(self.seqs.lens)
-        need = -(-(max(lens0, default=0) + 1) // self.block_tokens)
-        if need > width:
-            raise ValueError(
-                f"PagedKVCache: {need} blocks do not fit a decode graph {width} blocks wide"
-            )
-        self._reserve_one_each()
-        self._grow_table(width)
-        self.length += 1
-        return self._table_host[:, :width], self.seqs.lens + self._decode_slots(lens0)
-
-    def lend(self, table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor) -> None:
-        """The step begun by begin_graph_step reads these device buffers (the graph's); the
-        cache's own table is reloaded from the host at its next eager step."""
-        self.table, self.seq_lens, self._lent = table, seq_lens, True
-        self._plan = StepPlan(1, slots, None, None)
-        self._layer_len = [self.length - 1] * self.num_layers
-        context.lend(self)
-
-    def end_graph_step(self) -> None:
-        """Every layer appended this step (a replayed graph does not run the Python forward)."""
-        self._layer_len = [self.length] * self.num_layers
-        context.forget(self)
-
-    def step(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        scale: float | None,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """One layer of a one-token step: stores k/v ([B, Hkv, 1, D]) and attends q
-        ([B, Hq, 1, D]) -> [B, 1, Hq, D]. Decode tokens are never padding."""
-        plan = self.write(layer, k, v)
-        return self.attend(layer, q, plan, scale=scale, sliding_window=sliding_window)
 
     # --- attention and reading ------------------------------------------------------------
 

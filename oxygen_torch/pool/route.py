@@ -16,19 +16,8 @@ import torch
 from .. import _patching
 from ..config import PoolConfig, load_config
 from . import native as _native
-
-
-class _Route:
-    enabled = False  # enable_allocator() ran
-    installed = False  # the CUDAPluggableAllocator is PyTorch's current allocator
-    backend = "host"
-    pluggable = None  # torch.cuda.memory.CUDAPluggableAllocator, kept alive
-    saved_allocator = None  # PyTorch's allocator before enable (restorable until CUDA init)
-    configured = False  # oxygen_configure ran
-    pools: list = []  # MemPools of the pool() route, kept alive with their segments
-
-
-_route = _Route()
+from .state import _route
+from .stats import _torch_like_stats, empty_cache, reset_peak_memory_stats
 
 
 def is_enabled() -> bool:
@@ -133,8 +122,6 @@ def _unpatch_torch() -> None:
 
 
 def _patch_torch() -> None:
-    from .stats import _torch_like_stats, empty_cache, reset_peak_memory_stats  # stats reads us
-
     # Under CUDAPluggableAllocator the device-stats family raises ("does not yet support
     # getDeviceStats"); memory_allocated & co. look memory_stats up in torch.cuda.memory.
     original_empty = torch.cuda.memory.empty_cache

@@ -10,7 +10,7 @@ import torch
 
 from . import native as _native
 from .objects import _derive, _read, live_arenas
-from .route import _route
+from .state import _route
 
 HIST_BOUNDS_US = [float(1 << i) for i in range(15)] + [float("inf")]  # map-latency buckets
 

@@ -1,0 +1,17 @@
+"""StepPlan: where one forward pass's new tokens go, shared by all layers of the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    """Where one forward pass's new tokens go; shared by all layers."""
+
+    q_len: int
+    slot_mapping: torch.Tensor  # [B * q_len] int32 on the device; -1 = padding, not stored
+    cu_seqlens_q: torch.Tensor | None  # [B + 1] int32; None = decode (one real token per row)
+    q_index: torch.Tensor | None  # [T_real] int64: real rows of the flattened [B * q_len]
