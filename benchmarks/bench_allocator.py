@@ -33,7 +33,7 @@ ROOT = HERE.parent
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20]
 ENABLE = (
     "import types; from oxygen_torch import pool as allocator; allocator.enable_allocator("
-    "types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend='auto'))"
+    "__import__('oxygen_torch.config').config.PoolConfig())"
 )
 
 

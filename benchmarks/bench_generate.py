@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 import traceback
-import types
 
 import torch
 
@@ -215,9 +214,11 @@ def capacity(mode: str) -> dict:
 
             arena, scales = capacity_kv_bytes(batch, elem=1 if fp8 else 2)
             kv_bytes = arena + scales
-            kv = types.SimpleNamespace(arena_bytes=arena, kv_dtype="fp8_e4m3" if fp8 else "auto")
-            switch_on(types.SimpleNamespace(kv=kv))
-            hf.apply(model)
+            from oxygen_torch.config import load_config
+
+            kv = dict(arena_bytes=arena, kv_dtype="fp8_e4m3" if fp8 else "auto")
+            switch_on(load_config(kv=kv))
+            hf.apply(model, load_config(kv=kv))
         torch.cuda.set_per_process_memory_fraction((CAP_BYTES - kv_bytes) / total)
         try:
             dt = _long_generate(model, batch)

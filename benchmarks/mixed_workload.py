@@ -19,7 +19,6 @@ import os
 import random
 import sys
 import time
-import types
 
 MODES = ("default", "expandable", "oxygen")
 
@@ -40,8 +39,9 @@ def setup(mode: str):
 
     if mode == "oxygen":
         from oxygen_torch import pool as allocator
+        from oxygen_torch.config import PoolConfig
 
-        cfg = types.SimpleNamespace(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
+        cfg = PoolConfig(page_size=2 << 20, reserve_fraction=0.9, backend="auto")
         if os.environ.get("OXYGEN_HYSTERESIS_MS"):  # compare settings; default pool.hysteresis_ms
             cfg.hysteresis_ms = float(os.environ["OXYGEN_HYSTERESIS_MS"])
         allocator.enable_allocator(cfg)

@@ -20,8 +20,8 @@ MiB = 1 << 20
 ENABLE = """
 import json, sys, types, torch
 from oxygen_torch import pool as allocator
-allocator.enable_allocator(types.SimpleNamespace(page_size=2 << 20, reserve_fraction={frac},
-                                                 backend="auto"))
+from oxygen_torch.config import PoolConfig
+allocator.enable_allocator(PoolConfig(page_size=2 << 20, reserve_fraction={frac}, backend="auto"))
 """
 
 
@@ -134,7 +134,8 @@ def test_global_route_refuses_after_cuda_init():
         torch.zeros(1, device="cuda")
         from oxygen_torch import pool as allocator
         try:
-            allocator.enable_allocator(types.SimpleNamespace(backend="auto"))
+            from oxygen_torch.config import PoolConfig
+            allocator.enable_allocator(PoolConfig(backend="auto"))
             msg = ""
         except RuntimeError as e:
             msg = str(e)

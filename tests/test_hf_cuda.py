@@ -83,7 +83,8 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
         ref_logits = model(ids, attention_mask=mask).logits
-        hf.apply(model, _ns(CFG_FP32))
+        cfg = _ns(CFG_FP32)  # the model's configuration, given to the cache built here too
+        hf.apply(model, cfg)
         out = model.generate(
             ids,
             attention_mask=mask,
@@ -92,7 +93,7 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
             return_dict_in_generate=True,
         )
         logits = model(
-            ids, attention_mask=mask, past_key_values=PagedKVCache(config=model.config)
+            ids, attention_mask=mask, past_key_values=PagedKVCache(config=model.config, cfg=cfg)
         ).logits
     assert isinstance(out.past_key_values, PagedKVCache)
     real = mask.bool()

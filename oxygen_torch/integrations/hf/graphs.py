@@ -180,6 +180,7 @@ class _ModelGraphs:
         self.graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
         self.failed: set[tuple] = set()
         self.fingerprint: tuple = ()
+        self.checked = None  # weak reference to the cache the fingerprint was last checked for
         self.captures = 0
 
 
@@ -230,11 +231,13 @@ def _graph_for(model, cache: PagedKVCache, kw: dict, ids: torch.Tensor):
         key += (repr(sorted(cache.compile_options.as_dict().items())),)
     with _lock:
         mg = _graphs.setdefault(model, _ModelGraphs())
-        fp = _fingerprint(model)
-        if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
-            mg.graphs.clear()
-            mg.failed.clear()
-            mg.fingerprint = fp
+        if mg.checked is None or mg.checked() is not cache:  # once per cache (generate() call):
+            fp = _fingerprint(model)  # ~200 parameters' addresses cost the host ~0.2 ms a step
+            if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
+                mg.graphs.clear()
+                mg.failed.clear()
+                mg.fingerprint = fp
+            mg.checked = weakref.ref(cache)
         if key in mg.failed or isinstance(ltk, torch.Tensor):
             return None, mg, key
         g = mg.graphs.get(key)
