@@ -19,9 +19,9 @@ MiB = 1 << 20
 
 ENABLE = """
 import json, sys, types, torch
+import oxygen_torch
 from oxygen_torch import pool as allocator
-from oxygen_torch.config import PoolConfig
-allocator.enable_allocator(PoolConfig(page_size=2 << 20, reserve_fraction={frac}, backend="auto"))
+oxygen_torch.enable(reserve_fraction={frac})  # the pool, and Inductor's graphs through its runner
 """
 
 

@@ -212,11 +212,11 @@ def _eager_reason(kw: dict) -> str | None:
     return None
 
 
-def usable(model, cache: PagedKVCache) -> bool:
-    """Whether decode steps of `model` on `cache` may go through graphs at all."""
+def usable(device: torch.device, cache: PagedKVCache) -> bool:
+    """Whether decode steps on `cache` (inputs on `device`) may go through graphs at all."""
     if not cache.cfg.kv.decode_graphs or not cache._deferred():
         return False
-    return model.device.type == "cuda" or (CPU_RERUN and model.device.type == "cpu")
+    return device.type == "cuda" or (CPU_RERUN and device.type == "cpu")
 
 
 def _graph_for(model, cache: PagedKVCache, kw: dict, ids: torch.Tensor):
@@ -259,7 +259,7 @@ def decode_step(model, forward, kw: dict, cache: PagedKVCache, cache_name: str):
     ids = kw.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
         return None
-    if not usable(model, cache):
+    if not usable(ids.device, cache):
         return None
     core = cache._core
     if core.seqs is None or core.debug or ids.shape[0] != len(core.seqs):
