@@ -12,6 +12,7 @@ from oxygen_torch.triton_kernels import (
     LaunchConfig,
     PrecisionMode,
     TileQuery,
+    choices,
     kv_append,
     kv_append_ref,
     paged_decode,
@@ -23,7 +24,12 @@ from oxygen_torch.triton_kernels import (
     select_num_warps,
 )
 from oxygen_torch.triton_kernels.reference import fp8_codes_to_float
+from oxygen_torch.triton_kernels.tiling import clear_choices
 from test_kernels_helpers import assert_close_rel, make_paged, poisoned_like, randn
+
+from oxygen_torch.config import KernelConfig
+from oxygen_torch.kv.attention import paged_attention, tiles_for
+from oxygen_torch.profiles import get_profile
 
 pytestmark = pytest.mark.cuda
 CUDA = "cuda"
@@ -235,3 +241,26 @@ def test_decode_step_is_cuda_graph_capturable():
         graph.replay()
         ref = paged_decode_ref(q.double(), p.k_cache, p.v_cache, p.block_table, p.seq_lens)
         assert_close_rel(out, ref, BF16)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_dispatch_passes_profile_tiles_to_the_kernels(phase):
+    """paged_attention (the one dispatch) with the llama profile's tiles (64, 64 after rounding):
+    the launch on the GPU takes them (prefill: both; decode: the key tile), values as before."""
+    tiles = tiles_for(KernelConfig(block_n=32), get_profile("llama"))  # (64, 32): kernel wins
+    p = make_paged(_lens(4, 3000, seed=20), 8, 128, 16, BF16, device=CUDA, seed=21)
+    clear_choices()
+    if phase == "decode":
+        q = randn((4, 32, 128), BF16, seed=22, device=CUDA)
+        out = paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, tiles=tiles)
+        ref = paged_decode_ref(q.double(), p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+        want = (16, 32)  # block_m: the GQA group of 4, padded to 16
+    else:
+        cu = torch.tensor([0, 300, 301, 400, 900], dtype=torch.int32, device=CUDA)
+        q = randn((900, 32, 128), BF16, seed=23, device=CUDA)
+        out = paged_attention(q, p.k_cache, p.v_cache, p.block_table, p.seq_lens, cu, tiles=tiles)
+        ref = paged_prefill_ref(q.double(), p.k_cache, p.v_cache, p.block_table, cu, p.seq_lens)
+        want = (64, 32)
+    assert [(c.block_m, c.block_n) for c in choices().values()] == [want]
+    clear_choices()
+    assert_close_rel(out, ref, BF16)

@@ -1,7 +1,7 @@
 """oxygen::attention on CPU: torch.library.opcheck (schema, fake kernels, AOT dispatch with
 dynamic shapes) and values against torch SDPA in float64; the one paged dispatch
 (oxygen_torch.kv.attention: append, then decode and prefill) against dense attention over the
-same keys."""
+same keys; tiles_for's precedence (kernel config > model profile > automatic)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import oxygen_torch.compile  # noqa: F401  (registers torch.ops.oxygen)
-from oxygen_torch.kv.attention import kv_write, paged_attention
+from oxygen_torch.config import KernelConfig
+from oxygen_torch.kv.attention import Tiles, kv_write, paged_attention, tiles_for
+from oxygen_torch.profiles import ModelProfile, get_profile
 
 ops = torch.ops.oxygen
 
@@ -126,3 +128,35 @@ def test_paged_decode_and_prefill_match_dense():
         torch.testing.assert_close(
             outp[cu[b] : cu[b + 1]], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize(
+    "kernel,profile,expected",
+    [
+        (dict(), None, Tiles()),
+        (dict(), dict(block_m=64, block_n=64), Tiles(64, 64)),
+        (dict(block_n=32), dict(block_m=64, block_n=64), Tiles(64, 32)),  # per side
+        (dict(block_m=128, block_n=16), dict(block_m=64, block_n=64), Tiles(128, 16)),
+        (dict(attention_type="moe"), dict(), Tiles(attention_type="moe")),  # empty profile
+    ],
+)
+def test_tiles_for_explicit_over_profile_over_automatic(kernel, profile, expected):
+    prof = None if profile is None else ModelProfile("llama", **profile)
+    assert tiles_for(KernelConfig(**kernel), prof) == expected
+
+
+def test_tiles_for_takes_the_rounded_builtin_llama_profile():
+    # block_size [96, 96]: Triton sides are powers of two, 96 rounds (ties down) to 64
+    assert tiles_for(KernelConfig(), get_profile("llama")) == Tiles(64, 64)
+    assert tiles_for(KernelConfig(), get_profile("gpt2")) == Tiles()
+
+
+def test_paged_attention_checks_tiles_and_keeps_cpu_values():
+    lens, hq, hkv, d = [21, 9], 4, 2, 16
+    k_cache, v_cache, table, seq_lens, _ = _paged(lens, hkv, d, seed=3)
+    q = _randn(len(lens), hq, d, seed=4)
+    plain = paged_attention(q, k_cache, v_cache, table, seq_lens)
+    tiled = paged_attention(q, k_cache, v_cache, table, seq_lens, tiles=Tiles(block_n=16))
+    torch.testing.assert_close(tiled, plain, atol=0, rtol=0)  # CPU: the same SDPA
+    with pytest.raises(ValueError, match="tiles: expected a Tiles"):
+        paged_attention(q, k_cache, v_cache, table, seq_lens, tiles=(16, 16))

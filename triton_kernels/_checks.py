@@ -17,7 +17,10 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (the CPU interpreter tests).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# head dims of the paged kernels (padded to a power of two inside, with masks); the dense kernel
+# takes any head_dim up to the largest (a head row is held in registers)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+MAX_HEAD_DIM = max(SUPPORTED_HEAD_DIMS)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 

@@ -52,20 +52,26 @@ def _e4m3_code(x):
 
 
 @triton.jit
-def _token_coords(slot_ptr, t, BLOCK_TOKENS: tl.constexpr):
+def _token_coords(slot_ptr, t, num_heads, BLOCK_TOKENS: tl.constexpr):
+    """(heads token t writes: num_heads, or 0 for a skipped slot; its block; its offset).
+
+    The skip is folded into a head count, so every mask is `offs_h < count`, a block compared
+    with a scalar, never a block combined with a scalar bool: Triton 3.9's interpreter splats a
+    scalar comparison with its operands' element type (int64 here), and its loads then reject
+    the non-bool mask ("mask has unsupported dtype"). Compiled code is the same select."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    valid = slot >= 0
+    heads = tl.where(slot >= 0, num_heads, 0)
     slot = tl.maximum(slot, 0)
-    return valid, slot // BLOCK_TOKENS, slot % BLOCK_TOKENS
+    return heads, slot // BLOCK_TOKENS, slot % BLOCK_TOKENS
 
 
 @triton.jit
 def _reset_scales_kernel(
     slot_ptr, ks_ptr, vs_ptr, num_heads, BLOCK_TOKENS: tl.constexpr, H_PAD: tl.constexpr
 ):
-    valid, blk, off = _token_coords(slot_ptr, tl.program_id(0), BLOCK_TOKENS)
+    heads, blk, off = _token_coords(slot_ptr, tl.program_id(0), num_heads, BLOCK_TOKENS)
     offs_h = tl.arange(0, H_PAD)
-    m = (offs_h < num_heads) & valid & (off == 0)
+    m = offs_h < tl.where(off == 0, heads, 0)
     tl.store(ks_ptr + blk * num_heads + offs_h, tl.zeros([H_PAD], tl.float32), mask=m)
     tl.store(vs_ptr + blk * num_heads + offs_h, tl.zeros([H_PAD], tl.float32), mask=m)
 
@@ -76,7 +82,7 @@ def _amax_one(
     sc_ptr,
     t,
     blk,
-    valid,
+    heads,
     stride_t,
     stride_h,
     num_heads,
@@ -87,7 +93,7 @@ def _amax_one(
 ):
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
-    h_mask = (offs_h < num_heads) & valid
+    h_mask = offs_h < heads
     m = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(
         x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :], mask=m, other=0.0
@@ -118,13 +124,13 @@ def _amax_kernel(
     D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
-    valid, blk, off = _token_coords(slot_ptr, t, BLOCK_TOKENS)
+    heads, blk, off = _token_coords(slot_ptr, t, num_heads, BLOCK_TOKENS)
     _amax_one(
         k_ptr,
         ks_ptr,
         t,
         blk,
-        valid,
+        heads,
         stride_kt,
         stride_kh,
         num_heads,
@@ -138,7 +144,7 @@ def _amax_kernel(
         vs_ptr,
         t,
         blk,
-        valid,
+        heads,
         stride_vt,
         stride_vh,
         num_heads,
@@ -157,7 +163,7 @@ def _store_one(
     t,
     blk,
     off,
-    valid,
+    heads,
     stride_t,
     stride_h,
     stride_cb,
@@ -171,7 +177,7 @@ def _store_one(
 ):
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
-    h_mask = (offs_h < num_heads) & valid
+    h_mask = offs_h < heads
     m = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     x = tl.load(
         x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :], mask=m, other=0.0
@@ -211,7 +217,7 @@ def _append_kernel(
     FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
-    valid, blk, off = _token_coords(slot_ptr, t, BLOCK_TOKENS)
+    heads, blk, off = _token_coords(slot_ptr, t, num_heads, BLOCK_TOKENS)
     _store_one(
         k_ptr,
         kc_ptr,
@@ -219,7 +225,7 @@ def _append_kernel(
         t,
         blk,
         off,
-        valid,
+        heads,
         stride_kt,
         stride_kh,
         stride_cb,
@@ -238,7 +244,7 @@ def _append_kernel(
         t,
         blk,
         off,
-        valid,
+        heads,
         stride_vt,
         stride_vh,
         stride_cb,

@@ -22,7 +22,7 @@ import triton.language as tl
 from . import _checks as C
 from ._flash import kv_rows, load_kv, scores, softmax_step
 from .precision import PrecisionMode
-from .tiling import LaunchConfig, TileQuery, launch_config, next_pow2, select_num_splits
+from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select_num_splits
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window wider than any sequence: lo = max(seq_len - W, 0) = 0
@@ -182,8 +182,9 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, slid
     return C.check_window(sliding_window)
 
 
-def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits):
+def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits, tiles=None):
     """The launch choice (memoised per shape bucket) and the number of splits."""
+    tiles = check_overrides(launch, tiles)
     batch, hq, d = q.shape
     hkv, bt = k_cache.shape[2], k_cache.shape[1]
     max_len = block_table.shape[1] * bt
@@ -197,12 +198,11 @@ def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits
             k_cache.dtype,
             "decode",
             max(span, 1),
-            "sliding" if window else "dense",
+            tiles.kind(window),
+            block_n=tiles.block_n,  # block_m is the GQA group tile: see Tiles
             precision=precision,
         )
         launch = launch_config(tq)
-    elif not isinstance(launch, LaunchConfig):
-        raise ValueError(f"launch: expected a LaunchConfig, got {type(launch).__name__}")
     group_tiles = triton.cdiv(hq // hkv, launch.block_m)
     splits = num_splits if num_splits is not None else launch.num_splits
     if splits is None:
@@ -228,13 +228,15 @@ def paged_decode(
     out=None,
     num_splits=None,
     launch=None,
+    tiles=None,
 ):
     """Attention of one query token per sequence over its paged K/V.
 
     q: [batch, num_q_heads, head_dim]; k_cache, v_cache: [num_blocks, block_tokens, kv_heads,
     head_dim]; block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (the query is the
     token at position seq_lens[b] - 1; seq_lens[b] == 0 gives zeros). sliding_window=W: keys at
-    positions > seq_len - 1 - W only. num_splits / launch override the tiling choice.
+    positions > seq_len - 1 - W only. num_splits / launch override the tiling choice; tiles
+    (a Tiles: key tile and attention type) steers it.
     Returns out: [batch, num_q_heads, head_dim] in q's dtype.
     """
     precision = PrecisionMode.parse(precision)
@@ -245,7 +247,7 @@ def paged_decode(
         return out
     hkv, bt = k_cache.shape[2], k_cache.shape[1]
     cfg, group_tiles, splits = decode_launch(
-        q, k_cache, block_table, window, precision, launch, num_splits
+        q, k_cache, block_table, window, precision, launch, num_splits, tiles
     )
     fp8 = C.is_fp8(k_cache.dtype)
     if splits > 1:

@@ -21,7 +21,7 @@ from . import _checks as C
 from ._flash import kv_rows, load_kv, scores, softmax_step
 from .paged_decode import LOG2E, NO_WINDOW, _half_acc
 from .precision import PrecisionMode
-from .tiling import LaunchConfig, TileQuery, launch_config, next_pow2
+from .tiling import LaunchConfig, TileQuery, check_overrides, launch_config, next_pow2
 
 
 @triton.jit
@@ -267,10 +267,9 @@ def _validate(
     return C.check_window(sliding_window)
 
 
-def prefill_launch(q, k_cache, window, precision, launch) -> LaunchConfig:
+def prefill_launch(q, k_cache, window, precision, launch, tiles=None) -> LaunchConfig:
+    tiles = check_overrides(launch, tiles)
     if launch is not None:
-        if not isinstance(launch, LaunchConfig):
-            raise ValueError(f"launch: expected a LaunchConfig, got {type(launch).__name__}")
         return launch
     total, hq, d = q.shape
     tq = TileQuery(
@@ -281,7 +280,9 @@ def prefill_launch(q, k_cache, window, precision, launch) -> LaunchConfig:
         k_cache.dtype,
         "prefill",
         max(total, 1),
-        "sliding" if window else "dense",
+        tiles.kind(window),
+        block_m=tiles.block_m,
+        block_n=tiles.block_n,
         precision=precision,
     )
     return launch_config(tq)
@@ -303,10 +304,12 @@ def paged_prefill(
     v_scale=None,
     out=None,
     launch=None,
+    tiles=None,
 ):
     """q: [total_new_tokens, num_q_heads, head_dim], ragged by cu_seqlens_q ([batch + 1] int32).
     Sequence b's new tokens are the last cu[b+1] - cu[b] of its seq_lens[b] cached tokens (append
-    them with kv_append first). Returns out: [total_new_tokens, num_q_heads, head_dim]."""
+    them with kv_append first). launch overrides the tiling choice; tiles (a Tiles: query and key
+    tiles, attention type) steers it. Returns out: [total_new_tokens, num_q_heads, head_dim]."""
     precision = PrecisionMode.parse(precision)
     window = _validate(
         q,
@@ -326,7 +329,7 @@ def paged_prefill(
     if total == 0 or batch == 0:
         return out
     hkv, bt = k_cache.shape[2], k_cache.shape[1]
-    cfg = prefill_launch(q, k_cache, window, precision, launch)
+    cfg = prefill_launch(q, k_cache, window, precision, launch, tiles)
     fp8 = C.is_fp8(k_cache.dtype)
     ks = k_scale if fp8 else q  # unused pointer when not fp8
     vs = v_scale if fp8 else q

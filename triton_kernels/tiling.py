@@ -16,10 +16,13 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
 - FP32_SAFE: block_n <= 32 (and block_m <= 64 in prefill) with 8 warps: its ieee dots run on
   FMA units out of registers.
 - seq_len: no tile is larger than the next power of two of the sequence (>= 16).
-- overrides block_m / block_n are used as given (they must be powers of two >= 16).
+- overrides block_m / block_n are used as given (they must be powers of two >= 16); their
+  launch takes fewer pipeline stages where the tiles would not fit the shared-memory budget.
 
+`Tiles` carries a caller's overrides (KernelConfig / model profiles) to the paged kernels.
 Choices are memoised per shape bucket (`launch_config`), so a decode step never re-selects; an
-autotuner (see benchmarks/bench_attention.py) may store its winner with `record_choice`.
+autotuner (see benchmarks/bench_attention.py) may store its winner with `record_choice`;
+`choices()` shows what was chosen.
 """
 
 from __future__ import annotations
@@ -44,6 +47,43 @@ def next_pow2(x: int) -> int:
 
 def _is_pow2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and x & (x - 1) == 0
+
+
+def _check_side(name: str, value, optional: bool = True) -> None:
+    """A tile side: a power of two in [16, 256] (tl.dot's minimum is 16), or None if optional."""
+    if value is None and optional:
+        return
+    if not (_is_pow2(value) and 16 <= value <= 256):
+        raise ValueError(f"{name}: {value!r} must be a power of two in [16, 256]")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile overrides a caller passes to the paged kernels (from KernelConfig and model profiles).
+
+    block_m: the query tile of prefill. Decode ignores it: its query tile is the GQA group
+    (padded to a power of two >= 16), fixed by the head counts.
+    block_n: the key tile of decode and prefill.
+    attention_type: the seed rule's model kind ("dense", "moe", "sliding"); a call with a
+    sliding window on "dense" tiles is tiled as "sliding".
+    None leaves a side to `select_block_size`.
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    attention_type: str = "dense"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            _check_side(f"tiles.{name}", getattr(self, name))
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"tiles.attention_type: {self.attention_type!r} not one of {ATTENTION_TYPES}"
+            )
+
+    def kind(self, window: int) -> str:
+        """The attention_type of a call with sliding window `window` (0 = none)."""
+        return "sliding" if window and self.attention_type == "dense" else self.attention_type
 
 
 @dataclass(frozen=True)
@@ -79,9 +119,7 @@ class TileQuery:
                 f"attention_type: {self.attention_type!r} not one of {ATTENTION_TYPES}"
             )
         for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value is not None and not (_is_pow2(value) and 16 <= value <= 256):
-                raise ValueError(f"{name}: {value!r} must be a power of two in [16, 256]")
+            _check_side(name, getattr(self, name))
         object.__setattr__(self, "precision", PrecisionMode.parse(self.precision))
 
     @property
@@ -108,9 +146,7 @@ class LaunchConfig:
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not (_is_pow2(value) and 16 <= value <= 256):
-                raise ValueError(f"{name}: {value!r} must be a power of two in [16, 256]")
+            _check_side(name, getattr(self, name), optional=False)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps: {self.num_warps!r} must be 1, 2, 4, 8 or 16")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 6:
@@ -119,6 +155,20 @@ class LaunchConfig:
             isinstance(self.num_splits, int) and 1 <= self.num_splits <= 1024
         ):
             raise ValueError(f"num_splits: {self.num_splits!r} must be an int in [1, 1024]")
+
+
+def check_overrides(launch, tiles) -> Tiles:
+    """`launch` (a whole LaunchConfig) or `tiles` (sides for the rule), not both; the Tiles."""
+    if launch is not None:
+        if not isinstance(launch, LaunchConfig):
+            raise ValueError(f"launch: expected a LaunchConfig, got {type(launch).__name__}")
+        if tiles is not None:
+            raise ValueError("tiles: given together with launch, which fixes the tiles itself")
+    if tiles is None:
+        return Tiles()
+    if not isinstance(tiles, Tiles):
+        raise ValueError(f"tiles: expected a Tiles, got {type(tiles).__name__}")
+    return tiles
 
 
 def base_block_size(q: TileQuery) -> tuple[int, int]:
@@ -231,16 +281,38 @@ def launch_config(q: TileQuery) -> LaunchConfig:
     cfg = _CHOICES.get(key)
     if cfg is None:
         block_m, block_n = select_block_size(q)
-        cfg = LaunchConfig(
-            block_m, block_n, select_num_warps(q, block_m, block_n), select_num_stages(q)
-        )
+        stages = select_num_stages(q)
+        if q.block_m or q.block_n:
+            stages = _fit_stages(q, block_m, block_n, stages)
+        cfg = LaunchConfig(block_m, block_n, select_num_warps(q, block_m, block_n), stages)
         _CHOICES[key] = cfg
     return cfg
+
+
+def _fit_stages(q: TileQuery, block_m: int, block_n: int, stages: int) -> int:
+    """Pipeline stages for overridden tiles: fewer until they fit SMEM_BUDGET (the rule's own
+    tiles fit by construction); tiles that fit at no depth are refused here, on the host,
+    rather than by the GPU launch."""
+    while stages > 1 and _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET:
+        stages -= 1
+    need = _smem_bytes(q, block_m, block_n, stages)
+    if need > SMEM_BUDGET:
+        raise ValueError(
+            f"block_m/block_n: tiles ({block_m}, {block_n}) at head_dim {q.head_dim} "
+            f"({q.dtype}, {q.phase}) need {need // 1024} KiB of shared memory, over the "
+            f"{SMEM_BUDGET // 1024} KiB budget; use smaller tiles"
+        )
+    return stages
 
 
 def record_choice(q: TileQuery, cfg: LaunchConfig) -> None:
     """Store an autotuned choice for `q`'s bucket; later launches in the bucket use it."""
     _CHOICES[bucket(q)] = replace(cfg)
+
+
+def choices() -> dict[tuple, LaunchConfig]:
+    """A copy of the memo: bucket (see `bucket`) -> the launch choice made or recorded there."""
+    return dict(_CHOICES)
 
 
 def clear_choices() -> None:

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from ..triton_kernels import MAX_HEAD_DIM
 from ..triton_kernels.precision import PrecisionMode
-from .sites import CUDA_DTYPES, MAX_CUDA_HEAD_DIM, hint, tile_choice, value, where
+from .sites import CUDA_DTYPES, hint, tile_choice, value, where
 from .stats import GraphReport
 
 _SIG = inspect.signature(F.multi_head_attention_forward)
@@ -58,8 +59,8 @@ def _unsupported(b: dict) -> str | None:
     if q.device.type == "cuda":
         if q.dtype not in CUDA_DTYPES:
             return f"dtype {q.dtype} has no Triton path"
-        if hint(q.shape[-1]) // b["num_heads"] > MAX_CUDA_HEAD_DIM:
-            return f"head_dim > {MAX_CUDA_HEAD_DIM}"
+        if hint(q.shape[-1]) // b["num_heads"] > MAX_HEAD_DIM:
+            return f"head_dim > {MAX_HEAD_DIM}"
     return None
 
 

@@ -15,12 +15,12 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..triton_kernels import MAX_HEAD_DIM
 from ..triton_kernels.precision import PrecisionMode
 from ..triton_kernels.tiling import TileQuery, select_block_size
 from .options import CompileOptions
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_CUDA_HEAD_DIM = 256  # the Triton kernel keeps a head row in registers
 DEFAULT_HINT = 2048  # tile choice for a symbolic length without a hint
 
 
@@ -139,8 +139,8 @@ def check(a: Attn) -> str | None:
     if q.device.type == "cuda":
         if q.dtype not in CUDA_DTYPES:
             return f"dtype {q.dtype} has no Triton path (fp16, bf16, fp32)"
-        if hint(q.shape[-1]) > MAX_CUDA_HEAD_DIM:
-            return f"head_dim {q.shape[-1]} > {MAX_CUDA_HEAD_DIM}"
+        if hint(q.shape[-1]) > MAX_HEAD_DIM:
+            return f"head_dim {q.shape[-1]} > {MAX_HEAD_DIM}"
     return _check_mask(a, q)
 
 

@@ -1,17 +1,43 @@
-"""Device dispatch of the paged-attention primitives. The HF integration calls only these two
-functions, so the custom ops of ops.py can take their place in one spot.
+"""The one device dispatch of the paged-attention primitives: every path (the paged core's eager
+steps, oxygen::paged_step in decode graphs) writes and attends through these functions.
 
 CUDA: the Triton kernels. CPU: kv_append's reference, and attention as one batched SDPA over K/V
 gathered through the block table, with the kernels' semantics (causal, last tokens are the new
 ones, window (p - W, p]). The float64 references of triton_kernels.reference loop per sequence,
 which makes generate() on CPU about ten times slower; they remain the kernels' test oracle.
+
+`tiles_for(kernel, profile)` turns kernel.block_m / block_n / attention_type and a model
+profile's block_size into the `Tiles` that paged_attention hands to the CUDA kernels.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..triton_kernels.precision import PrecisionMode
+from ..triton_kernels.tiling import Tiles
+
+if TYPE_CHECKING:
+    from ..config import KernelConfig
+    from ..profiles import ModelProfile
+
+__all__ = ["Tiles", "gather_blocks", "kv_write", "paged_attention", "tiles_for"]
+
+
+def tiles_for(kernel: KernelConfig, profile: ModelProfile | None = None) -> Tiles:
+    """The paged kernels' tiles for a model: each side from kernel.block_m / block_n when set,
+    else from the model profile's block_size (already rounded to a power of two), else None
+    (the tiling rule chooses); attention_type from kernel.attention_type."""
+
+    def side(name: str) -> int | None:
+        given = getattr(kernel, name)
+        if given is not None or profile is None:
+            return given
+        return getattr(profile, name)
+
+    return Tiles(side("block_m"), side("block_n"), kernel.attention_type)
 
 
 def kv_write(
@@ -49,21 +75,25 @@ def paged_attention(
     precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Decode (cu_seqlens_q None; q: [B, Hq, D]) or ragged prefill (q: [T, Hq, D]) over the
-    paged cache (fp8 caches with their k_scale / v_scale). Returns q's shape and dtype."""
+    paged cache (fp8 caches with their k_scale / v_scale). Returns q's shape and dtype.
+    tiles (None: the tiling rule alone) steers the CUDA kernels' launch (decode: the key tile;
+    prefill: query and key tiles); the CPU path computes the same attention without tiles."""
+    if tiles is not None and not isinstance(tiles, Tiles):
+        raise ValueError(f"tiles: expected a Tiles (see tiles_for), got {type(tiles).__name__}")
     kw = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     if q.device.type != "cuda":
         return _gathered_sdpa(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **kw)
+    kw.update(precision=precision, tiles=tiles)
     if cu_seqlens_q is None:
         from ..triton_kernels.paged_decode import paged_decode
 
-        return paged_decode(q, k_cache, v_cache, block_table, seq_lens, precision=precision, **kw)
+        return paged_decode(q, k_cache, v_cache, block_table, seq_lens, **kw)
     from ..triton_kernels.paged_prefill import paged_prefill
 
-    return paged_prefill(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, precision=precision, **kw
-    )
+    return paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, **kw)
 
 
 def gather_blocks(cache, scale, idx, n: int, dtype: torch.dtype) -> torch.Tensor:
