@@ -23,18 +23,24 @@ import torch
 GIB = 1 << 30
 
 
+# the Llama-1.1B shape of the benchmarks on a GPU; a tiny one (seconds on two cores) on CPU
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=1024)  # fmt: skip
+
+
 def build_model(args):
     import transformers as T
 
-    from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
-
     dtype = getattr(torch, args.dtype)
     if not args.checkpoint:
-        # the Llama-1.1B shape of the benchmarks on a GPU; tiny (seconds on two cores) on CPU
-        shape = LLAMA_1B if args.device == "cuda" else TINY_LLAMA
-        return random_llama(shape, dtype=dtype, device=args.device, max_position_embeddings=4096)
-    model = T.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype)
-    model = model.to(args.device).eval()
+        shape = LLAMA_1B if args.device == "cuda" else TINY
+        torch.manual_seed(0)  # random weights, the same on both sides
+        model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
+    else:
+        model = T.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype)
+    model = model.to(dtype).to(args.device).eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
     model.generation_config.eos_token_id = None  # fixed length: both sides make the same work
     return model
@@ -51,42 +57,20 @@ def prompts(args, vocab):
     return ids.to(args.device), mask.to(args.device)
 
 
-def switch_on():
-    """oxygen_torch.enable(); wires the HF integration itself if enable() does not yet."""
+def oxygen_stats() -> dict:
     import oxygen_torch
-    from oxygen_torch.integrations.hf import integration as hf
 
-    cfg = oxygen_torch.enable()
-    if not hf.is_enabled():
-        hf.enable_hf(cfg)
-
-
-def oxygen_stats(device: str) -> dict:
-    out = {}
-    try:
-        from oxygen_torch import kv
-
-        out["kv_pools"] = kv.pool_stats()
-    except Exception as exc:  # reported, not fatal: the demo still compares tokens
-        out["kv_pools"] = f"unavailable: {exc}"
-    try:
-        import oxygen_torch
-
-        stats = getattr(oxygen_torch, "memory_stats", None)
-        if stats is None:
-            from oxygen_torch.pool import memory_stats as stats
-        s = stats()
-        keys = ("allocated_bytes", "mapped_bytes", "peak_mapped_bytes", "fragmentation")
-        out["memory_stats"] = {k: s[k] for k in keys if k in s}
-    except Exception as exc:
-        out["memory_stats"] = f"unavailable: {exc}"
-    return out
+    s = oxygen_torch.memory_stats()
+    keys = ("allocated_bytes", "mapped_bytes", "peak_mapped_bytes", "fragmentation")
+    return {"kv_pools": oxygen_torch.kv_stats(), "memory_stats": {k: s[k] for k in keys}}
 
 
 def run_side(args) -> dict:
     """One side in this process: build, warm up, time generate(), report."""
     if args.side == "oxygen":
-        switch_on()
+        import oxygen_torch
+
+        oxygen_torch.enable()  # the one line; before the model is built
     model = build_model(args)
     ids, mask = prompts(args, model.config.vocab_size)
     kw = dict(attention_mask=mask, do_sample=False, min_new_tokens=args.new)
@@ -117,7 +101,7 @@ def run_side(args) -> dict:
         except RuntimeError:  # a pluggable allocator without device stats: memory_stats() below
             res["peak_allocated_GiB"] = res["peak_reserved_GiB"] = float("nan")
     if args.side == "oxygen":
-        res.update(oxygen_stats(args.device))
+        res.update(oxygen_stats())
     return res
 
 

@@ -6,7 +6,17 @@ from . import (
     compile,  # noqa: F401  (registers the torch.compile backend "oxygen")
     pool,  # the package; calling it is the MemPool route (pool/__init__.py)
 )
-from .api import active_config, apply, disable, empty_cache, enable, is_enabled, memory_stats
+from .api import (
+    active_config,
+    apply,
+    decode_graph_stats,
+    disable,
+    empty_cache,
+    enable,
+    is_enabled,
+    kv_stats,
+    memory_stats,
+)
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
 from .pool import Arena, VirtualPool
 from .triton_kernels.precision import PrecisionMode
@@ -27,6 +37,8 @@ __all__ = [
     "enable",
     "apply",
     "memory_stats",
+    "kv_stats",
+    "decode_graph_stats",
     "empty_cache",
     "pool",
     "VirtualPool",

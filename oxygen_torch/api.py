@@ -124,6 +124,22 @@ def memory_stats(device: int | None = None) -> dict:
     return pool.memory_stats(device)
 
 
+def kv_stats() -> list[dict]:
+    """One dict per KV pool (device, model geometry): blocks used / total, peak blocks, mapped
+    and reserved bytes, dtype."""
+    from .kv import pool_stats
+
+    return pool_stats()
+
+
+def decode_graph_stats(model) -> dict:
+    """generate()'s decode graphs of `model`: held, captured, replays, failed signatures, and how
+    they were compiled (whole forward by backend "oxygen", or RMSNorm / MLP / rotary only)."""
+    from .integrations.hf import graphs
+
+    return graphs.stats(model)
+
+
 def empty_cache() -> None:
     """Unmap pages with nothing live and release cached physical handles."""
     pool.empty_cache()

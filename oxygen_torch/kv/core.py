@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_kernels.precision import PrecisionMode
-from .attention import gather_blocks, kv_write, paged_attention
+from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
+from .attention import Tiles, gather_blocks, kv_write, paged_attention
 from .block_manager import SequenceBlocks
 from .graph_step import GraphStepMixin
 from .plan import StepPlan
@@ -25,14 +25,6 @@ from .storage import GUARD_BLOCK, debug_checks_enabled
 from .table import BlockTableMixin
 
 MiB = 1 << 20
-# kv.kv_dtype: how K/V are stored. auto = the model's dtype; fp16 / bf16 must be the model's
-# dtype (no conversion); fp8_e4m3 = e4m3 codes with one fp32 scale per (block, kv head)
-KV_DTYPES = {
-    "auto": None,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
 
 
 class PagedKVCore(BlockTableMixin, GraphStepMixin):
@@ -49,6 +41,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         debug: bool = False,
         precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
         kv_dtype: str = "auto",
+        tiles: Tiles | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(
@@ -60,6 +53,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         self.block_tokens = block_tokens
         self.backing, self.arena_bytes, self.page_size = backing, arena_bytes, page_size
         self.debug, self.precision = debug_checks_enabled(debug), precision
+        self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
         self._unbind()
@@ -274,6 +268,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
                 scale=scale,
                 sliding_window=sliding_window,
                 precision=self.precision,
+                tiles=self.tiles,
                 **scales,
             )  # [B, Hq, D]
             return out.unsqueeze(1)
@@ -290,6 +285,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             scale=scale,
             sliding_window=sliding_window,
             precision=self.precision,
+            tiles=self.tiles,
             **scales,
         )
         if plan.q_index is not None:
@@ -353,6 +349,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             debug=self.debug,
             precision=self.precision,
             kv_dtype=self.kv_dtype,
+            tiles=self.tiles,
         )
         if self.seqs is None:
             return other

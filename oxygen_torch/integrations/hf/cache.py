@@ -20,7 +20,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ... import context
 from ...config import OxygenConfig, load_config
+from ...kv.attention import tiles_for
 from ...kv.core import PagedKVCore
+from ...profiles import get_profile
 from ...triton_kernels.precision import PrecisionMode
 from .compat import layer_types
 
@@ -102,12 +104,20 @@ class PagedKVCache(Cache):
                 precision if precision is not None else cfg.kernel.precision
             ),
             kv_dtype=kv_dtype or cfg.kv.kv_dtype,
+            tiles=tiles_for(cfg.kernel, self._profile(config, cfg)),
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)
+
+    @staticmethod
+    def _profile(config, cfg: OxygenConfig):
+        """The model family's profile (the `optimizations:` block of the config file over the
+        built-ins), by the model's model_type; None without a config."""
+        mtype = getattr(config, "model_type", None) if config is not None else None
+        return get_profile(mtype, cfg.profiles) if mtype else None
 
     @staticmethod
     def _layer_types(config, num_layers) -> list[str]:
