@@ -18,6 +18,7 @@ from .api import (
     memory_stats,
 )
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
+from .engine.task import task
 from .pool import Arena, VirtualPool
 from .triton_kernels.precision import PrecisionMode
 
@@ -36,6 +37,7 @@ def __getattr__(name):
 __all__ = [
     "enable",
     "apply",
+    "task",
     "memory_stats",
     "kv_stats",
     "decode_graph_stats",

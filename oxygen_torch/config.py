@@ -169,10 +169,20 @@ class KernelConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Weights of W_i = alpha * QoS_i / Latency_i + beta * Tokens_i / CacheSize_i (used later)."""
+    """The multi-task engine (oxygen_torch/engine): concurrent generate() calls on one model
+    merged step by step. Weights of W_i = alpha * QoS_i / Latency_i + beta * Tokens_i /
+    CacheSize_i (policy "wfq")."""
 
     alpha: float = 0.7
     beta: float = 0.3
+    merge: bool = True  # merge concurrent generate() calls' forwards on the paged cache
+    policy: str = "wfq"  # wfq (weighted fair queuing, the seed's weights) or fcfs
+    # tokens one merged step computes at most (decode tokens + prefill chunks); a longer
+    # prefill is cut into chunks that fit beside the others' decode tokens
+    max_step_tokens: int = 8192
+    max_step_seqs: int = 256  # sequences one merged step serves at most
+    # how long a step waits for a call that has not submitted yet before it goes without it
+    gather_ms: float = 5.0
 
     def __post_init__(self):
         _check_types(self, "scheduler")
@@ -180,6 +190,16 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0) or math.isnan(v):
                 raise ValueError(f"scheduler.{name}: {v!r} is out of range; allowed: [0, 1]")
+        _check_choice("scheduler", "policy", self.policy, ("wfq", "fcfs"))
+        for name, top in (("max_step_tokens", 1 << 20), ("max_step_seqs", 1 << 16)):
+            v = getattr(self, name)
+            if not 1 <= v <= top:
+                raise ValueError(f"scheduler.{name}: {v!r} is out of range; allowed: 1 to {top}")
+        if not 0.01 <= self.gather_ms <= 10000 or math.isnan(self.gather_ms):
+            raise ValueError(
+                f"scheduler.gather_ms: {self.gather_ms!r} is out of range; allowed: 0.01 to "
+                "10000 (milliseconds)"
+            )
 
 
 SECTIONS: dict[str, type] = {

@@ -142,6 +142,12 @@ class SequenceBlocks:
             added.append((len(blocks) - len(new) - 1, cow[1]))
         return added, cow
 
+    def blocks_needed(self, seq: int, extra: int) -> int:
+        """Fresh blocks `reserve(seq, extra)` would take (its copy-on-write included)."""
+        bt, blocks, n = self.block_tokens, self.blocks[seq], self.lens[seq]
+        cow = extra > 0 and n % bt and self.manager.refcount(blocks[-1]) > 1
+        return max(0, -(-(n + extra) // bt) - len(blocks)) + int(bool(cow))
+
     def truncate(self, seq: int, new_len: int) -> None:
         """Keeps the first new_len tokens of sequence seq, dropping blocks past them."""
         keep = -(-new_len // self.block_tokens)

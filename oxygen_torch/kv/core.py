@@ -81,25 +81,26 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
 
     def _bind(self, k: torch.Tensor) -> None:
         # k: [B, Hkv, q, D]
-        batch, hkv, _, d = k.shape
+        self.bind(k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device)
+
+    def pool_key(self, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> PoolKey:
+        """The pool this core's K/V of that geometry live in (every core with the same key
+        shares it: block ids are the pool's)."""
         stored = KV_DTYPES[self.kv_dtype]
-        if stored is not None and stored != k.dtype and stored != torch.float8_e4m3fn:
+        if stored is not None and stored != dtype and stored != torch.float8_e4m3fn:
             raise ValueError(
-                f"PagedKVCache: kv.kv_dtype={self.kv_dtype!r} with a {k.dtype} model: the cache "
+                f"PagedKVCache: kv.kv_dtype={self.kv_dtype!r} with a {dtype} model: the cache "
                 "stores the model's dtype (auto) or fp8_e4m3"
             )
-        self.model_dtype = k.dtype
-        key = PoolKey(
-            k.device,
-            self.num_layers,
-            hkv,
-            d,
-            stored or k.dtype,
-            self.block_tokens,
-            self.backing,
-            self.arena_bytes,
-            self.page_size,
-        )
+        return PoolKey(
+            device, self.num_layers, hkv, d, stored or dtype, self.block_tokens, self.backing,
+            self.arena_bytes, self.page_size,
+        )  # fmt: skip
+
+    def bind(self, batch: int, hkv: int, d: int, dtype: torch.dtype, device) -> None:
+        """Binds an empty core to its pool for `batch` sequences (the first write does this)."""
+        key = self.pool_key(hkv, d, dtype, torch.device(device))
+        self.model_dtype = dtype
         self.pool = get_pool(key)
         self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
         self._table_host = torch.full((batch, 16), GUARD_BLOCK, dtype=torch.int32)
@@ -365,6 +366,18 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         other._table_host = self._table_host.clone()
         other._reload()
         return other
+
+    def drop_kv(self) -> None:
+        """Frees every block but keeps the sequences and transformers' length: the K/V are
+        recomputed later (a preempted call of the multi-task engine)."""
+        if self.seqs is None:
+            return
+        batch = len(self.seqs)
+        with self.pool.lock:
+            self.seqs.release()
+            self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
+        self._table_host.fill_(GUARD_BLOCK)
+        self._lent = True  # the device table is reloaded from the host at the next step
 
     def release(self) -> None:
         """Gives every block back to the pool and forgets the sequences."""

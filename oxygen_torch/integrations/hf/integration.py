@@ -21,9 +21,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ... import _patching
 from ...config import OxygenConfig, load_config
+from ...engine.task import current as current_task
 from ...kv.pool import release_pools
+from . import batched, graphs, router
 from . import generate as gen
-from . import graphs, router
 from .attention import oxygen_attention_forward, oxygen_mask
 
 log = logging.getLogger("oxygen_torch")
@@ -108,8 +109,13 @@ def _generate(self, *args, **kwargs):
         _not_on_oxygen(self)
         return _state.generate(self, *args, **kwargs)
     router.ensure(self)
-    kwargs, cache = gen.plan(self, config_of(self), args, kwargs)
-    out = _state.generate(self, *args, **kwargs)
+    cfg = config_of(self)
+    kwargs, cache = gen.plan(self, cfg, args, kwargs)
+    if cache is not None and cfg.scheduler.merge:  # concurrent calls' steps merged
+        with batched.session(self, cache, current_task()):
+            out = _state.generate(self, *args, **kwargs)
+    else:
+        out = _state.generate(self, *args, **kwargs)
     gen.check_used(self, cache)
     return out
 

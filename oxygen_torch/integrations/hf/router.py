@@ -65,6 +65,12 @@ def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
             f"on the instance ({own!r}: accelerate hooks or a wrapper)"
         )
         return own(*args, **kw)
+    merge = getattr(cache, "merge", None)
+    if merge is not None:  # a generate() registered with the model's step scheduler
+        merger, call = merge
+        if merger.wanted(kw, args):
+            return merger.forward(call, kw)
+        call.state.complete = False  # this forward runs alone: its tokens are not recorded
     forward = own._torchdynamo_orig_callable if own is not None else model.forward
     if not args:
         name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)

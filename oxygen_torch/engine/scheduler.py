@@ -1,0 +1,293 @@
+"""The step scheduler: the forwards of concurrent generate() calls, merged step by step.
+
+Each live call registers (``enter``), and every forward it makes on the paged cache becomes a
+request (``submit``) that blocks its thread until the request is done. There is no scheduler
+thread: when the calls being waited for have all submitted (or the oldest request has waited
+``scheduler.gather_ms``), one of the waiting threads leads the step: the policy orders the queued
+requests, the step takes them in that order within ``max_step_tokens`` and ``max_step_seqs`` and
+the free KV blocks (a long prefill is cut into chunks that fit, mixed with the others' decode
+tokens), and the runner (the integration) runs them as one forward. Everything else a call does
+(sampling, processors, stopping, streamers) stays in its own thread.
+
+When KV blocks are short a request waits (its generate() takes longer); to make room for a
+request, calls of a lower priority level (or of the same level, younger) that are waiting in
+``submit`` are preempted: their KV is freed and recomputed at their next step. A call that
+stops submitting is waited for at most ``gather_ms`` once, then marked late: steps go on without
+it until it submits again. A call that raises leaves at its generate()'s end (``leave``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..config import SchedulerConfig
+from . import policy as policies
+from .policy import Account
+from .task import Task
+
+
+class KVBudgetError(RuntimeError):
+    """A request needs more KV blocks than the whole pool holds."""
+
+
+@dataclass
+class Call:
+    """A live generate() call."""
+
+    account: Account
+    queued: Request | None = None
+    late: bool = False  # missed a step while in its own code: not waited for until it submits
+    preempted: bool = False  # its KV was freed; its next step recomputes it
+    state: Any = None  # the runner's per-call data
+    first_done: float | None = None  # when its first request (the prefill) completed
+    last_done: float | None = None
+
+
+@dataclass
+class Request:
+    """One forward a call asked for; a long prefill is served over several steps."""
+
+    call: Call
+    payload: Any  # the runner's
+    arrived: float = field(default_factory=time.monotonic)
+    taken: bool = False  # in the step that is running
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Chunk:
+    """What of a request one step serves: `tokens` computed, `rows` sequences, `blocks` new KV
+    blocks; `part` is the runner's description of it."""
+
+    request: Request
+    tokens: int
+    rows: int
+    blocks: int
+    part: Any = None
+
+
+class Runner(Protocol):
+    def plan(self, request: Request, budget: int) -> Chunk | None: ...
+    def run(self, chunks: list[Chunk]) -> bool: ...  # False: nothing served, ask again
+    def free_blocks(self) -> int: ...
+    def total_blocks(self) -> int: ...
+    def preempt(self, call: Call) -> int: ...
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    tokens: int = 0
+    preemptions: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # sequences per step, the last 1024
+
+
+class StepScheduler:
+    def __init__(self, cfg: SchedulerConfig, runner: Runner):
+        self.cfg = cfg
+        self.runner = runner
+        self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
+        self._cond = threading.Condition()
+        self._calls: list[Call] = []
+        self._stepping = False
+        self.stats = StepStats()
+        self.observers: list = []  # callables(event, call, **figures): metrics
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    def enter(self, task: Task, state: Any = None) -> Call:
+        call = Call(Account(task), state=state)
+        with self._cond:
+            self.policy.join(call.account, [c.account for c in self._calls])
+            self._calls.append(call)
+            self._cond.notify_all()
+        return call
+
+    def leave(self, call: Call) -> None:
+        with self._cond:
+            if call in self._calls:
+                self._calls.remove(call)
+            self._cond.notify_all()
+
+    def live(self) -> int:
+        return len(self._calls)
+
+    def snapshot(self) -> dict:
+        """Queue depth, running / waiting / preempted calls, the weight balance."""
+        with self._cond:
+            accounts = [c.account for c in self._calls]
+            return {
+                "live": len(self._calls),
+                "queued": sum(c.queued is not None for c in self._calls),
+                "preempted": sum(c.preempted for c in self._calls),
+                "late": sum(c.late for c in self._calls),
+                "weight_balance": policies.weight_balance(accounts),
+                "steps": self.stats.steps,
+                "preemptions": self.stats.preemptions,
+            }
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def submit(self, call: Call, payload: Any) -> Any:
+        """Blocks until the runner has served `payload` (one forward of `call`); its result."""
+        req = Request(call, payload)
+        with self._cond:
+            call.queued, call.late = req, False
+            self._cond.notify_all()
+            try:
+                while not req.done:
+                    if not self._stepping and self._should_step():
+                        self._step()
+                    else:
+                        self._cond.wait(self._wait_s())
+            finally:
+                if call.queued is req:
+                    call.queued = None
+                self._cond.notify_all()
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _should_step(self) -> bool:
+        queued = [c for c in self._calls if c.queued is not None and not c.queued.taken]
+        if not queued:
+            return False
+        awaited = [c for c in self._calls if c.queued is None and not c.late]
+        if not awaited:
+            return True
+        oldest = min(c.queued.arrived for c in queued)
+        if time.monotonic() - oldest >= self.cfg.gather_ms / 1000:
+            for c in awaited:  # steps go on without them until they submit again
+                c.late = True
+            return True
+        return False
+
+    def _wait_s(self) -> float:
+        return max(self.cfg.gather_ms / 1000 / 4, 1e-4)
+
+    # --- one step (the leading thread, holding the lock except while the forward runs) -------
+
+    def _step(self) -> None:
+        self._stepping = True
+        try:
+            chunks = self._select()
+        except BaseException:
+            self._stepping = False
+            raise
+        if not chunks:
+            self._stepping = False
+            return
+        for ch in chunks:
+            ch.request.taken = True
+        self._cond.release()
+        failed, served = None, False
+        try:
+            served = self.runner.run(chunks)
+        except BaseException as err:  # noqa: BLE001 - given to the requests of the step
+            failed = err
+        finally:
+            self._cond.acquire()
+            if served or failed is not None:
+                self._finish(chunks, failed)
+            else:
+                for ch in chunks:
+                    ch.request.taken = False
+            self._stepping = False
+            self._cond.notify_all()
+        if failed is not None and not isinstance(failed, Exception):
+            raise failed  # KeyboardInterrupt in the leading thread: its own call ends
+
+    def _finish(self, chunks: list[Chunk], failed: BaseException | None) -> None:
+        now = time.monotonic()
+        self.stats.steps += 1
+        seqs = sum(ch.rows for ch in chunks)
+        self.stats.batch_sizes = (self.stats.batch_sizes + [seqs])[-1024:]
+        total = sum(ch.tokens for ch in chunks) or 1
+        for a in (c.account for c in self._calls):
+            a.share *= 0.9
+        for ch in chunks:
+            req, call = ch.request, ch.request.call
+            req.taken = False
+            if failed is not None:
+                if isinstance(failed, Exception):
+                    req.error, req.done = failed, True
+                continue  # KeyboardInterrupt elsewhere: served again by the next step
+            self.stats.tokens += ch.tokens
+            self.policy.charge(call.account, ch.tokens)
+            call.account.share += ch.tokens / total
+            if req.done:
+                self._record_done(call, ch, now)
+        if isinstance(self.policy, policies.WFQ):
+            self.policy.reweigh([c.account for c in self._calls])
+
+    def _record_done(self, call: Call, ch: Chunk, now: float) -> None:
+        a = call.account
+        if call.first_done is None:
+            call.first_done = now
+            event, seconds = "first_token", now - a.arrived
+        else:
+            per_token = (now - (call.last_done or now)) / max(1, ch.rows)
+            a.latency = per_token if a.latency is None else 0.8 * a.latency + 0.2 * per_token
+            event, seconds = "next_token", now - (call.last_done or now)
+        call.last_done = now
+        for observe in self.observers:
+            observe(event, call, seconds=seconds, rows=ch.rows)
+
+    def _select(self) -> list[Chunk]:
+        queued = [c for c in self._calls if c.queued is not None and not c.queued.taken]
+        order = {id(a): c for c in queued for a in (c.account,)}
+        ranked = [order[id(a)] for a in self.policy.order([c.account for c in queued])]
+        budget, seqs = self.cfg.max_step_tokens, self.cfg.max_step_seqs
+        free = self.runner.free_blocks()
+        chosen: list[Chunk] = []
+        for call in ranked:
+            ch = self.runner.plan(call.queued, budget)
+            if ch is None or (chosen and ch.rows > seqs):
+                continue
+            if ch.blocks > free:
+                free += self._preempt_for(ch.blocks - free, call, ranked, chosen)
+            if ch.blocks > free:
+                if ch.blocks > self.runner.total_blocks():
+                    call.queued.error = KVBudgetError(
+                        f"oxygen_torch: this generate() step needs {ch.blocks} KV blocks, the "
+                        f"whole KV pool holds {self.runner.total_blocks()}: raise kv.arena_bytes "
+                        "or split the batch"
+                    )
+                    call.queued.done = True
+                continue
+            chosen.append(ch)
+            free -= ch.blocks
+            budget -= ch.tokens
+            seqs -= ch.rows
+            if budget <= 0 or seqs <= 0:
+                break
+        return chosen
+
+    def _preempt_for(self, need: int, requester: Call, ranked, chosen) -> int:
+        """Frees up to `need` blocks from calls waiting in submit that rank below the requester
+        (a lower level; or the same level, younger). Returns the blocks freed."""
+        taken = {id(ch.request.call) for ch in chosen}
+        me = requester.account
+        victims = [
+            c for c in reversed(ranked)  # the lowest-ranked first
+            if c is not requester and id(c) not in taken and not c.preempted
+            and (c.account.task.level < me.task.level
+                 or (c.account.task.level == me.task.level and c.account.arrived > me.arrived))
+        ]  # fmt: skip
+        freed = 0
+        for c in victims:
+            if freed >= need:
+                break
+            got = self.runner.preempt(c)
+            if got:
+                c.preempted = True
+                freed += got
+                self.stats.preemptions += 1
+                for observe in self.observers:
+                    observe("preempted", c, blocks=got)
+        return freed

@@ -1,0 +1,155 @@
+"""One forward over the sequences of several PagedKVCores of one pool: a merged step.
+
+Several generate() calls on one model each own a PagedKVCore; their block ids all come from the
+same KVPool, so one kernel launch can attend over all of them: the rows of every core side by
+side in one block table, their new real tokens packed one after another (padding is never
+stored, so it is never packed either). The step plans every core's blocks on the host (each
+core's own reservation, copy-on-write included), then writes and attends like a core does, and
+`commit()` leaves each core as its own eager step would have (lengths, layer counts; its device
+table is reloaded at its next eager step). The engine decides which cores' tokens go in a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import kv_write, paged_attention
+from .core import PagedKVCore
+from .plan import StepPlan
+from .storage import GUARD_BLOCK
+
+
+@dataclass
+class Part:
+    """One core's share of the step: `counts[b]` new real tokens of its row b (packed in row
+    order), `columns` the positions transformers counts for the step (padding included), and
+    whether padding was skipped (crop may not cut below this step then)."""
+
+    core: PagedKVCore
+    counts: list[int]
+    columns: int
+    padded: bool = False
+
+
+class MergedStep:
+    """The duck-typed core of a merged forward (what PagedKVCache's attention path calls)."""
+
+    length = 0  # the merged forward's cache counts nothing itself (the mask reads no length)
+    seqs = None
+
+    def __init__(self, parts: list[Part]):
+        if not parts:
+            raise ValueError("MergedStep: no part")
+        pools = {id(p.core.pool) for p in parts}
+        if None in {p.core.pool for p in parts} or len(pools) != 1:
+            raise ValueError("MergedStep: every core must be bound to the same KV pool")
+        self.parts = parts
+        self.pool = parts[0].core.pool
+        first = parts[0].core
+        self.precision, self.tiles, self.debug = first.precision, first.tiles, first.debug
+        self.device = self.pool.key.device
+        self.tokens = sum(sum(p.counts) for p in parts)
+        self._plan: StepPlan | None = None
+
+    # --- planning (host) ---------------------------------------------------------------------
+
+    def blocks_needed(self) -> int:
+        """Fresh blocks the step takes (each sequence's new tokens, copy-on-write included)."""
+        return sum(
+            p.core.seqs.blocks_needed(b, n) for p in self.parts for b, n in enumerate(p.counts)
+        )
+
+    def reserve(self) -> None:
+        """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none
+        taken here: call `blocks_needed` first), then builds the step's table and slots."""
+        starts = [list(p.core.seqs.lens) for p in self.parts]
+        for p in self.parts:
+            p.core._reserve(p.counts)
+        self._plan = self._build(starts)
+
+    def _build(self, starts: list[list[int]]) -> StepPlan:
+        bt = self.pool.key.block_tokens
+        width = max(p.core.seqs.max_blocks() for p in self.parts)
+        rows = [p.core._table_host[:, :width] for p in self.parts]
+        table = torch.cat(
+            [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=GUARD_BLOCK) for r in rows]
+        )  # [R, W]
+        lens, counts, slots = [], [], []
+        for p, start in zip(self.parts, starts):
+            blocks = p.core.seqs.blocks
+            for b, (n0, n) in enumerate(zip(start, p.counts)):
+                slots.extend(blocks[b][t // bt] * bt + t % bt for t in range(n0, n0 + n))
+                lens.append(n0 + n)
+                counts.append(n)
+        decode = all(n == 1 for n in counts)
+        ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
+        buf = self._to_device(ints)
+        t, r = len(slots), len(lens)
+        self.table = self._to_device(table.contiguous())
+        self.seq_lens = buf[t : t + r]
+        cu = None if decode else buf[t + r :].cumsum(0, dtype=torch.int32)
+        return StepPlan(1 if decode else 0, buf[:t], cu, None)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # --- what the attention path calls ---------------------------------------------------------
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, real_fn=None) -> StepPlan:
+        """k, v: [1, Hkv, T, D], the step's packed new tokens."""
+        if self._plan is None:
+            raise RuntimeError("MergedStep: reserve() before the forward")
+        if k.shape[0] != 1 or k.shape[2] != self.tokens:
+            raise ValueError(
+                f"MergedStep: keys {list(k.shape)} are not the step's {self.tokens} packed tokens"
+            )
+        st, pool = self.pool.storage, self.pool
+        kk = k[0].transpose(0, 1)  # [T, Hkv, D]
+        vv = v[0].transpose(0, 1)
+        if self.debug:
+            st.check_blocks(self.table)
+        kv_write(
+            kk, vv, st.k[layer], st.v[layer], self._plan.slot_mapping,
+            pool.k_scale(layer), pool.v_scale(layer),
+        )  # fmt: skip
+        return self._plan
+
+    def attend(self, layer, q, plan, *, scale, sliding_window) -> torch.Tensor:
+        """q: [1, Hq, T, D] -> [1, T, Hq, D]."""
+        st = self.pool.storage
+        qq = q[0].transpose(0, 1)  # [T, Hq, D]
+        out = paged_attention(
+            qq, st.k[layer], st.v[layer], self.table, self.seq_lens, plan.cu_seqlens_q,
+            scale=scale, sliding_window=sliding_window, precision=self.precision,
+            k_scale=self.pool.k_scale(layer), v_scale=self.pool.v_scale(layer), tiles=self.tiles,
+        )  # fmt: skip
+        return out.unsqueeze(0)
+
+    # --- after the forward ---------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Each core as its own step would leave it: transformers' length advanced by the
+        step's columns, every layer caught up, its device table reloaded before its next
+        eager step (the merged step wrote a table of its own)."""
+        for p in self.parts:
+            core = p.core
+            core.length += p.columns
+            core._layer_len = [core.length] * core.num_layers
+            core._plan = None
+            core._lent = True  # (see _reload: table and lengths from the host next time)
+            if p.padded:
+                core._pad_frontier = core.length
+
+    def abandon(self) -> None:
+        """The forward failed after reserve(): the tokens it reserved are given back (the cores
+        keep what they held before the step)."""
+        for p in self.parts:
+            core = p.core
+            with core.pool.lock:
+                for b, n in enumerate(p.counts):
+                    core.seqs.truncate(b, core.seqs.lens[b] - n)
+            core._lent = True
