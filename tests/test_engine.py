@@ -1,0 +1,272 @@
+"""The multi-task engine on CPU: concurrent generate() calls on one model, merged step by step.
+
+Every test compares each call with the same call run alone (float32, greedy: exactly the same
+tokens), and reads the step scheduler's figures to see that steps were merged."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import transformers as T
+from test_hf_generate import COMMON
+
+import oxygen_torch
+from oxygen_torch import _patching
+from oxygen_torch.config import load_config
+from oxygen_torch.engine.policy import WFQ, Account
+from oxygen_torch.engine.task import Task, current, parse
+from oxygen_torch.integrations.hf import batched
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats
+
+
+def llama(seed=0, arch="llama"):
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON)).eval()
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON)).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompt(seed: int, rows: int, length: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        mask[0, : seed % 5] = 0  # left padding, different per call
+        ids[0, : seed % 5] = 0
+    return ids, mask
+
+
+def call_kw(seed: int) -> dict:
+    """A call's own arguments: lengths, batch, beams, stop criteria differ from call to call."""
+    ids, mask = prompt(seed, rows=1 + seed % 3, length=6 + 3 * (seed % 4))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5 + 2 * (seed % 5))
+    kw["do_sample"] = False
+    if seed % 4 == 3:
+        kw["num_beams"] = 2
+    if seed % 5 == 4:
+        kw["eos_token_id"] = 7  # stops early where it is generated
+    return kw
+
+
+def generate(model, kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+def in_threads(fn, args_list, timeout=300):
+    out, errors = {}, {}
+    barrier = threading.Barrier(len(args_list))
+
+    def work(i, args):
+        barrier.wait()
+        try:
+            out[i] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            errors[i] = err
+
+    threads = [threading.Thread(target=work, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a generate() thread hung"
+    return out, errors
+
+
+def schedulers(model):
+    return [m.scheduler for m in batched._mergers.get(model, {}).values()]
+
+
+@pytest.fixture
+def oxygen():
+    _patching.forget_warnings()
+    yield
+    hf.disable_hf()
+
+
+@pytest.mark.parametrize("threads", [2, 5, 16])
+def test_concurrent_calls_give_the_tokens_they_give_alone(oxygen, threads):
+    model = hf.apply(llama())
+    calls = [call_kw(s) for s in range(threads)]
+    ref = [generate(model, kw) for kw in calls]  # one by one: each call alone
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in calls])
+    assert not errors, errors
+    for i in range(threads):
+        assert torch.equal(out[i], ref[i]), f"call {i}"
+    (sched,) = schedulers(model)
+    alone = max(kw["input_ids"].shape[0] * kw.get("num_beams", 1) for kw in calls)
+    assert max(sched.stats.batch_sizes) > alone  # several calls' sequences in one forward
+    assert sched.live() == 0
+
+
+def test_sampling_calls_get_their_own_logits(oxygen):
+    """Sampled tokens depend on the shared random stream, so each call's recorded logits are
+    checked against the model run alone on the tokens that call produced."""
+    model = hf.apply(llama(seed=3, arch="qwen3"))
+    kws = []
+    for s in range(4):
+        ids, mask = prompt(s + 20, rows=2, length=8)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
+                        temperature=0.8, top_k=20, output_logits=True,
+                        return_dict_in_generate=True))  # fmt: skip
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    stock = llama(seed=3, arch="qwen3")
+    stock.config._attn_implementation = "sdpa"
+    for i, kw in enumerate(kws):
+        seq = out[i].sequences
+        p = kw["input_ids"].shape[1]
+        mask = torch.cat([kw["attention_mask"], torch.ones_like(seq[:, p:])], 1)
+        with torch.no_grad():
+            truth = stock(seq, attention_mask=mask).logits[:, p - 1 : -1]
+        got = torch.stack(out[i].logits, 1)
+        torch.testing.assert_close(got, truth, rtol=1e-4, atol=1e-4)
+
+
+def test_a_burst_larger_than_the_kv_budget_completes_without_oom(oxygen):
+    """31 KV blocks of 128 tokens; ten calls of two rows that each end at 2 blocks a row need
+    40: calls wait for blocks and younger ones are preempted (recomputed), none fails."""
+    cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20})
+    model = hf.apply(llama(), cfg)
+    kws = []
+    for s in range(10):
+        ids, mask = prompt(s, rows=2, length=100 + s)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
+    ref = [generate(model, kw) for kw in kws]
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
+    assert pool["peak_blocks_used"] <= pool["blocks_total"] == 31
+    assert schedulers(model)[0].stats.preemptions > 0
+
+
+class Boom(Exception):
+    pass
+
+
+class RaiseAt(T.LogitsProcessor):
+    def __init__(self, step):
+        self.step, self.n = step, 0
+
+    def __call__(self, input_ids, scores):
+        self.n += 1
+        if self.n == self.step:
+            raise Boom("a logits processor failed")
+        return scores
+
+
+def test_a_call_that_raises_leaves_the_others_correct_and_frees_its_blocks(oxygen):
+    model = hf.apply(llama())
+    kws = [call_kw(s) for s in range(4)]
+    ref = [generate(model, kw) for kw in kws]
+    bad = {**call_kw(9), "logits_processor": T.LogitsProcessorList([RaiseAt(3)])}
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws + [bad]])
+    assert set(errors) == {4} and isinstance(errors[4], Boom)
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r)
+    del out, errors
+    gc.collect()
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
+class Slow(T.LogitsProcessor):
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __call__(self, input_ids, scores):
+        time.sleep(self.seconds)
+        return scores
+
+
+def test_a_slow_caller_does_not_hold_the_others_back(oxygen):
+    model = hf.apply(llama(), load_config(scheduler={"gather_ms": 20}))
+    fast = [call_kw(s) for s in (0, 1, 2)]
+    slow = {**call_kw(5), "logits_processor": T.LogitsProcessorList([Slow(0.3)])}
+    slow["max_new_tokens"] = 6
+    ref = [generate(model, kw) for kw in fast]
+    done = {}
+
+    def run(kw, tag):
+        out = generate(model, kw)
+        done[tag] = time.monotonic()
+        return out
+
+    start = time.monotonic()
+    out, errors = in_threads(run, [(kw, i) for i, kw in enumerate(fast)] + [(slow, "slow")])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r)
+    # the fast calls finish long before the slow one's 6 x 0.3 s
+    assert max(done[i] for i in range(3)) - start < 0.6 * (done["slow"] - start)
+
+
+def test_priority_changes_per_token_service_on_a_deterministic_trace(oxygen):
+    """One sequence a step: with WFQ the high-priority calls' tokens are served first, so they
+    finish before the low ones although they asked last; with FCFS arrival order decides."""
+    finish = {}
+    for policy in ("wfq", "fcfs"):
+        cfg = load_config(scheduler={"policy": policy, "max_step_seqs": 1, "gather_ms": 200})
+        model = hf.apply(llama(), cfg)
+        order = []
+
+        def run(kw, prio, tag, model=model, order=order):
+            with oxygen_torch.task(priority=prio, name=tag):
+                out = generate(model, kw)
+            order.append(tag)
+            return out
+
+        kws = [dict(call_kw(10 + s), max_new_tokens=12, num_beams=1) for s in range(4)]
+        for kw in kws:
+            kw["input_ids"], kw["attention_mask"] = prompt(30, rows=1, length=6)
+            kw.pop("eos_token_id", None)
+        tags = [("low", "low-0"), ("low", "low-1"), ("high", "high-0"), ("high", "high-1")]
+        out, errors = in_threads(run, [(kw, p, t) for kw, (p, t) in zip(kws, tags)])
+        assert not errors, errors
+        finish[policy] = order
+        hf.disable_hf()
+    assert set(finish["wfq"][:2]) == {"high-0", "high-1"}, finish
+    assert finish["wfq"] != finish["fcfs"] or set(finish["fcfs"][:2]) == {"high-0", "high-1"}
+
+
+def test_wfq_weights_follow_qos_and_keep_no_idle_credit():
+    policy = WFQ(0.7, 0.3)
+    hi, lo = Account(parse("high")), Account(parse("low"))
+    policy.reweigh([hi, lo])
+    assert hi.weight > lo.weight
+    for _ in range(10):
+        first = policy.order([hi, lo])[0]
+        policy.charge(first, 10)
+    assert hi.served > lo.served > 0  # served more, never starving the other
+    late = Account(Task(level=1, qos=0.5))
+    policy.join(late, [hi, lo])
+    assert late.vtime == min(hi.vtime, lo.vtime)  # no credit banked while it was away
+
+
+def test_task_tags_are_per_context_and_reach_an_executor():
+    with oxygen_torch.task(priority="high", name="chat") as t:
+        assert current() is t and t.level == 2 and t.qos == 1.0
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            ctx = contextvars.copy_context()
+            return await loop.run_in_executor(None, ctx.run, current)
+
+        assert asyncio.run(main()).name == "chat"
+    assert current().name == "default"
+    with pytest.raises(ValueError, match="task priority: 'urgent'"):
+        parse("urgent")
+    with pytest.raises(ValueError, match="task qos"):
+        parse("high", qos=1.5)
