@@ -154,10 +154,10 @@ class StepScheduler:
         return req.result
 
     def _should_step(self) -> bool:
-        queued = [c for c in self._calls if c.queued is not None and not c.queued.taken]
+        queued = [c for c in self._calls if self._waiting(c)]
         if not queued:
             return False
-        awaited = [c for c in self._calls if c.queued is None and not c.late]
+        awaited = [c for c in self._calls if (c.queued is None or c.queued.done) and not c.late]
         if not awaited:
             return True
         oldest = min(c.queued.arrived for c in queued)
@@ -166,6 +166,13 @@ class StepScheduler:
                 c.late = True
             return True
         return False
+
+    @staticmethod
+    def _waiting(call: Call) -> bool:
+        """Its request is queued, not in the running step, not already served (a served call
+        may not have woken up yet to take its result)."""
+        req = call.queued
+        return req is not None and not req.taken and not req.done
 
     def _wait_s(self) -> float:
         return max(self.cfg.gather_ms / 1000 / 4, 1e-4)
@@ -239,7 +246,7 @@ class StepScheduler:
             observe(event, call, seconds=seconds, rows=ch.rows)
 
     def _select(self) -> list[Chunk]:
-        queued = [c for c in self._calls if c.queued is not None and not c.queued.taken]
+        queued = [c for c in self._calls if self._waiting(c)]
         order = {id(a): c for c in queued for a in (c.account,)}
         ranked = [order[id(a)] for a in self.policy.order([c.account for c in queued])]
         budget, seqs = self.cfg.max_step_tokens, self.cfg.max_step_seqs
