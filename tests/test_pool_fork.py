@@ -1,0 +1,130 @@
+"""fork() while other threads use the pool (PyTorch's DataLoader forks its workers): every child
+finishes within a bound, the parent's pool refuses in the child with an error that says why, a
+pool made in the child works, and the parent's pool is intact afterwards."""
+
+import ctypes
+import os
+import random
+import signal
+import threading
+import time
+
+from oxygen_torch.pool import Arena, VirtualPool
+from oxygen_torch.pool import native as _native
+
+MiB = 1 << 20
+FORKS = 200
+CHILD_BOUND_S = 20.0  # a child does a few ms of work: this bound only catches a hang
+
+# Child exit codes: which step went wrong
+OK, INHERITED_POOL_USABLE, INHERITED_ARENA_USABLE, NEW_POOL_WRONG, CRASHED = 0, 3, 4, 5, 6
+
+
+def churn(pool, arena, seed, stop, errors):
+    """malloc/free of random sizes with a pattern checked before each free, and arena pages
+    mapped and unmapped: the locks a fork may catch held."""
+    rng = random.Random(seed)
+    live = []
+    try:
+        while not stop.is_set():
+            if live and (rng.random() < 0.5 or len(live) > 16):
+                ptr, n, tag = live.pop(rng.randrange(len(live)))
+                if ctypes.string_at(ptr, min(n, 64)) != bytes([tag]) * min(n, 64):
+                    errors.append(f"block {ptr:#x} was overwritten")
+                pool.free(ptr, n)
+            else:
+                n = rng.choice([1, 700, 4096, 300_000, 3 * MiB + 5])
+                tag = rng.randrange(1, 256)
+                ptr = pool.malloc(n)
+                ctypes.memset(ptr, tag, min(n, 64))
+                live.append((ptr, n, tag))
+            page = rng.randrange(arena.num_pages)
+            if seed % 2 and not arena.is_mapped(page):
+                arena.map_pages(page)
+                arena.unmap_pages(page)
+        for ptr, n, _ in live:
+            pool.free(ptr, n)
+    except Exception as exc:  # surfaced in the main thread
+        errors.append(repr(exc))
+
+
+def child(pool, arena) -> int:
+    """Runs in the forked child; returns its exit code."""
+    try:
+        pool.malloc(4096)
+        return INHERITED_POOL_USABLE
+    except _native.NativeError as exc:
+        if exc.status != _native.ERR_FORKED or "before fork()" not in str(exc):
+            return INHERITED_POOL_USABLE
+    try:
+        arena.map_pages(0)
+        return INHERITED_ARENA_USABLE
+    except _native.NativeError as exc:
+        if exc.status != _native.ERR_FORKED:
+            return INHERITED_ARENA_USABLE
+    with VirtualPool(backend="host", capacity=32 * MiB) as mine:
+        blocks = [(mine.malloc(n), n) for n in (1, 5000, 3 * MiB)]
+        for i, (ptr, n) in enumerate(blocks):
+            ctypes.memset(ptr, 0x41 + i, n)
+        for i, (ptr, n) in enumerate(blocks):
+            if ctypes.string_at(ptr, n) != bytes([0x41 + i]) * n or not mine.free(ptr, n):
+                return NEW_POOL_WRONG
+        if mine.stats()["allocated_bytes"] != 0:
+            return NEW_POOL_WRONG
+    pool.close()  # forgets the parent's pool: must neither block nor touch the parent's pages
+    arena.close()
+    _native.lib().oxygen_shutdown()  # what atexit runs: stops only the child's threads
+    return OK
+
+
+def wait_bounded(pid: int, bound_s: float) -> int | None:
+    """The child's exit code, or None when it did not exit within ``bound_s`` (then killed)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_forks_during_churn_never_hang():
+    pool = VirtualPool(backend="host", capacity=256 * MiB, hysteresis_us=200)
+    arena = Arena(16 * MiB, backend="host")
+    stop, errors = threading.Event(), []
+    threads = [
+        threading.Thread(target=churn, args=(pool, arena, s, stop, errors)) for s in range(3)
+    ]
+    for t in threads:
+        t.start()
+    codes = []
+    try:
+        for _ in range(FORKS):
+            pid = os.fork()
+            if pid == 0:
+                code = CRASHED
+                try:
+                    code = child(pool, arena)
+                finally:
+                    os._exit(code)
+            codes.append(wait_bounded(pid, CHILD_BOUND_S))
+            if codes[-1] is None:
+                break  # one hang is enough to fail; do not spend the bound 200 times
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert None not in codes, f"a child hung (fork {codes.index(None) + 1} of {FORKS})"
+    assert codes == [OK] * FORKS, f"child exit codes: {sorted(set(codes))}"
+    assert not errors, errors[:5]
+    s = pool.stats()  # the parent's pool is intact after 200 forks
+    assert s["allocated_bytes"] == 0 and s["live_blocks"] == 0
+    assert s["num_allocs"] == s["num_frees"] > 0 and s["num_bad_frees"] == 0
+    pool.empty_cache()
+    assert pool.stats()["mapped_bytes"] == 0
+    arena.map_pages(1, 2)  # and so is the arena
+    assert arena.mapped_pages() == 2
+    arena.close()
+    pool.close()
