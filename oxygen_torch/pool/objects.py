@@ -54,7 +54,7 @@ def _read(fn, handle) -> dict:
 
 def _check_page_size(owner: str, page_size: Any) -> int:
     """The rule PoolConfig applies to pool.page_size, for every pool and arena (host included)."""
-    int_arg(f"{owner} page_size", page_size, 1, SIZE_MAX)
+    int_arg(f"{owner} page_size", page_size, 0, SIZE_MAX)
     check_page_size(f"{owner} page_size", page_size)
     return page_size
 
