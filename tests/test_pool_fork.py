@@ -128,3 +128,34 @@ def test_forks_during_churn_never_hang():
     assert arena.mapped_pages() == 2
     arena.close()
     pool.close()
+
+
+def test_fork_while_a_scrape_holds_the_metrics_lock():
+    """The exporter's lock, held by a scraping thread at the fork, would stay held in the child."""
+    from oxygen_torch.tools import metrics
+
+    held, release = threading.Event(), threading.Event()
+
+    def scrape_in_progress():
+        with metrics._lock:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=scrape_in_progress)
+    t.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = CRASHED
+            try:
+                with VirtualPool(backend="host", capacity=16 * MiB) as mine:
+                    metrics.register_pool(mine, name="child")
+                    names = [name for name, _ in metrics.pool_snapshots()]
+                    code = OK if "child" in names else NEW_POOL_WRONG
+            finally:
+                os._exit(code)
+        assert wait_bounded(pid, CHILD_BOUND_S) == OK
+    finally:
+        release.set()
+        t.join()
