@@ -23,27 +23,10 @@ struct Arena {
   std::unique_ptr<PageRange> range;
 };
 
-// The arena behind a handle, or null with *s set (null, or inherited across fork).
-Arena* usable(void* arena, const char* where, Status* s) {
-  auto* a = static_cast<Arena*>(arena);
-  if (!a) {
-    *s = invalid_handle(where, "arena");
-  } else if (a->range->ctx().inherited()) {
-    *s = forked_handle(where, "arena");
-    a = nullptr;
-  } else {
-    *s = OK;
-  }
-  return a;
-}
-
 template <typename F>
 int on_arena(void* arena, const char* where, F&& body) noexcept {
-  return guarded(where, [&]() -> int {
-    Status s;
-    Arena* a = usable(arena, where, &s);
-    return a ? body(a) : s;
-  });
+  return on_handle<Arena>(
+      arena, where, "arena", [](Arena& a) { return a.range->ctx().inherited(); }, body);
 }
 
 // For the accessors that answer a value: `fallback` for an unusable handle.

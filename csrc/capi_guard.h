@@ -55,4 +55,17 @@ inline Status forked_handle(const char* where, const char* what) {
   return ERR_FORKED;
 }
 
+// Runs body(T*) on the object behind a C handle once it is known usable: not null, and not
+// inherited across fork (inherited(const T&) says so). Guarded like any entry point.
+template <typename T, typename Inherited, typename F>
+int on_handle(void* handle, const char* where, const char* what, Inherited inherited,
+              F&& body) noexcept {
+  return guarded(where, [&]() -> int {
+    auto* obj = static_cast<T*>(handle);
+    if (!obj) return invalid_handle(where, what);
+    if (inherited(*obj)) return forked_handle(where, what);
+    return body(obj);
+  });
+}
+
 }  // namespace oxygen

@@ -73,28 +73,11 @@ std::string oom_message(Allocator* a, std::int64_t size) {
   return buf;
 }
 
-// The pool behind a VirtualPool handle, or null with *s set (null, or inherited across fork).
-Allocator* usable(void* pool, const char* where, Status* s) {
-  auto* a = static_cast<Allocator*>(pool);
-  if (!a) {
-    *s = invalid_handle(where, "pool");
-  } else if (a->ctx().inherited()) {
-    *s = forked_handle(where, "pool");
-    a = nullptr;
-  } else {
-    *s = OK;
-  }
-  return a;
-}
-
-// Status-returning body on a usable pool.
+// Status-returning body on a usable VirtualPool handle.
 template <typename F>
 int on_pool(void* pool, const char* where, F&& body) noexcept {
-  return guarded(where, [&]() -> int {
-    Status s;
-    Allocator* a = usable(pool, where, &s);
-    return a ? body(a) : s;
-  });
+  return on_handle<Allocator>(
+      pool, where, "pool", [](Allocator& a) { return a.ctx().inherited(); }, body);
 }
 
 // Counter exports answer how many values they wrote, or -status.

@@ -178,9 +178,9 @@ PROT_NONE, PROT_RW = 0, 3
 MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE = 0x01, 0x02, 0x20, 0x100000
 
 
-def plant_after_close(monkeypatch, plant):
-    """VirtualPool.close() that, once the pool let its range go, puts `plant(base)` in it (as a
-    thread's malloc arena lands there); returns the list of (address, size) planted."""
+def exercise_with_plant(monkeypatch, plant) -> leakcheck.LeakReport:
+    """leakcheck.exercise("host") with a VirtualPool.close() that, once the pool let its range
+    go, maps `plant(base) -> (address, size)` in it (as a thread's malloc arena lands there)."""
     planted = []
     close = VirtualPool.close
 
@@ -190,7 +190,13 @@ def plant_after_close(monkeypatch, plant):
         planted.append(plant(base))
 
     monkeypatch.setattr(VirtualPool, "close", close_then_plant)
-    return planted
+    try:
+        rep = leakcheck.exercise("host")
+    finally:
+        for addr, size in planted:
+            libc.munmap(addr, size)
+    assert planted
+    return rep
 
 
 def test_someone_elses_mapping_in_a_released_range_is_not_a_leak(monkeypatch):
@@ -204,13 +210,8 @@ def test_someone_elses_mapping_in_a_released_range_is_not_a_leak(monkeypatch):
         assert addr == base, ctypes.get_errno()
         return addr, size
 
-    planted = plant_after_close(monkeypatch, arena_like)
-    try:
-        rep = leakcheck.exercise("host")
-    finally:
-        for addr, size in planted:
-            libc.munmap(addr, size)
-    assert planted and rep.ok, rep.leaks
+    rep = exercise_with_plant(monkeypatch, arena_like)
+    assert rep.ok, rep.leaks
     assert any("64.0 MiB of its former range hold other mappings" in x for x in rep.checked)
 
 
@@ -224,12 +225,7 @@ def test_a_page_left_mapped_in_a_released_range_is_a_leak(monkeypatch):
         assert addr == base + 4 * MiB, ctypes.get_errno()
         return addr, 2 * MiB
 
-    planted = plant_after_close(monkeypatch, page_like)
-    try:
-        rep = leakcheck.exercise("host")
-    finally:
-        for addr, size in planted:
-            libc.munmap(addr, size)
+    rep = exercise_with_plant(monkeypatch, page_like)
     assert any(
         "host pool: after close(), 2.0 MiB of its pages are still mapped in its range" in x
         for x in rep.leaks
