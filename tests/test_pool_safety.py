@@ -194,3 +194,18 @@ def test_arena_view_outlives_close_without_faulting():
     gc.collect()
     assert oxygen_pool.held_arenas() == []
     assert leakcheck.host_view().mapped_bytes == before.mapped_bytes
+
+
+def test_integer_like_arguments_are_accepted():
+    """Block ids and sizes often come from numpy or torch: anything with __index__ is an int."""
+    import numpy as np
+    import torch
+
+    with VirtualPool(backend="host", capacity=16 * MiB) as pool:
+        n = int(np.random.default_rng().integers(1, 1 << 20))
+        ptr = pool.malloc(np.int64(n))
+        assert pool.stats()["requested_bytes"] == n
+        assert pool.free(torch.tensor(ptr, dtype=torch.int64), torch.tensor(n))
+    with Arena(4 * PAGE, backend="host") as arena:
+        arena.map_pages(np.int32(1), torch.tensor(2))
+        assert arena.is_mapped(np.uint8(2)) and arena.mapped_pages() == 2

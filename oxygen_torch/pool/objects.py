@@ -54,7 +54,7 @@ def _read(fn, handle) -> dict:
 
 def _check_page_size(owner: str, page_size: Any) -> int:
     """The rule PoolConfig applies to pool.page_size, for every pool and arena (host included)."""
-    int_arg(f"{owner} page_size", page_size, 0, SIZE_MAX)
+    page_size = int_arg(f"{owner} page_size", page_size, 0, SIZE_MAX)
     check_page_size(f"{owner} page_size", page_size)
     return page_size
 
@@ -131,7 +131,7 @@ class VirtualPool(_NativeObject):
         hysteresis_us: int = 0,
     ):
         if capacity is not None:
-            int_arg("VirtualPool capacity (bytes)", capacity, 1, MAX_CAPACITY)
+            capacity = int_arg("VirtualPool capacity (bytes)", capacity, 1, MAX_CAPACITY)
         args = (
             _check_page_size("VirtualPool", page_size),
             capacity or 0,
@@ -142,11 +142,11 @@ class VirtualPool(_NativeObject):
         )
         self.device = int_arg("VirtualPool device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
-        self.page_size = page_size
+        self.page_size = args[0]
         lib = _native.lib()
         h = ctypes.c_void_p()
         _native.check(
-            lib.oxygen_pool_create(self.backend.encode(), device, *args, ctypes.byref(h)),
+            lib.oxygen_pool_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
             f"creating a {self.backend} pool",
         )
         self._h = h.value
@@ -160,7 +160,7 @@ class VirtualPool(_NativeObject):
     def malloc(self, size: int, stream: Any = 0) -> int:
         """Address of a new block of ``size`` bytes; raises torch.OutOfMemoryError with the
         pool's figures when the pool (after reclaiming) or the device has no memory left."""
-        int_arg("malloc size", size, 0, INT64_MAX)
+        size = int_arg("malloc size", size, 0, INT64_MAX)
         out = ctypes.c_void_p()
         lib = _native.lib()
         st = lib.oxygen_pool_malloc(self._handle(), size, _stream_handle(stream), ctypes.byref(out))
@@ -187,9 +187,9 @@ class VirtualPool(_NativeObject):
     def free(self, ptr: int, size: int | None = None, stream: Any = 0) -> bool:
         """Free a block. A double free or unknown pointer is reported once on stderr, counted in
         ``stats()['num_bad_frees']`` and ignored: returns False then."""
-        int_arg("free pointer", ptr, 0, SIZE_MAX)
+        ptr = int_arg("free pointer", ptr, 0, SIZE_MAX)
         if size is not None:
-            int_arg("free size", size, 0, INT64_MAX)
+            size = int_arg("free size", size, 0, INT64_MAX)
         st = _native.lib().oxygen_pool_free(
             self._handle(), ptr, -1 if size is None else size, _stream_handle(stream)
         )
@@ -206,13 +206,13 @@ class VirtualPool(_NativeObject):
 
     def prepare(self, nbytes: int) -> None:
         """Create physical handles now for ``nbytes`` (growth then only maps)."""
-        int_arg("prepare nbytes", nbytes, 0, INT64_MAX)
+        nbytes = int_arg("prepare nbytes", nbytes, 0, INT64_MAX)
         _native.check(_native.lib().oxygen_pool_prepare(self._handle(), nbytes), "prepare")
 
     def bench(self, size: int, iters: int, stream: Any = 0) -> float:
         """Nanoseconds per malloc+free pair, looped in C (no Python per call)."""
-        int_arg("bench size", size, 0, INT64_MAX)
-        int_arg("bench iters", iters, 0, INT_MAX)
+        size = int_arg("bench size", size, 0, INT64_MAX)
+        iters = int_arg("bench iters", iters, 0, INT_MAX)
         ns = _native.lib().oxygen_pool_bench(self._handle(), size, iters, _stream_handle(stream))
         if ns < 0:
             raise _native.NativeError(_native.ERR_INVALID, f"bench: {_native.last_error()}")
@@ -294,7 +294,7 @@ class Arena(_NativeObject):
         page_size: int = DEFAULT_PAGE,
         reserve_fraction: float = 0.9,
     ):
-        int_arg("Arena size (bytes)", nbytes, 1, MAX_CAPACITY)
+        nbytes = int_arg("Arena size (bytes)", nbytes, 1, MAX_CAPACITY)
         args = (
             _check_page_size("Arena", page_size),
             nbytes,
@@ -305,7 +305,7 @@ class Arena(_NativeObject):
         lib = _native.lib()
         h = ctypes.c_void_p()
         _native.check(
-            lib.oxygen_arena_create(self.backend.encode(), device, *args, ctypes.byref(h)),
+            lib.oxygen_arena_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
             f"creating a {self.backend} KV arena of {nbytes} bytes",
         )
         self._h = h.value
@@ -313,7 +313,7 @@ class Arena(_NativeObject):
         self.page_size = int(lib.oxygen_arena_page_size(self._h))
         self.num_pages = int(lib.oxygen_arena_pages(self._h))
         self.capacity = self.num_pages * self.page_size
-        self._owner = _ArenaHandle(self._h, device, self.base, self.capacity, self.page_size)
+        self._owner = _ArenaHandle(self._h, self.device, self.base, self.capacity, self.page_size)
         _arenas.add(self)
 
     def close(self) -> None:
@@ -325,20 +325,20 @@ class Arena(_NativeObject):
         _held.add(owner)  # gone from the set by itself once the last view is dropped
         del owner  # the last reference unless a view holds one: the native arena goes now
 
-    def _pages_arg(self, what: str, first: int, count: int) -> None:
-        int_arg(f"arena {what} first page", first, 0, self.num_pages - 1)
-        int_arg(f"arena {what} count", count, 1, self.num_pages - first)
+    def _pages_arg(self, what: str, first: int, count: int) -> tuple[int, int]:
+        first = int_arg(f"arena {what} first page", first, 0, self.num_pages - 1)
+        return first, int_arg(f"arena {what} count", count, 1, self.num_pages - first)
 
     def map_pages(self, first: int, count: int = 1) -> None:
         h = self._handle()
-        self._pages_arg("map_pages", first, count)
+        first, count = self._pages_arg("map_pages", first, count)
         _native.check(
             _native.lib().oxygen_arena_map(h, first, count), f"arena map_pages({first}, {count})"
         )
 
     def unmap_pages(self, first: int, count: int = 1) -> None:
         h = self._handle()
-        self._pages_arg("unmap_pages", first, count)
+        first, count = self._pages_arg("unmap_pages", first, count)
         _native.check(
             _native.lib().oxygen_arena_unmap(h, first, count),
             f"arena unmap_pages({first}, {count})",
@@ -346,7 +346,7 @@ class Arena(_NativeObject):
 
     def is_mapped(self, page: int) -> bool:
         h = self._handle()
-        int_arg("arena is_mapped page", page, 0, self.num_pages - 1)
+        page = int_arg("arena is_mapped page", page, 0, self.num_pages - 1)
         r = _native.lib().oxygen_arena_is_mapped(h, page)
         if r < 0:
             _native.check(-r, f"arena is_mapped({page})")
