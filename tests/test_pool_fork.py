@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from oxygen_torch.pool import Arena, VirtualPool
 from oxygen_torch.pool import native as _native
 
@@ -159,3 +161,53 @@ def test_fork_while_a_scrape_holds_the_metrics_lock():
     finally:
         release.set()
         t.join()
+
+
+GLOBAL_ROUTE_FORK = """
+import gc, os, sys, time
+import torch
+import oxygen_torch
+from oxygen_torch.pool import VirtualPool, native
+
+oxygen_torch.enable()
+kept = torch.randn(1 << 20, device="cuda")  # a block of the global pool, inherited by the child
+pid = os.fork()
+if pid == 0:
+    code = 9
+    try:
+        del kept
+        gc.collect()  # frees the parent's block in the child: ignored, never blocks
+        with VirtualPool(backend="host", capacity=32 << 20) as mine:
+            mine.free(mine.malloc(4096))
+        try:
+            VirtualPool(backend="cuda", capacity=64 << 20)
+            code = 2  # CUDA does not survive fork: this must be refused
+        except Exception as exc:
+            code = 0 if str(exc) else 3
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.01)
+else:
+    os.kill(pid, 9)
+    print("child hung")
+again = torch.randn(1 << 20, device="cuda")  # the parent's pool still allocates after the fork
+print("parent", bool(torch.isfinite(kept).all()) and float((again - again).abs().sum()) == 0.0)
+"""
+
+
+@pytest.mark.cuda
+def test_fork_after_the_global_route_allocated():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", GLOBAL_ROUTE_FORK], capture_output=True, text=True, timeout=180
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "child 0" in r.stdout and "parent True" in r.stdout, r.stdout + r.stderr[-3000:]

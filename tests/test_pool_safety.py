@@ -209,3 +209,25 @@ def test_integer_like_arguments_are_accepted():
     with Arena(4 * PAGE, backend="host") as arena:
         arena.map_pages(np.int32(1), torch.tensor(2))
         assert arena.is_mapped(np.uint8(2)) and arena.mapped_pages() == 2
+
+
+@pytest.mark.cuda
+def test_cuda_arena_view_outlives_close_and_cuda_pool_checks_arguments():
+    import torch
+
+    arena = Arena(4 * PAGE, backend="cuda")
+    arena.map_pages(0, 2)
+    flat = arena.as_tensor(torch.float32)[: PAGE // 4]
+    value = float(torch.rand(()))
+    flat.fill_(value)
+    arena.close()  # the view keeps the range mapped: reading it must not poison the context
+    torch.cuda.synchronize()
+    assert float(flat[:1000].sum()) == pytest.approx(1000 * value, rel=1e-5)
+    assert len(oxygen_pool.held_arenas()) == 1
+    del flat
+    gc.collect()
+    assert oxygen_pool.held_arenas() == []
+    with VirtualPool(backend="cuda", capacity=64 * MiB) as pool:
+        with pytest.raises(ValueError, match="malloc size = 18446744073709551616"):
+            pool.malloc(1 << 64)
+        assert pool.free(pool.malloc(3 * MiB)) and pool.stats()["allocated_bytes"] == 0
