@@ -50,7 +50,10 @@ def describe(value: Any) -> str:
     and a 5,000-character string is not a message."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits (about 2**{value.bit_length() - 1})"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # a container holding such an integer
+        return f"a {type(value).__name__} holding an integer too long to print"
     return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
 
 

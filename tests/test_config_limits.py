@@ -174,3 +174,19 @@ def test_not_wired_warning_comes_from_every_source(caplog, monkeypatch, tmp_path
     warned = {r.getMessage().split(" = ")[0] for r in caplog.records}
     assert warned == {"oxygen_torch: scheduler.alpha", "oxygen_torch: kv.prefetch_distance"}
     assert KVConfig().prefetch_distance == 4  # the documented default is unchanged
+
+
+@pytest.mark.parametrize(
+    "profile, needle",
+    [
+        ({"block_size": [HUGE, 64]}, "optimizations.llama.block_size: .* must be two integers"),
+        ({"prefetch_distance": HUGE}, "optimizations.llama.prefetch_distance: an integer of"),
+        ({"retention_priority_factor": float("inf")}, "must be a finite number"),
+    ],
+    ids=["block_size", "prefetch_distance", "retention"],
+)
+def test_profile_values_are_bounded_naming_the_key(profile, needle):
+    from oxygen_torch.profiles import validate_profile
+
+    with pytest.raises(ValueError, match=needle):
+        validate_profile("llama", profile)
