@@ -73,6 +73,10 @@ def child(pool, arena) -> int:
                 return NEW_POOL_WRONG
         if mine.stats()["allocated_bytes"] != 0:
             return NEW_POOL_WRONG
+    from oxygen_torch import pool as oxygen_pool
+
+    if arena in oxygen_pool.live_arenas() or oxygen_pool.memory_stats()["mapped_bytes"]:
+        return NEW_POOL_WRONG  # the parent's arena is not this process's
     pool.close()  # forgets the parent's pool: must neither block nor touch the parent's pages
     arena.close()
     _native.lib().oxygen_shutdown()  # what atexit runs: stops only the child's threads

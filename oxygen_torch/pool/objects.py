@@ -9,6 +9,7 @@ Statistics are atomics in C, read here without taking any allocation lock.
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from typing import Any
 
@@ -238,8 +239,14 @@ _held: weakref.WeakSet = weakref.WeakSet()  # _ArenaHandles of closed arenas tha
 
 
 def live_arenas(device: int | None = None) -> list[Arena]:
-    """The arenas not yet closed (on `device`, when given)."""
-    return [a for a in list(_arenas) if a._h and (device is None or a.device == device)]
+    """The arenas not yet closed (on `device`, when given) of this process: in a forked child
+    the parent's arenas refuse every call (csrc/fork.h), so they are not listed there."""
+    pid = os.getpid()
+    return [
+        a
+        for a in list(_arenas)
+        if a._h and a._pid == pid and (device is None or a.device == device)
+    ]
 
 
 def held_arenas() -> list[_ArenaHandle]:
@@ -314,6 +321,7 @@ class Arena(_NativeObject):
         self.num_pages = int(lib.oxygen_arena_pages(self._h))
         self.capacity = self.num_pages * self.page_size
         self._owner = _ArenaHandle(self._h, self.device, self.base, self.capacity, self.page_size)
+        self._pid = os.getpid()
         _arenas.add(self)
 
     def close(self) -> None:
