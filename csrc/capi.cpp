@@ -1,7 +1,9 @@
 // The C ABI of _oxygen.so, called through ctypes (oxygen_torch/_native.py) and, for
 // oxygen_malloc / oxygen_free, by PyTorch's CUDAPluggableAllocator.
 #include <cstring>
+#include <memory>
 
+#include "capi_guard.h"
 #include "vmm_backend.h"
 
 #define OXY_API extern "C" __attribute__((visibility("default")))
@@ -11,26 +13,31 @@ using namespace oxygen;
 OXY_API const char* oxygen_version() { return "0.1.0"; }
 
 // Text of the last error on the calling thread ("" when none).
-OXY_API const char* oxygen_last_error() { return last_error().c_str(); }
+OXY_API const char* oxygen_last_error() { return last_error(); }
 
 OXY_API int oxygen_cuda_probe(int* driver_version, int* device_count) {
-  *driver_version = 0;
-  *device_count = 0;
-  return cuda_driver_probe(driver_version, device_count);
+  return guarded("cuda_probe", [&]() -> int {
+    if (!driver_version || !device_count) return invalid_handle("cuda_probe", "output");
+    *driver_version = 0;
+    *device_count = 0;
+    return cuda_driver_probe(driver_version, device_count);
+  });
 }
 
 OXY_API int oxygen_cuda_device_info(int device, char* name, size_t name_len, size_t* granularity,
                                     size_t* free_bytes, size_t* total_bytes, int* vmm_supported) {
-  if (name_len) name[0] = '\0';
-  return cuda_device_info(device, name, name_len, granularity, free_bytes, total_bytes,
-                          vmm_supported);
+  return guarded("cuda_device_info", [&]() -> int {
+    if (!name || !name_len || !granularity || !free_bytes || !total_bytes || !vmm_supported)
+      return invalid_handle("cuda_device_info", "output");
+    name[0] = '\0';
+    return cuda_device_info(device, name, name_len, granularity, free_bytes, total_bytes,
+                            vmm_supported);
+  });
 }
 
-// Runs one full reserve / create / map / set_access / write / read / unmap / release / free_va
-// cycle on a backend ("host" or "cuda" -- the latter only checks the calls, it cannot touch device
-// memory from the host). Used by `doctor` to prove the backend works on this machine.
-OXY_API int oxygen_backend_selftest(const char* kind, int device, size_t page_size,
-                                    size_t* granularity_out) {
+namespace {
+
+Status selftest(const char* kind, int device, size_t page_size, size_t* granularity_out) {
   Status s;
   std::unique_ptr<Backend> be = std::strcmp(kind, "host") == 0 ? make_host_backend(page_size, &s)
                                                                : make_cuda_backend(device, &s);
@@ -60,4 +67,17 @@ OXY_API int oxygen_backend_selftest(const char* kind, int device, size_t page_si
   Status f = be->free_va(va, 2 * page);
   if (s == OK) s = u != OK ? u : r != OK ? r : f;
   return s;
+}
+
+}  // namespace
+
+// Runs one full reserve / create / map / set_access / write / read / unmap / release / free_va
+// cycle on a backend ("host" or "cuda" -- the latter only checks the calls, it cannot touch device
+// memory from the host). Used by `doctor` to prove the backend works on this machine.
+OXY_API int oxygen_backend_selftest(const char* kind, int device, size_t page_size,
+                                    size_t* granularity_out) {
+  return guarded("backend_selftest", [&]() -> int {
+    if (!kind || !granularity_out) return invalid_handle("backend_selftest", "backend or output");
+    return selftest(kind, device, page_size, granularity_out);
+  });
 }

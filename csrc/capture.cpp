@@ -1,7 +1,10 @@
 // See capture.h.
 #include "capture.h"
 
+#include "fork.h"
+
 #include <atomic>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -21,11 +24,26 @@ struct Listener {
   std::function<void(std::uint64_t)> on_release;
 };
 std::mutex g_listen_mu;
-std::vector<Listener>& listeners() {
-  static auto* v = new std::vector<Listener>();
-  return *v;  // leaked on purpose: allocators may unregister during static destruction
-}
+// Leaked on purpose: allocators may unregister during static destruction.
+std::vector<Listener>* g_listeners = new std::vector<Listener>();
+std::vector<Listener>& listeners() { return *g_listeners; }
 }  // namespace
+
+}  // namespace capture
+
+void capture_after_fork_child() {
+  // No capture runs in a fresh child, and the parent's allocators must never be called back
+  // (their locks may be held by threads the child does not have): empty state, fresh locks.
+  using namespace capture;
+  new (&g_query_mu) std::mutex();
+  new (&g_listen_mu) std::mutex();
+  new (g_listeners) std::vector<Listener>();
+  g_announced.store(0, std::memory_order_release);
+  g_detected.store(0, std::memory_order_release);
+  t_token = 0;
+}
+
+namespace capture {
 
 std::uint64_t announce_begin() {
   {

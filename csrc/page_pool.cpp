@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <map>
+#include <new>
 #include <set>
 #include <tuple>
 
@@ -14,12 +15,29 @@ namespace oxygen {
 // DeviceCtx
 
 namespace {
+using RegistryKey = std::tuple<std::string, int, std::size_t>;
+using Registry = std::map<RegistryKey, std::weak_ptr<DeviceCtx>>;
+
+// Process-wide state, leaked on purpose (used during process exit) and reset in a forked child.
 std::mutex g_live_mu;
-std::set<DeviceCtx*>& live_ctxs() {
-  static auto* s = new std::set<DeviceCtx*>();  // leaked: used during process exit
-  return *s;
-}
+std::set<DeviceCtx*>* g_live = new std::set<DeviceCtx*>();
+std::mutex g_registry_mu;
+Registry* g_registry = new Registry();
+
+std::set<DeviceCtx*>& live_ctxs() { return *g_live; }
+
+// The one physical-page context allowed per (kind, device, page size) is bounded by the address
+// space: the pool reserves 2 x capacity, and nothing reserves more than 2^56 bytes.
+constexpr std::size_t kMaxCapacity = std::size_t{1} << 55;
 }  // namespace
+
+void page_pool_after_fork_child() {
+  // The parent's contexts stay out of both: nothing in the child may lock or join them.
+  new (&g_live_mu) std::mutex();
+  new (g_live) std::set<DeviceCtx*>();
+  new (&g_registry_mu) std::mutex();
+  new (g_registry) Registry();
+}
 
 void DeviceCtx::stop_all_threads() {
   std::lock_guard<std::mutex> g(g_live_mu);
@@ -55,6 +73,12 @@ std::shared_ptr<DeviceCtx> DeviceCtx::create(const std::string& kind, int device
     return nullptr;
   }
   std::size_t cap = opt.capacity;
+  if (cap > kMaxCapacity) {
+    set_last_error("capacity " + std::to_string(cap) + " bytes is larger than any address space "
+                   "(the pool reserves twice its capacity; at most 2^55 bytes)");
+    *status = ERR_INVALID;
+    return nullptr;
+  }
   if (cap == 0) {
     std::size_t free_b = 0, total_b = 0;
     if ((*status = be->mem_info(&free_b, &total_b)) != OK) return nullptr;
@@ -73,23 +97,21 @@ std::shared_ptr<DeviceCtx> DeviceCtx::create(const std::string& kind, int device
 
 std::shared_ptr<DeviceCtx> DeviceCtx::shared(const std::string& kind, int device,
                                              const CtxOptions& opt, Status* status) {
-  static std::mutex mu;
-  static auto* registry =
-      new std::map<std::tuple<std::string, int, std::size_t>, std::weak_ptr<DeviceCtx>>();
-  std::lock_guard<std::mutex> g(mu);
+  std::lock_guard<std::mutex> g(g_registry_mu);
   auto key = std::make_tuple(kind, device, opt.page_size);
-  if (auto sp = (*registry)[key].lock()) {
+  if (auto sp = (*g_registry)[key].lock()) {
     *status = OK;
     return sp;
   }
   auto sp = create(kind, device, opt, status);
-  if (sp) (*registry)[key] = sp;
+  if (sp) (*g_registry)[key] = sp;
   return sp;
 }
 
 DeviceCtx::DeviceCtx(std::unique_ptr<Backend> be, std::string kind, int device,
                      const CtxOptions& opt, std::size_t max_pages)
     : backend_(std::move(be)),
+      generation_(fork_state::generation()),
       kind_(std::move(kind)),
       device_(device),
       page_(opt.page_size),
@@ -265,14 +287,32 @@ void DeviceCtx::remove_sweeper(void* key) {
 // PageRange
 
 PageRange::PageRange(std::shared_ptr<DeviceCtx> ctx, std::size_t pages, Status* status)
-    : ctx_(std::move(ctx)), pages_(pages), handles_(pages, 0), lent_(pages, 0),
-      mapped_(new std::atomic<std::uint8_t>[pages]) {
-  for (std::size_t i = 0; i < pages; ++i) mapped_[i].store(0, std::memory_order_relaxed);
-  *status = ctx_->backend().reserve(pages * ctx_->page(), &base_);
-  if (*status != OK) {
+    : ctx_(std::move(ctx)) {
+  // Address space first: an absurd size fails there, cleanly, before any per-page bookkeeping is
+  // allocated (allocating it first turned capacity=2^62 into a std::bad_alloc).
+  if (pages == 0 || pages > SIZE_MAX / ctx_->page()) {
+    set_last_error("a range of " + std::to_string(pages) + " pages of " +
+                   std::to_string(ctx_->page()) + " bytes cannot be addressed");
+    *status = ERR_INVALID;
+    return;
+  }
+  if ((*status = ctx_->backend().reserve(pages * ctx_->page(), &base_)) != OK) {
     base_ = 0;
     return;
   }
+  try {
+    handles_.assign(pages, 0);
+    lent_.assign(pages, 0);
+    mapped_.reset(new std::atomic<std::uint8_t>[pages]);
+  } catch (const std::bad_alloc&) {
+    ctx_->backend().free_va(base_, pages * ctx_->page());
+    base_ = 0;
+    set_last_error("no host memory for the bookkeeping of " + std::to_string(pages) + " pages");
+    *status = ERR_OOM;
+    return;
+  }
+  pages_ = pages;
+  for (std::size_t i = 0; i < pages; ++i) mapped_[i].store(0, std::memory_order_relaxed);
   bump(ctx_->stats().reserved_va_bytes, pages * ctx_->page());
   bump(ctx_->stats().live_ranges);
 }
@@ -300,8 +340,9 @@ Status PageRange::map_one(std::size_t i) {
 }
 
 Status PageRange::map(std::size_t first, std::size_t count) {
-  if (first + count > pages_ || count == 0) {
-    set_last_error("map: pages out of range");
+  if (!in_range(first, count)) {
+    set_last_error("map: pages [" + std::to_string(first) + ", +" + std::to_string(count) +
+                   ") out of range; the range has " + std::to_string(pages_) + " pages");
     return ERR_INVALID;
   }
   for (std::size_t i = first; i < first + count; ++i)
@@ -377,8 +418,9 @@ Status PageRange::lend(std::size_t src, std::size_t dst) {
 }
 
 Status PageRange::unmap(std::size_t first, std::size_t count) {
-  if (first + count > pages_) {
-    set_last_error("unmap: pages out of range");
+  if (!in_range(first, count)) {
+    set_last_error("unmap: pages [" + std::to_string(first) + ", +" + std::to_string(count) +
+                   ") out of range; the range has " + std::to_string(pages_) + " pages");
     return ERR_INVALID;
   }
   for (std::size_t i = first; i < first + count; ++i)

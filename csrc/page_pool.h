@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "fork.h"
 #include "stats.h"
 #include "vmm_backend.h"
 
@@ -50,6 +51,8 @@ class DeviceCtx {
   std::size_t max_pages() const { return max_pages_; }
   std::size_t owned_pages() const { return owned_.load(std::memory_order_relaxed); }
   PhysCounters& stats() { return stats_; }
+  // Created before a fork() this process is the child of: it belongs to the parent (fork.h).
+  bool inherited() const { return generation_ != fork_state::generation(); }
 
   // A handle for one page: cached if any, else created here (counted as inline). ERR_OOM when the
   // capacity is reached or the device has no memory left.
@@ -79,6 +82,7 @@ class DeviceCtx {
   void start_thread();
 
   std::unique_ptr<Backend> backend_;
+  std::uint64_t generation_;
   std::string kind_;
   int device_;
   std::size_t page_;
@@ -120,6 +124,11 @@ class PageRange {
   // Unmap mapped pages; their handles go back to the cache (a page that lent its handle keeps
   // nothing: the handle now belongs to the borrower).
   Status unmap(std::size_t first, std::size_t count);
+  // Whether [first, first + count) is a non-empty run of this range's pages; written so that no
+  // sum can wrap (a first of SIZE_MAX, from -1 in Python, once passed `first + count > pages`).
+  bool in_range(std::size_t first, std::size_t count) const {
+    return count > 0 && first < pages_ && count <= pages_ - first;
+  }
   // Map unmapped page `dst` onto the physical handle of mapped page `src`, which stays mapped (its
   // old contents are seen through both addresses) until unmap(src). Physical memory: unchanged.
   Status lend(std::size_t src, std::size_t dst);

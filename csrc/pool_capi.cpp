@@ -7,12 +7,14 @@
 #include <cstring>
 #include <iterator>
 #include <mutex>
+#include <new>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <sys/types.h>
 
 #include "allocator.h"
+#include "capi_guard.h"
 #include "capture.h"
 #include "page_set.h"
 #include "stats_export.h"
@@ -67,172 +69,29 @@ std::string oom_message(Allocator* a, std::int64_t size) {
                 "%.2f MiB. %s",
                 a->ctx().device(), size / 1048576.0, get(s.allocated_bytes) / 1048576.0,
                 get(p.mapped_bytes) / 1048576.0, get(p.reserved_va_bytes) / 1073741824.0,
-                fb / 1048576.0, tb / 1048576.0, last_error().c_str());
+                fb / 1048576.0, tb / 1048576.0, last_error());
   return buf;
 }
 
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Global route
-
-// Must precede the first oxygen_malloc; later calls with other settings fail with ERR_INVALID.
-OXY_API int oxygen_configure(const char* backend, size_t page_size, double reserve_fraction,
-                             size_t capacity, size_t low_pages, size_t high_pages,
-                             uint64_t hysteresis_us, int oom_throws) {
-  std::lock_guard<std::mutex> g(g_mu);
-  for (auto& a : g_pools)
-    if (a.load()) {
-      set_last_error("oxygen_configure: the global pool is already in use");
-      return ERR_INVALID;
-    }
-  std::string kind = backend && *backend ? backend : "cuda";
-  if (kind == "auto") kind = "cuda";
-  if (kind != "cuda" && kind != "host") {
-    set_last_error("oxygen_configure: backend must be auto, cuda or host");
-    return ERR_INVALID;
-  }
-  if (page_size == 0 || reserve_fraction <= 0 || reserve_fraction > 1) {
-    set_last_error("oxygen_configure: page_size must be > 0 and reserve_fraction in (0, 1]");
-    return ERR_INVALID;
-  }
-  g_cfg.kind = kind;
-  g_cfg.ctx.page_size = page_size;
-  g_cfg.ctx.reserve_fraction = reserve_fraction;
-  g_cfg.ctx.capacity = capacity;
-  if (low_pages) g_cfg.ctx.low_pages = low_pages;
-  if (high_pages) g_cfg.ctx.high_pages = high_pages;
-  if (hysteresis_us) g_cfg.alloc.hysteresis_ns = hysteresis_us * 1000;
-  g_cfg.oom_throws = oom_throws != 0;
-  return OK;
+// Status-returning body on a usable VirtualPool handle.
+template <typename F>
+int on_pool(void* pool, const char* where, F&& body) noexcept {
+  return on_handle<Allocator>(
+      pool, where, "pool", [](Allocator& a) { return a.ctx().inherited(); }, body);
 }
 
-// PyTorch's CUDAPluggableAllocator does not check for NULL, so on OOM this throws (like PyTorch's
-// own allocator does); PyTorch turns it into a Python RuntimeError with our figures.
-OXY_API void* oxygen_malloc(ssize_t size, int device, void* stream) {
-  Status s = OK;
-  Allocator* a = global_pool(device, &s);
-  void* p = a ? a->malloc(static_cast<std::int64_t>(size), stream, &s) : nullptr;
-  if (p || !g_cfg.oom_throws) return p;
-  if (!a) throw std::runtime_error("oxygen_torch: could not create the pool for device " +
-                                   std::to_string(device) + ": " + last_error());
-  throw std::runtime_error(oom_message(a, size));
+// Counter exports answer how many values they wrote, or -status.
+template <typename F>
+int counted(void* pool, const char* where, F&& body) noexcept {
+  int n = 0;
+  int s = on_pool(pool, where, [&](Allocator* a) {
+    n = body(a);
+    return OK;
+  });
+  return s == OK ? n : -s;
 }
 
-OXY_API void oxygen_free(void* ptr, ssize_t size, int device, void* stream) {
-  Allocator* a = device >= 0 && device < kMaxDevices ? g_pools[device].load() : nullptr;
-  if (a) {
-    a->free(ptr, static_cast<std::int64_t>(size), stream);
-    return;
-  }
-  if (!g_reported_no_pool)
-    std::fprintf(stderr, "oxygen_torch: free of 0x%" PRIxPTR " on device %d, which has no pool; "
-                 "ignored\n", reinterpret_cast<std::uintptr_t>(ptr), device);
-  g_reported_no_pool = true;
-}
-
-// The global pool of `device`, or NULL before its first allocation (for stats).
-OXY_API void* oxygen_global_pool(int device) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  return g_pools[device].load();
-}
-
-// ---------------------------------------------------------------------------------------------
-// VirtualPool
-
-OXY_API int oxygen_pool_create(const char* kind, int device, size_t page_size, size_t capacity,
-                               double reserve_fraction, size_t low_pages, size_t high_pages,
-                               uint64_t hysteresis_us, void** out) {
-  *out = nullptr;
-  CtxOptions co;
-  co.page_size = page_size;
-  co.capacity = capacity;
-  co.reserve_fraction = reserve_fraction;
-  if (low_pages) co.low_pages = low_pages;
-  if (high_pages) co.high_pages = high_pages;
-  AllocOptions ao;
-  if (hysteresis_us) ao.hysteresis_ns = hysteresis_us * 1000;
-  Status s;
-  auto ctx = DeviceCtx::create(kind, device, co, &s);
-  if (!ctx) return s;
-  auto a = Allocator::create(ctx, ao, &s);
-  if (!a) return s;
-  *out = a.release();
-  return OK;
-}
-
-OXY_API void oxygen_pool_destroy(void* pool) { delete static_cast<Allocator*>(pool); }
-
-OXY_API int oxygen_pool_malloc(void* pool, int64_t size, void* stream, void** out) {
-  Status s;
-  *out = static_cast<Allocator*>(pool)->malloc(size, stream, &s);
-  return s;
-}
-
-OXY_API int oxygen_pool_free(void* pool, void* ptr, int64_t size, void* stream) {
-  return static_cast<Allocator*>(pool)->free(ptr, size, stream);
-}
-
-OXY_API void oxygen_pool_empty_cache(void* pool) { static_cast<Allocator*>(pool)->empty_cache(); }
-OXY_API void oxygen_pool_reset_peak(void* pool) { static_cast<Allocator*>(pool)->reset_peak(); }
-
-// Create physical handles now until `bytes` worth are cached (the "prepared ahead" of growth).
-OXY_API int oxygen_pool_prepare(void* pool, size_t bytes) {
-  DeviceCtx& c = static_cast<Allocator*>(pool)->ctx();
-  return c.prepare((bytes + c.page() - 1) / c.page());
-}
-
-OXY_API int oxygen_pool_mem_info(void* pool, size_t* free_bytes, size_t* total_bytes) {
-  return static_cast<Allocator*>(pool)->ctx().backend().mem_info(free_bytes, total_bytes);
-}
-
-OXY_API const char* oxygen_pool_backend(void* pool) {
-  return static_cast<Allocator*>(pool)->ctx().kind().c_str();
-}
-
-OXY_API int oxygen_pool_device(void* pool) { return static_cast<Allocator*>(pool)->ctx().device(); }
-
-OXY_API uint64_t oxygen_pool_base(void* pool) { return static_cast<Allocator*>(pool)->base(); }
-
-// Comma-separated names of the values oxygen_pool_stats writes, in order.
-OXY_API const char* oxygen_stats_names() { return stats_names(); }
-
-// Reads the counters (atomics: no allocation lock is taken). Returns how many were written.
-OXY_API int oxygen_pool_stats(void* pool, uint64_t* out, int n) {
-  auto* a = static_cast<Allocator*>(pool);
-  return export_stats(&a->counters(), a->ctx(), a->va_bytes(), out, n);
-}
-
-// Per-page map latency histogram: bucket i counts pages mapped in < 2^i us (last: the rest).
-OXY_API int oxygen_pool_latency_hist(void* pool, uint64_t* out, int n) {
-  return export_hist(static_cast<Allocator*>(pool)->ctx(), out, n);
-}
-
-// malloc + free of `size` bytes `iters` times from C (no Python in the loop); ns per pair.
-OXY_API double oxygen_pool_bench(void* pool, int64_t size, int iters, void* stream) {
-  auto* a = static_cast<Allocator*>(pool);
-  Status s;
-  std::uint64_t t0 = now_ns();
-  for (int i = 0; i < iters; ++i) {
-    void* p = a->malloc(size, stream, &s);
-    if (!p) return -1.0;
-    a->free(p, size, stream);
-  }
-  return static_cast<double>(now_ns() - t0) / (iters > 0 ? iters : 1);
-}
-
-// ---------------------------------------------------------------------------------------------
-// CUDA-graph capture announcements (Python wraps torch.cuda.CUDAGraph) and host test knobs
-
-OXY_API uint64_t oxygen_capture_begin() { return capture::announce_begin(); }
-OXY_API void oxygen_capture_end(uint64_t token) { capture::announce_end(token); }
-OXY_API void oxygen_capture_release(uint64_t token) { capture::release(token); }
-OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 : 0; }
-// Python's atexit: stop the background threads before the interpreter and the driver go away.
-OXY_API void oxygen_shutdown() { DeviceCtx::stop_all_threads(); }
-// Self-test of the idle-page bitmap against std::set: random inserts and erases, then next(),
-// prev() and last() from random points. Returns the number of disagreements (0 = correct).
-OXY_API int oxygen_pageset_selftest(uint64_t seed, int pages, int ops) {
+int pageset_selftest(std::uint64_t seed, int pages, int ops) {
   PageSet ps(static_cast<std::size_t>(pages));
   std::set<std::size_t> ref;
   std::uint64_t x = seed | 1;
@@ -261,6 +120,287 @@ OXY_API int oxygen_pageset_selftest(uint64_t seed, int pages, int ops) {
   return bad;
 }
 
+}  // namespace
+
+void oxygen::capi_after_fork_child() {
+  // The parent's global pools stay in g_pools (their blocks are the parent's; frees of them in
+  // the child are ignored, allocations refused), the lock guarding their creation starts fresh.
+  new (&g_mu) std::mutex();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Global route
+
+// Must precede the first oxygen_malloc; later calls with other settings fail with ERR_INVALID.
+OXY_API int oxygen_configure(const char* backend, size_t page_size, double reserve_fraction,
+                             size_t capacity, size_t low_pages, size_t high_pages,
+                             uint64_t hysteresis_us, int oom_throws) {
+  return guarded("oxygen_configure", [&]() -> int {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (auto& a : g_pools)
+      if (a.load()) {
+        set_last_error("oxygen_configure: the global pool is already in use");
+        return ERR_INVALID;
+      }
+    std::string kind = backend && *backend ? backend : "cuda";
+    if (kind == "auto") kind = "cuda";
+    if (kind != "cuda" && kind != "host") {
+      set_last_error("oxygen_configure: backend must be auto, cuda or host");
+      return ERR_INVALID;
+    }
+    if (page_size == 0 || !(reserve_fraction > 0 && reserve_fraction <= 1) ||
+        hysteresis_us > UINT64_MAX / 1000) {
+      set_last_error("oxygen_configure: page_size must be > 0, reserve_fraction in (0, 1] and "
+                     "hysteresis_us below 2^64 ns");
+      return ERR_INVALID;
+    }
+    g_cfg.kind = kind;
+    g_cfg.ctx.page_size = page_size;
+    g_cfg.ctx.reserve_fraction = reserve_fraction;
+    g_cfg.ctx.capacity = capacity;
+    if (low_pages) g_cfg.ctx.low_pages = low_pages;
+    if (high_pages) g_cfg.ctx.high_pages = high_pages;
+    if (hysteresis_us) g_cfg.alloc.hysteresis_ns = hysteresis_us * 1000;
+    g_cfg.oom_throws = oom_throws != 0;
+    return OK;
+  });
+}
+
+// The one entry point that throws, on purpose. PyTorch's CUDAPluggableAllocator calls it from
+// C++ and does not check for NULL (a null block fails later, far from the cause), so a failure is
+// thrown as std::runtime_error, as PyTorch's own allocator throws on OOM; PyTorch turns it into a
+// Python RuntimeError with our figures. Everything it calls runs guarded: only that one
+// runtime_error, with a message, can leave it.
+OXY_API void* oxygen_malloc(ssize_t size, int device, void* stream) {
+  Allocator* a = nullptr;
+  void* p = nullptr;
+  int s = guarded("oxygen_malloc", [&]() -> int {
+    Status st = OK;
+    if (!(a = global_pool(device, &st))) return st;
+    if (a->ctx().inherited()) return forked_handle("oxygen_malloc", "global pool");
+    p = a->malloc(static_cast<std::int64_t>(size), stream, &st);
+    return st;
+  });
+  if (p || !g_cfg.oom_throws) return p;
+  if (s == ERR_OOM && a && !a->ctx().inherited()) throw std::runtime_error(oom_message(a, size));
+  throw std::runtime_error("oxygen_torch: allocation of " + std::to_string(size) +
+                           " bytes on device " + std::to_string(device) + " failed: " +
+                           last_error());
+}
+
+OXY_API void oxygen_free(void* ptr, ssize_t size, int device, void* stream) {
+  guarded("oxygen_free", [&]() -> int {
+    Allocator* a = device >= 0 && device < kMaxDevices ? g_pools[device].load() : nullptr;
+    if (a && a->ctx().inherited()) return OK;  // the parent's block: the parent frees it
+    if (a) return a->free(ptr, static_cast<std::int64_t>(size), stream);
+    if (!g_reported_no_pool)
+      std::fprintf(stderr, "oxygen_torch: free of 0x%" PRIxPTR " on device %d, which has no "
+                   "pool; ignored\n", reinterpret_cast<std::uintptr_t>(ptr), device);
+    g_reported_no_pool = true;
+    return OK;
+  });
+}
+
+// The global pool of `device`, or NULL before its first allocation (for stats) and in a forked
+// child for the parent's pool, which the child cannot use.
+OXY_API void* oxygen_global_pool(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  Allocator* a = g_pools[device].load();
+  return a && !a->ctx().inherited() ? a : nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// VirtualPool
+
+OXY_API int oxygen_pool_create(const char* kind, int device, size_t page_size, size_t capacity,
+                               double reserve_fraction, size_t low_pages, size_t high_pages,
+                               uint64_t hysteresis_us, void** out) {
+  return guarded("oxygen_pool_create", [&]() -> int {
+    if (!out || !kind) return invalid_handle("oxygen_pool_create", "output or backend name");
+    *out = nullptr;
+    if (hysteresis_us > UINT64_MAX / 1000) {
+      set_last_error("oxygen_pool_create: hysteresis_us must be below 2^64 ns");
+      return ERR_INVALID;
+    }
+    CtxOptions co;
+    co.page_size = page_size;
+    co.capacity = capacity;
+    co.reserve_fraction = reserve_fraction;
+    if (low_pages) co.low_pages = low_pages;
+    if (high_pages) co.high_pages = high_pages;
+    AllocOptions ao;
+    if (hysteresis_us) ao.hysteresis_ns = hysteresis_us * 1000;
+    Status s;
+    auto ctx = DeviceCtx::create(kind, device, co, &s);
+    if (!ctx) return s;
+    auto a = Allocator::create(ctx, ao, &s);
+    if (!a) return s;
+    *out = a.release();
+    return OK;
+  });
+}
+
+// In a forked child the parent's pool is only forgotten: its teardown would lock the parent's
+// locks and join threads the child does not have.
+OXY_API int oxygen_pool_destroy(void* pool) {
+  return guarded("oxygen_pool_destroy", [&]() -> int {
+    auto* a = static_cast<Allocator*>(pool);
+    if (a && !a->ctx().inherited()) delete a;
+    return OK;
+  });
+}
+
+OXY_API int oxygen_pool_malloc(void* pool, int64_t size, void* stream, void** out) {
+  if (out) *out = nullptr;
+  return on_pool(pool, "malloc", [&](Allocator* a) -> int {
+    if (!out) return invalid_handle("malloc", "output");
+    Status s;
+    *out = a->malloc(size, stream, &s);
+    return s;
+  });
+}
+
+OXY_API int oxygen_pool_free(void* pool, void* ptr, int64_t size, void* stream) {
+  return on_pool(pool, "free", [&](Allocator* a) -> int { return a->free(ptr, size, stream); });
+}
+
+OXY_API int oxygen_pool_empty_cache(void* pool) {
+  return on_pool(pool, "empty_cache", [](Allocator* a) -> int {
+    a->empty_cache();
+    return OK;
+  });
+}
+
+OXY_API int oxygen_pool_reset_peak(void* pool) {
+  return on_pool(pool, "reset_peak", [](Allocator* a) -> int {
+    a->reset_peak();
+    return OK;
+  });
+}
+
+// Create physical handles now until `bytes` worth are cached (the "prepared ahead" of growth).
+OXY_API int oxygen_pool_prepare(void* pool, size_t bytes) {
+  return on_pool(pool, "prepare", [&](Allocator* a) -> int {
+    DeviceCtx& c = a->ctx();
+    return c.prepare(bytes / c.page() + (bytes % c.page() != 0));  // no bytes + page - 1: wraps
+  });
+}
+
+OXY_API int oxygen_pool_mem_info(void* pool, size_t* free_bytes, size_t* total_bytes) {
+  return on_pool(pool, "mem_info", [&](Allocator* a) -> int {
+    if (!free_bytes || !total_bytes) return invalid_handle("mem_info", "output");
+    return a->ctx().backend().mem_info(free_bytes, total_bytes);
+  });
+}
+
+// Backend name, or "" for an unusable handle.
+OXY_API const char* oxygen_pool_backend(void* pool) {
+  const char* name = "";
+  on_pool(pool, "backend", [&](Allocator* a) -> int {
+    name = a->ctx().kind().c_str();
+    return OK;
+  });
+  return name;
+}
+
+// Device index, or -1 for an unusable handle.
+OXY_API int oxygen_pool_device(void* pool) {
+  int dev = -1;
+  on_pool(pool, "device", [&](Allocator* a) -> int {
+    dev = a->ctx().device();
+    return OK;
+  });
+  return dev;
+}
+
+// Base address of the pool's range, or 0 for an unusable handle.
+OXY_API uint64_t oxygen_pool_base(void* pool) {
+  uint64_t base = 0;
+  on_pool(pool, "base", [&](Allocator* a) -> int {
+    base = a->base();
+    return OK;
+  });
+  return base;
+}
+
+// Comma-separated names of the values oxygen_pool_stats writes, in order.
+OXY_API const char* oxygen_stats_names() { return stats_names(); }
+
+// Reads the counters (atomics: no allocation lock is taken). Returns how many were written, or
+// -status.
+OXY_API int oxygen_pool_stats(void* pool, uint64_t* out, int n) {
+  return counted(pool, "stats", [&](Allocator* a) {
+    return export_stats(&a->counters(), a->ctx(), a->va_bytes(), out, n);
+  });
+}
+
+// Per-page map latency histogram: bucket i counts pages mapped in < 2^i us (last: the rest).
+OXY_API int oxygen_pool_latency_hist(void* pool, uint64_t* out, int n) {
+  return counted(pool, "latency_histogram", [&](Allocator* a) {
+    return export_hist(a->ctx(), out, n);
+  });
+}
+
+// malloc + free of `size` bytes `iters` times from C (no Python in the loop); ns per pair, or -1.
+OXY_API double oxygen_pool_bench(void* pool, int64_t size, int iters, void* stream) {
+  double ns = -1.0;
+  on_pool(pool, "bench", [&](Allocator* a) -> int {
+    Status s;
+    std::uint64_t t0 = now_ns();
+    for (int i = 0; i < iters; ++i) {
+      void* p = a->malloc(size, stream, &s);
+      if (!p) return s;
+      a->free(p, size, stream);
+    }
+    ns = static_cast<double>(now_ns() - t0) / (iters > 0 ? iters : 1);
+    return OK;
+  });
+  return ns;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-graph capture announcements (Python wraps torch.cuda.CUDAGraph) and host test knobs
+
+OXY_API uint64_t oxygen_capture_begin() {
+  return guarded_value<uint64_t>("capture_begin", 0, [] { return capture::announce_begin(); });
+}
+OXY_API void oxygen_capture_end(uint64_t token) {
+  guarded("capture_end", [&] {
+    capture::announce_end(token);
+    return OK;
+  });
+}
+OXY_API void oxygen_capture_release(uint64_t token) {
+  guarded("capture_release", [&] {
+    capture::release(token);
+    return OK;
+  });
+}
+OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 : 0; }
+// Python's atexit: stop the background threads before the interpreter and the driver go away.
+OXY_API void oxygen_shutdown() {
+  guarded("shutdown", [] {
+    DeviceCtx::stop_all_threads();
+    return OK;
+  });
+}
+// Self-test of the idle-page bitmap against std::set: random inserts and erases, then next(),
+// prev() and last() from random points. Returns the number of disagreements (0 = correct), or -1.
+OXY_API int oxygen_pageset_selftest(uint64_t seed, int pages, int ops) {
+  if (pages <= 0 || ops < 0) return -1;
+  return guarded_value("pageset_selftest", -1, [&] { return pageset_selftest(seed, pages, ops); });
+}
+
 OXY_API void oxygen_host_hold_events(int hold) { host_hold_events(hold != 0); }
-OXY_API void oxygen_host_set_event_lag(std::uint64_t ns) { host_set_event_lag(ns); }
-OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) { host_set_capture(stream, id); }
+OXY_API void oxygen_host_set_event_lag(std::uint64_t ns) {
+  guarded("host_set_event_lag", [&] {
+    host_set_event_lag(ns);
+    return OK;
+  });
+}
+OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) {
+  guarded("host_set_capture", [&] {
+    host_set_capture(stream, id);
+    return OK;
+  });
+}

@@ -1,5 +1,7 @@
 // Host and CUDA implementations of oxygen::Backend. See vmm_backend.h.
 #include "vmm_backend.h"
+
+#include "fork.h"
 #include "stats.h"
 
 #include <dlfcn.h>
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <new>
 
 #include <cuda.h>
 
@@ -21,6 +24,7 @@ namespace oxygen {
 
 namespace {
 thread_local std::string g_last_error;
+thread_local const char* g_last_error_fixed = nullptr;
 
 // Messages are formatted with snprintf, not iostreams: on the H200 an ostringstream in this
 // library crashed inside libstdc++'s locale code when formatting a driver error.
@@ -32,18 +36,39 @@ std::string errno_text(const char* what) {
 }
 
 Status os_error(const char* what) {
+  const int err = errno;  // before anything below can change it
   set_last_error(errno_text(what));
-  return errno == ENOMEM ? ERR_OOM : ERR_OS;
+  return err == ENOMEM ? ERR_OOM : ERR_OS;
 }
 }  // namespace
 
-void set_last_error(const std::string& msg) { g_last_error = msg; }
-const std::string& last_error() { return g_last_error; }
+void set_last_error(const char* msg) noexcept {
+  try {
+    g_last_error = msg;
+  } catch (...) {  // no memory for the text: keep a fixed one (assigning it cannot allocate more)
+    g_last_error.clear();
+    g_last_error.shrink_to_fit();
+    g_last_error_fixed = "out of host memory while reporting an error";
+    return;
+  }
+  g_last_error_fixed = nullptr;
+}
+void set_last_error(const std::string& msg) noexcept { set_last_error(msg.c_str()); }
+const char* last_error() noexcept {
+  return g_last_error_fixed ? g_last_error_fixed : g_last_error.c_str();
+}
 
 // ---------------------------------------------------------------------------------------------
-// host backend: a physical handle is a memfd of `size` bytes; map() mmaps it MAP_FIXED|MAP_SHARED
-// over part of a PROT_NONE reservation, unmap() puts PROT_NONE back (never leaves a hole another
-// mmap could take).
+// host backend: a physical handle is a memfd named "oxygen_page" of `size` bytes; map() mmaps it
+// MAP_FIXED|MAP_SHARED over part of a PROT_NONE reservation, unmap() puts PROT_NONE back (never
+// leaves a hole another mmap could take).
+//
+// The reservation itself is a PROT_NONE mapping of an empty memfd named "oxygen_va" (one per
+// reservation, at file offset = address, so neighbouring unmapped pages merge back into one
+// mapping), not an anonymous one: /proc/self/maps then tells the pool's own mappings from
+// anyone else's. glibc's per-thread malloc arenas are anonymous PROT_NONE mappings of 64 MiB
+// too, and one placed in a range a pool had just released looked exactly like a leaked
+// reservation to the leak check (tools/leakcheck.py).
 
 namespace {
 
@@ -64,21 +89,47 @@ class HostBackend final : public Backend {
   std::size_t granularity() const override { return page_; }
 
   Status reserve(std::size_t size, std::uintptr_t* va) override {
-    if (size == 0 || size % page_) return invalid("reserve: size is not a multiple of the page");
+    if (size == 0 || size % page_ || size > kMaxReserve)
+      return invalid("reserve: size " + std::to_string(size) +
+                     " is not a multiple of the page or larger than any address space");
     // Aligned to the page, as cuMemAddressReserve's are to the granularity: placement aligns
     // addresses (slab pages) and counts pages from the base. Over-reserve, trim both ends.
     void* p = mmap(nullptr, size + page_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
-    if (p == MAP_FAILED) return os_error("mmap(PROT_NONE reservation)");
+    if (p == MAP_FAILED) return os_error(("reserving " + std::to_string(size) +
+                                          " bytes of address space: mmap(PROT_NONE)").c_str());
     auto raw = reinterpret_cast<std::uintptr_t>(p);
     std::uintptr_t aligned = (raw + page_ - 1) / page_ * page_;
     if (aligned > raw) munmap(p, aligned - raw);
     std::size_t tail = raw + size + page_ - (aligned + size);
     if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
-    *va = aligned;
-    return OK;
+    int fd = memfd_create("oxygen_va", MFD_CLOEXEC);
+    Status s = fd < 0 ? os_error("memfd_create(oxygen_va)") : OK;
+    if (s == OK && mmap(reinterpret_cast<void*>(aligned), size, PROT_NONE,
+                        MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, static_cast<off_t>(aligned)) ==
+                       MAP_FAILED)
+      s = os_error("mmap(oxygen_va reservation)");
+    if (s == OK) {
+      std::lock_guard<std::mutex> g(res_mu_);
+      res_[aligned] = {fd, size};
+      *va = aligned;
+      return OK;
+    }
+    if (fd >= 0) close(fd);
+    munmap(reinterpret_cast<void*>(aligned), size);
+    return s;
   }
   Status free_va(std::uintptr_t va, std::size_t size) override {
+    int fd = -1;
+    {
+      std::lock_guard<std::mutex> g(res_mu_);
+      auto it = res_.find(va);
+      if (it == res_.end() || it->second.size != size)
+        return invalid("free_va: not a reservation of this backend");
+      fd = it->second.fd;
+      res_.erase(it);
+    }
+    close(fd);
     if (munmap(reinterpret_cast<void*>(va), size) != 0) return os_error("munmap(reservation)");
     return OK;
   }
@@ -111,8 +162,10 @@ class HostBackend final : public Backend {
     return OK;
   }
   Status unmap(std::uintptr_t va, std::size_t size) override {
+    int fd = reservation_fd(va, size);
+    if (fd < 0) return invalid("unmap: range is not inside a reservation of this backend");
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+                   MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, static_cast<off_t>(va));
     if (p == MAP_FAILED) return os_error("mmap(PROT_NONE over unmapped page)");
     return OK;
   }
@@ -177,11 +230,29 @@ class HostBackend final : public Backend {
   }
 
  private:
-  static Status invalid(const char* msg) {
+  // Far above any machine's address space (x86-64 and arm64 user space is at most 2^56 bytes),
+  // low enough that size + page and file offsets cannot overflow.
+  static constexpr std::size_t kMaxReserve = std::size_t{1} << 57;
+  struct Reservation {
+    int fd;
+    std::size_t size;
+  };
+  static Status invalid(const std::string& msg) {
     set_last_error(msg);
     return ERR_INVALID;
   }
+  // The oxygen_va memfd of the reservation holding [va, va + size), or -1.
+  int reservation_fd(std::uintptr_t va, std::size_t size) {
+    std::lock_guard<std::mutex> g(res_mu_);
+    auto it = res_.upper_bound(va);
+    if (it == res_.begin()) return -1;
+    --it;
+    bool inside = va - it->first <= it->second.size && size <= it->second.size - (va - it->first);
+    return inside ? it->second.fd : -1;
+  }
   std::size_t page_;
+  std::mutex res_mu_;
+  std::map<std::uintptr_t, Reservation> res_;
 };
 
 }  // namespace
@@ -203,11 +274,23 @@ void host_set_capture(void* stream, std::uint64_t id) {
     g_host_capture.erase(stream);
 }
 
+void host_backend_after_fork_child() {
+  // Fresh, empty test-knob state in the child: the parent's threads may have held these locks or
+  // been half-way through an update of the maps. Placement new leaks the old contents on purpose.
+  new (&g_host_event_mu) std::mutex();
+  new (&g_host_recorded_at) std::map<std::uint64_t, std::uint64_t>();
+  new (&g_host_capture_mu) std::mutex();
+  new (&g_host_capture) std::map<void*, std::uint64_t>();
+}
+
 std::unique_ptr<Backend> make_host_backend(std::size_t page_size, Status* status) {
-  long os_page = sysconf(_SC_PAGESIZE);
-  if (page_size == 0 || os_page <= 0 || page_size % static_cast<std::size_t>(os_page)) {
-    set_last_error("host backend: page size must be a non-zero multiple of the OS page (" +
-                   std::to_string(os_page) + " bytes)");
+  // The same rule as pool.page_size (config.py): a multiple of the 2 MiB device granularity, at
+  // most 1 GiB. A host pool stands in for the device one in CI and is the CPU tier; a page size
+  // the device would refuse must not work here (it is also a multiple of any OS page size).
+  constexpr std::size_t kGranularity = std::size_t{2} << 20, kMaxPage = std::size_t{1} << 30;
+  if (page_size == 0 || page_size % kGranularity || page_size > kMaxPage) {
+    set_last_error("host backend: page size " + std::to_string(page_size) +
+                   " is not allowed; allowed: a multiple of 2 MiB up to 1 GiB (as pool.page_size)");
     *status = ERR_INVALID;
     return nullptr;
   }

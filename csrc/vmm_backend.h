@@ -22,15 +22,19 @@ enum Status : int {
   ERR_OOM = 5,            // no physical memory left
   ERR_OS = 6,             // a host system call failed; last_error() has errno
   ERR_UNSUPPORTED = 7,    // the device or build cannot do this (e.g. no VMM support)
+  ERR_FORKED = 8,         // the object was created before fork(): it belongs to the parent
+  ERR_INTERNAL = 9,       // a C++ exception reached the C ABI (a bug); last_error() has it
 };
 
 // An opaque event (cuda: CUevent; host: a sequence number that completes at once unless a test
 // holds events back).
 using EventHandle = std::uint64_t;
 
-// Thread-local text of the last error, for the C ABI's oxygen_last_error().
-void set_last_error(const std::string& msg);
-const std::string& last_error();
+// Thread-local text of the last error, for the C ABI's oxygen_last_error(). Never throws: it runs
+// inside the C ABI's exception handlers (when the text cannot be stored, a fixed one is kept).
+void set_last_error(const std::string& msg) noexcept;
+void set_last_error(const char* msg) noexcept;
+const char* last_error() noexcept;
 
 // An opaque physical allocation of one or more pages.
 using PhysHandle = std::uint64_t;
@@ -39,8 +43,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
-  // Smallest unit of reserve/create/map, in bytes (2 MiB on H100/H200; the host page size or
-  // 2 MiB on the host backend, which accepts any multiple of the OS page).
+  // Smallest unit of reserve/create/map, in bytes (2 MiB on H100/H200; on the host backend the
+  // page size it was made with, a multiple of 2 MiB like the device's).
   virtual std::size_t granularity() const = 0;
   virtual Status reserve(std::size_t size, std::uintptr_t* va) = 0;
   virtual Status free_va(std::uintptr_t va, std::size_t size) = 0;

@@ -19,29 +19,88 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .triton_kernels.precision import PrecisionMode
+from .triton_kernels.precision import KV_DTYPES, PrecisionMode
+from .triton_kernels.tiling import ATTENTION_TYPES
 
 log = logging.getLogger("oxygen_torch")
 
 MiB = 1 << 20
+GiB = 1 << 30
 # 2 MiB: the VMM allocation granularity the driver reports on H100/H200 (and every NVIDIA GPU with
 # VMM support so far). The native pool re-checks page_size against the live device at creation.
 DEVICE_GRANULARITY = 2 * MiB
+# 1 GiB: the largest huge page x86-64 and arm64 have. A page is the pool's unit of mapping, and
+# the KV arena needs two per layer at least: a larger one maps most of a GPU for one small tensor
+# (page_size=1TiB once got as far as generate(), where the arena refused it blaming kv.arena_bytes).
+MAX_PAGE_SIZE = GiB
+# 128 TiB: the user address space of x86-64 and arm64 with 4-level page tables; no virtual range
+# (kv.arena_bytes) can be larger.
+MAX_VIRTUAL_BYTES = 1 << 47
+# Token counts are int32 in the kernels' position and length tensors.
+MAX_TOKENS = (1 << 31) - 1
+# Integers written with more digits than this are refused before Python converts them (it refuses
+# past 4,300 digits with a message that names no field); no field allows a value this long.
+_MAX_DIGITS = 40
 
 ENV_CONF = "OXYGEN_CONF"
 ENV_FILE = "OXYGEN_CONFIG_FILE"
 
 
+def describe(value: Any) -> str:
+    """A value as an error message shows it: Python cannot even repr() an int past 4,300 digits,
+    and a 5,000-character string is not a message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits (about 2**{value.bit_length() - 1})"
+    try:
+        text = repr(value)
+    except ValueError:  # a container holding such an integer
+        return f"a {type(value).__name__} holding an integer too long to print"
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
+def _sized(n: int) -> str:
+    """1099511627776 -> '1099511627776 (1 TiB)': what a size error should show."""
+    for unit, name in ((1 << 40, "TiB"), (GiB, "GiB"), (MiB, "MiB")):
+        if n >= unit and n % unit == 0 and n.bit_length() <= 128:
+            return f"{n} ({n // unit} {name})"
+    return describe(n)
+
+
 def _check_ratio(section: str, name: str, value: float) -> None:
     if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise ValueError(f"{section}.{name}: {value!r} is out of range; allowed: (0, 1]")
+        raise ValueError(f"{section}.{name}: {describe(value)} is out of range; allowed: (0, 1]")
 
 
 def _check_choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(
-            f"{section}.{name}: {value!r} is not allowed; allowed: {', '.join(allowed)}"
+            f"{section}.{name}: {describe(value)} is not allowed; allowed: {', '.join(allowed)}"
         )
+
+
+def _check_int(where: str, value: int, lo: int, hi: int, allowed: str) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: {_sized(value)} is out of range; allowed: {allowed}")
+
+
+def check_page_size(where: str, value: int) -> None:
+    """pool.page_size's rule, shared with the pool objects (pool/objects.py), whose host backend
+    must refuse what the device would: a positive multiple of 2 MiB, at most 1 GiB."""
+    if value <= 0 or value % DEVICE_GRANULARITY:
+        raise ValueError(
+            f"{where}: {describe(value)} is not a positive multiple of the device "
+            f"granularity ({DEVICE_GRANULARITY} bytes = 2 MiB)"
+        )
+    _check_int(where, value, 1, MAX_PAGE_SIZE, "a multiple of 2 MiB up to 1 GiB")
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (the bound of the pinned CPU tier), or the address space
+    when the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return MAX_VIRTUAL_BYTES
 
 
 def _is_pow2(n: int) -> bool:
@@ -61,19 +120,24 @@ def _check_types(obj: Any, section: str) -> None:
             ok = isinstance(value, allowed)
         if not ok:
             names = " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{section}.{name}: {value!r} has the wrong type; allowed: {names}")
+            raise ValueError(
+                f"{section}.{name}: {describe(value)} has the wrong type; allowed: {names}"
+            )
 
 
 @dataclass(frozen=True)
 class PoolConfig:
     """The VMM pool (csrc/page_pool)."""
 
-    page_size: int = 2 * MiB
+    page_size: int = 2 * MiB  # a multiple of 2 MiB, at most 1 GiB
+    # CPU tier (a later issue; until it is built, a non-default value warns that it does nothing):
     hot_zone_ratio: float = 0.6  # share of the GPU budget kept as hot zone (seed design)
     migration_threshold: float = 0.8  # GPU use above which cold blocks move to the CPU tier
+    cpu_tier_bytes: int = 0  # pinned host bytes for the CPU tier; 0 = none; at most host memory
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
-    cpu_tier_bytes: int = 0  # pinned host bytes for the CPU tier; 0 = no CPU tier
-    backend: str = "auto"  # auto: cuda when a driver and device exist, else host
+    # auto: cuda when a driver and device exist, else host; cuda asked for on a machine without a
+    # usable GPU is an error at enable(), never a quiet switch to host
+    backend: str = "auto"
     # How long a page with nothing live stays mapped before it is unmapped (global pool). 20 ms
     # spans a decode step, so the step's transients (logits, sampling buffers) find their pages
     # still mapped: the H200 generate() trace replayed at its real pace maps 38 pages a step at
@@ -85,21 +149,25 @@ class PoolConfig:
         _check_types(self, "pool")
         if not 0.01 <= self.hysteresis_ms <= 60000:
             raise ValueError(
-                f"pool.hysteresis_ms: {self.hysteresis_ms!r} is out of range; allowed: 0.01 to "
-                "60000 (milliseconds)"
+                f"pool.hysteresis_ms: {describe(self.hysteresis_ms)} is out of range; allowed: "
+                "0.01 to 60000 (milliseconds)"
             )
-        if self.page_size <= 0 or self.page_size % DEVICE_GRANULARITY:
-            raise ValueError(
-                f"pool.page_size: {self.page_size!r} is not a positive multiple of the device "
-                f"granularity ({DEVICE_GRANULARITY} bytes = 2 MiB)"
-            )
+        check_page_size("pool.page_size", self.page_size)
         _check_ratio("pool", "hot_zone_ratio", self.hot_zone_ratio)
         _check_ratio("pool", "migration_threshold", self.migration_threshold)
         _check_ratio("pool", "reserve_fraction", self.reserve_fraction)
         if self.cpu_tier_bytes < 0:
             raise ValueError(
-                f"pool.cpu_tier_bytes: {self.cpu_tier_bytes!r} is negative; allowed: ≥ 0"
+                f"pool.cpu_tier_bytes: {describe(self.cpu_tier_bytes)} is negative; allowed: ≥ 0"
             )
+        ram = host_memory_bytes()
+        _check_int(
+            "pool.cpu_tier_bytes",
+            self.cpu_tier_bytes,
+            0,
+            ram,
+            f"0 to this machine's memory, {ram} bytes ({ram / GiB:.1f} GiB)",
+        )
         _check_choice("pool", "backend", self.backend, ("auto", "cuda", "host"))
 
 
@@ -109,12 +177,14 @@ class KVConfig:
 
     block_tokens: int = 16  # tokens per KV block; a power of two in [16, 256] (kernel tiles)
     kv_dtype: str = "auto"  # auto: the model's dtype
-    prefetch_distance: int = 4  # blocks fetched back from the CPU tier ahead of use
-    arena_bytes: int = 0  # virtual size of the KV arena; 0 = sized from device memory
+    # blocks fetched back from the CPU tier ahead of use (the CPU-tier issue: not wired yet)
+    prefetch_distance: int = 4
+    # virtual size of the KV arena; 0 = sized from device memory; at most 128 TiB (address space)
+    arena_bytes: int = 0
     debug_checks: bool = False  # check block ids against mapped pages before every launch
     # generate() on the paged cache runs a prompt of batch x length > this many tokens in chunks
     # along the sequence (transformers' prefill_chunk_size), so prefill activations stay at this
-    # size instead of growing with the prompt; 0 = never chunk
+    # size instead of growing with the prompt; 0 = never chunk; at most 2^31 - 1 (int32 positions)
     prefill_chunk_tokens: int = 16384
     # generate() on the paged cache (CUDA) replays its one-token decode steps from CUDA graphs
     decode_graphs: bool = True
@@ -127,22 +197,34 @@ class KVConfig:
         _check_types(self, "kv")
         if not (_is_pow2(self.block_tokens) and 16 <= self.block_tokens <= 256):
             raise ValueError(
-                f"kv.block_tokens: {self.block_tokens!r} is not allowed; "
+                f"kv.block_tokens: {describe(self.block_tokens)} is not allowed; "
                 "allowed: a power of two from 16 to 256"
             )
-        _check_choice("kv", "kv_dtype", self.kv_dtype, ("auto", "fp16", "bf16", "fp8_e4m3"))
-        if not 0 <= self.prefetch_distance <= 1024:
-            raise ValueError(
-                f"kv.prefetch_distance: {self.prefetch_distance!r} is out of range; "
-                "allowed: 0 to 1024"
-            )
+        _check_choice("kv", "kv_dtype", self.kv_dtype, tuple(KV_DTYPES))
+        _check_int("kv.prefetch_distance", self.prefetch_distance, 0, 1024, "0 to 1024")
         if self.arena_bytes < 0:
-            raise ValueError(f"kv.arena_bytes: {self.arena_bytes!r} is negative; allowed: ≥ 0")
+            raise ValueError(
+                f"kv.arena_bytes: {describe(self.arena_bytes)} is negative; allowed: ≥ 0"
+            )
+        _check_int(
+            "kv.arena_bytes",
+            self.arena_bytes,
+            0,
+            MAX_VIRTUAL_BYTES,
+            f"0 (auto) to {MAX_VIRTUAL_BYTES} bytes (128 TiB of address space)",
+        )
         if self.prefill_chunk_tokens < 0:
             raise ValueError(
-                f"kv.prefill_chunk_tokens: {self.prefill_chunk_tokens!r} is negative; "
+                f"kv.prefill_chunk_tokens: {describe(self.prefill_chunk_tokens)} is negative; "
                 "allowed: 0 (never chunk) or a token count"
             )
+        _check_int(
+            "kv.prefill_chunk_tokens",
+            self.prefill_chunk_tokens,
+            0,
+            MAX_TOKENS,
+            f"0 (never chunk) to {MAX_TOKENS} tokens",
+        )
 
 
 @dataclass(frozen=True)
@@ -157,13 +239,13 @@ class KernelConfig:
     def __post_init__(self):
         object.__setattr__(self, "precision", PrecisionMode.parse(self.precision))
         _check_types(self, "kernel")
-        _check_choice("kernel", "attention_type", self.attention_type, ("dense", "moe", "sliding"))
+        _check_choice("kernel", "attention_type", self.attention_type, ATTENTION_TYPES)
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v is not None and not (_is_pow2(v) and 16 <= v <= 256):
                 raise ValueError(
-                    f"kernel.{name}: {v!r} is not allowed; allowed: a power of two from 16 to "
-                    "256 (Triton block sides), or none"
+                    f"kernel.{name}: {describe(v)} is not allowed; allowed: a power of two from "
+                    "16 to 256 (Triton block sides), or none"
                 )
 
 
@@ -189,16 +271,20 @@ class SchedulerConfig:
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0) or math.isnan(v):
-                raise ValueError(f"scheduler.{name}: {v!r} is out of range; allowed: [0, 1]")
+                raise ValueError(
+                    f"scheduler.{name}: {describe(v)} is out of range; allowed: [0, 1]"
+                )
         _check_choice("scheduler", "policy", self.policy, ("wfq", "fcfs"))
         for name, top in (("max_step_tokens", 1 << 20), ("max_step_seqs", 1 << 16)):
             v = getattr(self, name)
             if not 1 <= v <= top:
-                raise ValueError(f"scheduler.{name}: {v!r} is out of range; allowed: 1 to {top}")
+                raise ValueError(
+                    f"scheduler.{name}: {describe(v)} is out of range; allowed: 1 to {top}"
+                )
         if not 0.01 <= self.gather_ms <= 10000 or math.isnan(self.gather_ms):
             raise ValueError(
-                f"scheduler.gather_ms: {self.gather_ms!r} is out of range; allowed: 0.01 to "
-                "10000 (milliseconds)"
+                f"scheduler.gather_ms: {describe(self.gather_ms)} is out of range; allowed: "
+                "0.01 to 10000 (milliseconds)"
             )
 
 
@@ -302,20 +388,27 @@ def _convert(section: str, name: str, value: Any) -> Any:
             return int(value)
         if isinstance(value, str):
             m = _SIZE.match(value)
+            if m and len(m.group(1)) > _MAX_DIGITS:
+                raise ValueError(
+                    f"{where}: an integer of {len(m.group(1))} digits is out of range for "
+                    "every field"
+                )
             if m:
                 unit = (m.group(2) or "")[:1].lower()
                 return int(m.group(1)) * _SIZE_UNITS.get(unit, 1)
-        raise ValueError(f"{where}: {value!r} is not an integer (sizes may use KiB/MiB/GiB)")
+        raise ValueError(
+            f"{where}: {describe(value)} is not an integer (sizes may use KiB/MiB/GiB)"
+        )
     if base is float:
         if isinstance(value, bool):
             raise ValueError(f"{where}: {value!r} is not a number")
         try:
             return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: {value!r} is not a number") from None
+        except (TypeError, ValueError, OverflowError):  # OverflowError: float(10**400)
+            raise ValueError(f"{where}: {describe(value)} is not a number") from None
     if base is str:
         if not isinstance(value, str):
-            raise ValueError(f"{where}: {value!r} is not a string")
+            raise ValueError(f"{where}: {describe(value)} is not a string")
         return value.strip().lower()
     raise TypeError(f"{where}: no converter for {hint}")  # a programming error, not user input
 
@@ -327,7 +420,9 @@ def parse_conf_string(text: str) -> dict[str, Any]:
         if not item.strip():
             continue
         if ":" not in item:
-            raise ValueError(f"{ENV_CONF}: entry {item.strip()!r} is not of the form key:value")
+            raise ValueError(
+                f"{ENV_CONF}: entry {describe(item.strip())} is not of the form key:value"
+            )
         key, value = item.split(":", 1)
         section, name = _resolve_key(key)
         dotted = f"{section}.{name}"
@@ -341,7 +436,14 @@ def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """enable(pool={...}, block_tokens=32, kernel=KernelConfig(...)) -> {dotted key: value}."""
     out: dict[str, Any] = {}
     for key, value in overrides.items():
-        if key in SECTIONS and (isinstance(value, dict) or dataclasses.is_dataclass(value)):
+        if not isinstance(key, str):
+            raise ValueError(f"configuration key {describe(key)} is not a name")
+        if key in SECTIONS and not (isinstance(value, dict) or dataclasses.is_dataclass(value)):
+            raise ValueError(
+                f"configuration section {key!r} must be a mapping of its fields, got "
+                f"{describe(value)}"
+            )
+        if key in SECTIONS:
             items = (
                 value.items()
                 if isinstance(value, dict)
@@ -356,15 +458,59 @@ def _flatten_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _yaml_loader():
+    """yaml.SafeLoader, stricter in two ways: a key given twice in one mapping is an error (YAML
+    would keep the last silently; OXYGEN_CONF refuses the same), and an integer too long for any
+    field stays text (Python refuses to convert one past 4,300 digits, with a message naming no
+    field): the field's converter then refuses it by name."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+                if first != key_node.start_mark.line:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping",
+                        node.start_mark,
+                        f"key {describe(key)} is given twice (first on line {first + 1})",
+                        key_node.start_mark,
+                    )
+            return super().construct_mapping(node, deep)
+
+    def long_int(loader, node):
+        text = loader.construct_scalar(node)
+        if sum(c.isdigit() for c in text) > _MAX_DIGITS:
+            return text
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+    Loader.add_constructor("tag:yaml.org,2002:int", long_int)
+    return Loader
+
+
 def _read_file(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """YAML file -> ({dotted key: value}, {model_type: profile dict})."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+            text = fh.read()
     except OSError as exc:
         raise ValueError(f"{ENV_FILE}: cannot read {path!r}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{ENV_FILE}: {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); the file "
+            f"named by {ENV_FILE} must be YAML in UTF-8"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_yaml_loader()) or {}  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ValueError(f"{ENV_FILE}: {path!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -372,7 +518,10 @@ def _read_file(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     profiles = data.pop("optimizations", None) or {}
     if not isinstance(profiles, dict):
         raise ValueError(f"{ENV_FILE}: 'optimizations' must map model types to profiles")
-    values = _flatten_overrides(data)
+    try:
+        values = _flatten_overrides(data)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_FILE} {path!r}: {exc}") from None
     from .profiles import validate_profile
 
     for model_type, prof in profiles.items():
@@ -404,4 +553,32 @@ def load_config(**overrides: Any) -> OxygenConfig:
     for sec, cls in SECTIONS.items():
         kwargs = {k.split(".", 1)[1]: v for k, v in merged.items() if k.startswith(sec + ".")}
         sections[sec] = cls(**kwargs)
-    return OxygenConfig(**sections, sources=sources, profiles=profiles)
+    cfg = OxygenConfig(**sections, sources=sources, profiles=profiles)
+    _warn_not_wired(cfg)
+    return cfg
+
+
+# Fields whose feature comes in a later issue: validated and documented now, read by nothing yet.
+_TIERS = "the CPU tier (hot/cold zones, migration to host memory, prefetch), not built yet"
+NOT_WIRED: dict[str, str] = {
+    "pool.hot_zone_ratio": _TIERS,
+    "pool.migration_threshold": _TIERS,
+    "pool.cpu_tier_bytes": _TIERS,
+    "kv.prefetch_distance": _TIERS,
+}
+_warned_not_wired: set[str] = set()
+
+
+def _warn_not_wired(cfg: OxygenConfig) -> None:
+    """Once per field and process: a non-default value of a field that does nothing yet says so,
+    in load_config() so that enable(), pool() and apply() all see it."""
+    defaults = OxygenConfig().as_dict()
+    for key, value in cfg.as_dict().items():
+        if key in NOT_WIRED and value != defaults[key] and key not in _warned_not_wired:
+            _warned_not_wired.add(key)
+            log.warning(
+                "oxygen_torch: %s = %s has no effect yet: it is used by %s",
+                key,
+                describe(value),
+                NOT_WIRED[key],
+            )

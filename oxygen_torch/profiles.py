@@ -8,8 +8,11 @@ retention priority = layer depth × 0.8). A YAML config file may add or override
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from .config import describe
 
 log = logging.getLogger("oxygen_torch")
 
@@ -63,24 +66,30 @@ def validate_profile(model_type: str, prof: Any) -> None:
         raise ValueError(f"{where}: must be a mapping of {', '.join(PROFILE_KEYS)}")
     for key in prof:
         if key not in PROFILE_KEYS:
-            raise ValueError(f"{where}: unknown key {key!r}; allowed: {', '.join(PROFILE_KEYS)}")
+            raise ValueError(
+                f"{where}: unknown key {describe(key)}; allowed: {', '.join(PROFILE_KEYS)}"
+            )
     bs = prof.get("block_size")
     if bs is not None and not (
         isinstance(bs, (list, tuple))
         and len(bs) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 4096 for v in bs)
     ):
-        raise ValueError(f"{where}.block_size: {bs!r} must be two integers in [1, 4096]")
+        raise ValueError(f"{where}.block_size: {describe(bs)} must be two integers in [1, 4096]")
     pd = prof.get("prefetch_distance")
     if pd is not None and not (
         isinstance(pd, int) and not isinstance(pd, bool) and 0 <= pd <= 1024
     ):
-        raise ValueError(f"{where}.prefetch_distance: {pd!r} is out of range; allowed: 0 to 1024")
+        raise ValueError(
+            f"{where}.prefetch_distance: {describe(pd)} is out of range; allowed: 0 to 1024"
+        )
     rp = prof.get("retention_priority_factor")
     if rp is not None and not (
-        isinstance(rp, (int, float)) and not isinstance(rp, bool) and rp >= 0
+        isinstance(rp, (int, float)) and not isinstance(rp, bool) and 0 <= rp < math.inf
     ):
-        raise ValueError(f"{where}.retention_priority_factor: {rp!r} must be a number ≥ 0")
+        raise ValueError(
+            f"{where}.retention_priority_factor: {describe(rp)} must be a finite number ≥ 0"
+        )
 
 
 def get_profile(model_type: str, extra: dict[str, dict[str, Any]] | None = None) -> ModelProfile:

@@ -6,6 +6,7 @@ import textwrap
 
 import matplotlib.image
 import pytest
+import torch
 
 from oxygen_torch.tools import cli_plot
 
@@ -81,3 +82,44 @@ def test_sampler_records_allocated_and_mapped(tmp_path):
 def test_plot_needs_demo_or_a_command(tmp_path):
     r = run_plot([], tmp_path, timeout=60)
     assert r.returncode == 2 and "either --demo or a command" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["missing-dir/out.png", "a-directory", "/proc/oxygen.png"])
+def test_unwritable_output_is_a_message_not_a_traceback(tmp_path, where):
+    (tmp_path / "a-directory").mkdir()
+    (tmp_path / "work.py").write_text("print('ran')\n")
+    r = run_plot(["-o", where, "--", sys.executable, "work.py"], tmp_path, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and f"plot: cannot write the chart to {where}: " in r.stderr
+    assert "ran" not in r.stdout  # refused before the script ran, not after
+
+
+def test_missing_command_is_a_message_not_a_traceback(tmp_path):
+    r = run_plot(["--", "no-such-command-oxygen", "x"], tmp_path, timeout=60)
+    assert r.returncode == 127 and "Traceback" not in r.stderr
+    assert "plot: cannot run 'no-such-command-oxygen': No such file or directory" in r.stderr
+
+
+def test_a_bare_script_runs_with_this_python(tmp_path):
+    (tmp_path / "work.py").write_text(textwrap.dedent(SCRIPT))
+    r = run_plot(["-o", "w.png", "--", "work.py", "0"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_png(tmp_path / "w.png")
+
+
+CPU_ONLY = """
+    import torch
+    x = [torch.ones(1 << 20) for _ in range(8)]  # CPU tensors: PyTorch's CPU allocator
+    print("sum", int(sum(t.sum() for t in x)))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_cpu_script_says_cpu_tensors_do_not_go_through_the_pool(tmp_path):
+    (tmp_path / "cpu.py").write_text(textwrap.dedent(CPU_ONLY))
+    r = run_plot(["-o", "cpu.png", "--", sys.executable, "cpu.py"], tmp_path)
+    assert "sum 8388608" in r.stdout  # the script itself ran
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "nothing went through oxygen_torch's pool" in r.stderr
+    assert "CPU tensors do not go through the pool" in r.stderr
+    assert not (tmp_path / "cpu.png").exists()

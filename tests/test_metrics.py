@@ -217,3 +217,41 @@ def test_kv_pools_are_reported_until_a_source_registers(monkeypatch):
     assert value(fams, "oxygen:kv_blocks", state="free") == 80
     assert value(fams, "oxygen:kv_cache_usage_perc", tier="gpu") == 0.25
     assert value(fams, "oxygen:kv_cache_usage_perc", tier="cpu") == 0.5
+
+
+def _scrape(port, timeout=5):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        return r.read().decode()
+
+
+def test_idle_connections_neither_make_threads_nor_stay_open(pool):
+    """prometheus_client's own server kept one thread per idle connection: 200 idle connections
+    made 203 threads, for as long as the clients wanted."""
+    import threading
+    import time
+
+    before = threading.active_count()
+    server = metrics.start_http_server(port=0, idle_timeout_s=1.5, request_timeout_s=1.0)
+    port = server.socket.getsockname()[1]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(200)]
+    half = socket.create_connection(("127.0.0.1", port), timeout=5)
+    half.sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request, then silence
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        text = _scrape(port)  # served at once, 201 connections notwithstanding
+        assert time.monotonic() - t0 < 1.0
+        assert value(families(text), "oxygen:pool_reserved_va_bytes", pool="test") > 0
+        assert threading.active_count() - before <= 2 + 4  # accept loop, watcher, <= 4 workers
+        time.sleep(2.0)  # past both timeouts: the server has closed all of them
+        for s in [*idle, half]:
+            s.settimeout(1)
+            assert s.recv(1) == b"", "an idle connection is still open"
+        assert threading.active_count() - before <= 6
+        assert "oxygen:pool_mapped_bytes" in _scrape(port)
+    finally:
+        for s in [*idle, half]:
+            s.close()
+        metrics.stop_http_servers()
+    time.sleep(0.2)
+    assert threading.active_count() <= before + 1

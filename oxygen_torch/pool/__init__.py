@@ -5,7 +5,7 @@ import sys
 import types
 
 from . import route
-from .objects import DEFAULT_PAGE, Arena, VirtualPool, live_arenas
+from .objects import DEFAULT_PAGE, Arena, VirtualPool, held_arenas, live_arenas
 from .route import disable_allocator, enable_allocator, is_enabled, pool
 from .stats import (
     empty_cache,
@@ -20,6 +20,7 @@ __all__ = [
     "Arena",
     "VirtualPool",
     "live_arenas",
+    "held_arenas",
     "enable_allocator",
     "disable_allocator",
     "is_enabled",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import operator
 from pathlib import Path
 
 LIB_PATH = Path(__file__).resolve().parent.parent / "_oxygen.so"
@@ -22,6 +23,8 @@ ERR_INVALID = 4
 ERR_OOM = 5
 ERR_OS = 6
 ERR_UNSUPPORTED = 7
+ERR_FORKED = 8
+ERR_INTERNAL = 9
 
 STATUS_NAMES = {
     ERR_NO_DRIVER: "no CUDA driver",
@@ -31,7 +34,17 @@ STATUS_NAMES = {
     ERR_OOM: "out of memory",
     ERR_OS: "operating-system error",
     ERR_UNSUPPORTED: "unsupported",
+    ERR_FORKED: "created before fork()",
+    ERR_INTERNAL: "internal error",
 }
+
+# Bounds of the C types the wrappers pass: ctypes converts a Python int by wrapping it silently
+# (2**64 as int64_t is 0, -1 as size_t is 2**64 - 1), so every integer is checked against these
+# first (int_arg).
+SIZE_MAX = (1 << 64) - 1
+INT64_MAX = (1 << 63) - 1
+INT_MAX = (1 << 31) - 1
+MAX_DEVICES = 64  # kMaxDevices in csrc/pool_capi.cpp
 
 
 class NativeLibraryError(RuntimeError):
@@ -97,11 +110,11 @@ def _declare_pool(so: ctypes.CDLL) -> None:
             c.c_int,
             [c.c_char_p, c.c_int, sz, sz, c.c_double, sz, sz, u64, c.POINTER(vp)],
         ),
-        "oxygen_pool_destroy": (None, [vp]),
+        "oxygen_pool_destroy": (c.c_int, [vp]),
         "oxygen_pool_malloc": (c.c_int, [vp, i64, vp, c.POINTER(vp)]),
         "oxygen_pool_free": (c.c_int, [vp, vp, i64, vp]),
-        "oxygen_pool_empty_cache": (None, [vp]),
-        "oxygen_pool_reset_peak": (None, [vp]),
+        "oxygen_pool_empty_cache": (c.c_int, [vp]),
+        "oxygen_pool_reset_peak": (c.c_int, [vp]),
         "oxygen_pool_prepare": (c.c_int, [vp, sz]),
         "oxygen_pool_mem_info": (c.c_int, [vp, c.POINTER(sz), c.POINTER(sz)]),
         "oxygen_pool_backend": (c.c_char_p, [vp]),
@@ -121,7 +134,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_pageset_selftest": (c.c_int, [u64, c.c_int, c.c_int]),
         "oxygen_host_set_capture": (None, [vp, u64]),
         "oxygen_arena_create": (c.c_int, [c.c_char_p, c.c_int, sz, sz, c.c_double, c.POINTER(vp)]),
-        "oxygen_arena_destroy": (None, [vp]),
+        "oxygen_arena_destroy": (c.c_int, [vp]),
         "oxygen_arena_base": (u64, [vp]),
         "oxygen_arena_pages": (sz, [vp]),
         "oxygen_arena_page_size": (sz, [vp]),
@@ -136,6 +149,34 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         fn = getattr(so, name)
         fn.restype = restype
         fn.argtypes = argtypes
+
+
+def describe_int(value: int) -> str:
+    """An integer as an error message can show it: Python refuses str() of one past 4,300 digits,
+    and a number of a few hundred digits says less than its size does."""
+    if value.bit_length() <= 128:
+        return str(value)
+    return f"an integer of {value.bit_length()} bits (about 2**{value.bit_length() - 1})"
+
+
+def int_arg(what: str, value: object, lo: int, hi: int) -> int:
+    """``value`` as an int in [lo, hi] before it becomes a C argument; raises TypeError (not an
+    integer, or a bool) or ValueError (out of range), naming ``what`` and the allowed range."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r:.80}")
+    v = operator.index(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} = {describe_int(v)} is out of range; allowed: {lo} to {hi}")
+    return v
+
+
+def fraction_arg(what: str, value: object) -> float:
+    """A share in (0, 1] (reserve_fraction) as a C double."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r:.80}")
+    if not 0 < value <= 1:  # also false for NaN
+        raise ValueError(f"{what} = {value!r} is out of range; allowed: (0, 1]")
+    return float(value)
 
 
 def last_error() -> str:

@@ -9,20 +9,26 @@ Statistics are atomics in C, read here without taking any allocation lock.
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from typing import Any
 
 import torch
 
+from ..config import check_page_size
 from . import native as _native
+from .native import INT64_MAX, INT_MAX, MAX_DEVICES, SIZE_MAX, fraction_arg, int_arg
 
 MiB = 1 << 20
 DEFAULT_PAGE = 2 * MiB  # the VMM granularity the H200 reports
+# The native pool reserves twice its capacity as address space, and no machine has more than
+# 2^56 bytes of it (csrc/page_pool.cpp, kMaxCapacity).
+MAX_CAPACITY = 1 << 55
 
 
 def _resolve_backend(backend: str) -> str:
     if backend not in ("auto", "cuda", "host"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'host', got {backend!r}")
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'host', got {backend!r:.80}")
     if backend != "auto":
         return backend
     try:
@@ -35,14 +41,23 @@ def _stream_handle(stream: Any) -> int:
     """A cudaStream_t value from an int, a torch.cuda.Stream, or None (the legacy stream, 0)."""
     if stream is None:
         return 0
-    return int(getattr(stream, "cuda_stream", stream))
+    return int_arg("stream", getattr(stream, "cuda_stream", stream), 0, SIZE_MAX)
 
 
 def _read(fn, handle) -> dict:
     names = _native.lib().oxygen_stats_names().decode().split(",")
     arr = (ctypes.c_uint64 * len(names))()
     n = fn(handle, arr, len(names))
+    if n < 0:  # -status: the handle cannot be used (inherited across fork)
+        _native.check(-n, "reading the counters")
     return dict(zip(names, arr[:n], strict=False))
+
+
+def _check_page_size(owner: str, page_size: Any) -> int:
+    """The rule PoolConfig applies to pool.page_size, for every pool and arena (host included)."""
+    page_size = int_arg(f"{owner} page_size", page_size, 0, SIZE_MAX)
+    check_page_size(f"{owner} page_size", page_size)
+    return page_size
 
 
 def _derive(raw: dict, backend: str, device: int) -> dict:
@@ -69,15 +84,21 @@ def _oom(message: str) -> torch.OutOfMemoryError:
 
 class _NativeObject:
     """A native pool or arena: released by close(), at the end of a with-block, or when collected.
-    close() releases everything: blocks still live are unmapped, do not touch them afterwards."""
+    close() releases everything: blocks still live are unmapped, do not touch them afterwards.
+    Every method of a closed object raises RuntimeError."""
 
     _h = None
     _destroy = ""  # name of the C function that releases the handle
 
     def close(self) -> None:
         if self._h:
-            getattr(_native.lib(), self._destroy)(self._h)
-            self._h = None
+            h, self._h = self._h, None
+            getattr(_native.lib(), self._destroy)(h)
+
+    def _handle(self) -> int:
+        if not self._h:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        return self._h
 
     def __enter__(self):
         return self
@@ -110,27 +131,23 @@ class VirtualPool(_NativeObject):
         high_pages: int = 0,
         hysteresis_us: int = 0,
     ):
-        if capacity is not None and capacity <= 0:
-            raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
-        if not 0 < reserve_fraction <= 1:
-            raise ValueError(f"reserve_fraction must be in (0, 1], got {reserve_fraction}")
+        if capacity is not None:
+            capacity = int_arg("VirtualPool capacity (bytes)", capacity, 1, MAX_CAPACITY)
+        args = (
+            _check_page_size("VirtualPool", page_size),
+            capacity or 0,
+            fraction_arg("VirtualPool reserve_fraction", reserve_fraction),
+            int_arg("VirtualPool low_pages", low_pages, 0, 1 << 32),
+            int_arg("VirtualPool high_pages", high_pages, 0, 1 << 32),
+            int_arg("VirtualPool hysteresis_us", hysteresis_us, 0, SIZE_MAX // 1000),
+        )
+        self.device = int_arg("VirtualPool device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
-        self.device = device
-        self.page_size = page_size
+        self.page_size = args[0]
         lib = _native.lib()
         h = ctypes.c_void_p()
         _native.check(
-            lib.oxygen_pool_create(
-                self.backend.encode(),
-                device,
-                page_size,
-                capacity or 0,
-                reserve_fraction,
-                low_pages,
-                high_pages,
-                hysteresis_us,
-                ctypes.byref(h),
-            ),
+            lib.oxygen_pool_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
             f"creating a {self.backend} pool",
         )
         self._h = h.value
@@ -138,17 +155,13 @@ class VirtualPool(_NativeObject):
         raw = self._raw()
         self.capacity = raw["max_pages"] * raw["page_size"]
 
-    def _handle(self) -> int:
-        if not self._h:
-            raise RuntimeError("this VirtualPool is closed")
-        return self._h
-
     def _raw(self) -> dict:
         return _read(_native.lib().oxygen_pool_stats, self._handle())
 
     def malloc(self, size: int, stream: Any = 0) -> int:
         """Address of a new block of ``size`` bytes; raises torch.OutOfMemoryError with the
         pool's figures when the pool (after reclaiming) or the device has no memory left."""
+        size = int_arg("malloc size", size, 0, INT64_MAX)
         out = ctypes.c_void_p()
         lib = _native.lib()
         st = lib.oxygen_pool_malloc(self._handle(), size, _stream_handle(stream), ctypes.byref(out))
@@ -175,43 +188,100 @@ class VirtualPool(_NativeObject):
     def free(self, ptr: int, size: int | None = None, stream: Any = 0) -> bool:
         """Free a block. A double free or unknown pointer is reported once on stderr, counted in
         ``stats()['num_bad_frees']`` and ignored: returns False then."""
+        ptr = int_arg("free pointer", ptr, 0, SIZE_MAX)
+        if size is not None:
+            size = int_arg("free size", size, 0, INT64_MAX)
         st = _native.lib().oxygen_pool_free(
             self._handle(), ptr, -1 if size is None else size, _stream_handle(stream)
         )
+        if st == _native.ERR_FORKED:  # not a bad pointer: this pool cannot be used here at all
+            _native.check(st, "free")
         return st == _native.OK
 
     def empty_cache(self) -> None:
         """Wait for the device, then unmap every page with nothing live and drop cached handles."""
-        _native.lib().oxygen_pool_empty_cache(self._handle())
+        _native.check(_native.lib().oxygen_pool_empty_cache(self._handle()), "empty_cache")
 
     def reset_peak(self) -> None:
-        _native.lib().oxygen_pool_reset_peak(self._handle())
+        _native.check(_native.lib().oxygen_pool_reset_peak(self._handle()), "reset_peak")
 
     def prepare(self, nbytes: int) -> None:
         """Create physical handles now for ``nbytes`` (growth then only maps)."""
+        nbytes = int_arg("prepare nbytes", nbytes, 0, INT64_MAX)
         _native.check(_native.lib().oxygen_pool_prepare(self._handle(), nbytes), "prepare")
 
     def bench(self, size: int, iters: int, stream: Any = 0) -> float:
         """Nanoseconds per malloc+free pair, looped in C (no Python per call)."""
-        return float(
-            _native.lib().oxygen_pool_bench(self._handle(), size, iters, _stream_handle(stream))
-        )
+        size = int_arg("bench size", size, 0, INT64_MAX)
+        iters = int_arg("bench iters", iters, 0, INT_MAX)
+        ns = _native.lib().oxygen_pool_bench(self._handle(), size, iters, _stream_handle(stream))
+        if ns < 0:
+            raise _native.NativeError(_native.ERR_INVALID, f"bench: {_native.last_error()}")
+        return float(ns)
 
     def stats(self) -> dict:
         return _derive(self._raw(), self.backend, self.device)
 
     def latency_histogram(self) -> list[int]:
-        arr = (ctypes.c_uint64 * 16)()
-        n = _native.lib().oxygen_pool_latency_hist(self._handle(), arr, 16)
-        return list(arr[:n])
+        return _hist(_native.lib().oxygen_pool_latency_hist, self._handle())
+
+
+def _hist(fn, handle) -> list[int]:
+    arr = (ctypes.c_uint64 * 16)()
+    n = fn(handle, arr, 16)
+    if n < 0:
+        _native.check(-n, "reading the latency histogram")
+    return list(arr[:n])
 
 
 _arenas: weakref.WeakSet = weakref.WeakSet()
+_held: weakref.WeakSet = weakref.WeakSet()  # _ArenaHandles of closed arenas that views keep
 
 
 def live_arenas(device: int | None = None) -> list[Arena]:
-    """The arenas not yet closed (on `device`, when given)."""
-    return [a for a in list(_arenas) if a._h and (device is None or a.device == device)]
+    """The arenas not yet closed (on `device`, when given) of this process: in a forked child
+    the parent's arenas refuse every call (csrc/fork.h), so they are not listed there."""
+    pid = os.getpid()
+    return [
+        a
+        for a in list(_arenas)
+        if a._h and a._pid == pid and (device is None or a.device == device)
+    ]
+
+
+def held_arenas() -> list[_ArenaHandle]:
+    """Arenas closed while tensors from ``as_tensor()`` still view them: their memory stays
+    mapped (reading such a tensor must not fault) until the last of those tensors is dropped."""
+    return list(_held)
+
+
+class _ArenaHandle:
+    """The native arena, released when its last holder goes: the Arena until close(), and every
+    tensor as_tensor() made. A view that outlives close() keeps the range mapped, because
+    touching an unmapped page is fatal (a segfault here, a poisoned CUDA context on a GPU)."""
+
+    def __init__(self, h: int, device: int, base: int, capacity: int, page_size: int):
+        self.h, self.device, self.base, self.capacity = h, device, base, capacity
+        self.page_size = page_size
+
+    def mapped_pages(self) -> int:
+        return int(_native.lib().oxygen_arena_mapped_pages(self.h))
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {
+            "shape": (self.capacity,),
+            "typestr": "|u1",
+            "data": (self.base, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def __del__(self) -> None:
+        try:
+            _native.lib().oxygen_arena_destroy(self.h)
+        except Exception:  # at interpreter exit the modules it needs may already be gone
+            pass
 
 
 class Arena(_NativeObject):
@@ -231,16 +301,18 @@ class Arena(_NativeObject):
         page_size: int = DEFAULT_PAGE,
         reserve_fraction: float = 0.9,
     ):
-        if nbytes <= 0:
-            raise ValueError(f"Arena size must be > 0 bytes, got {nbytes}")
+        nbytes = int_arg("Arena size (bytes)", nbytes, 1, MAX_CAPACITY)
+        args = (
+            _check_page_size("Arena", page_size),
+            nbytes,
+            fraction_arg("Arena reserve_fraction", reserve_fraction),
+        )
+        self.device = int_arg("Arena device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
-        self.device = device
         lib = _native.lib()
         h = ctypes.c_void_p()
         _native.check(
-            lib.oxygen_arena_create(
-                self.backend.encode(), device, page_size, nbytes, reserve_fraction, ctypes.byref(h)
-            ),
+            lib.oxygen_arena_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
             f"creating a {self.backend} KV arena of {nbytes} bytes",
         )
         self._h = h.value
@@ -248,27 +320,45 @@ class Arena(_NativeObject):
         self.page_size = int(lib.oxygen_arena_page_size(self._h))
         self.num_pages = int(lib.oxygen_arena_pages(self._h))
         self.capacity = self.num_pages * self.page_size
+        self._owner = _ArenaHandle(self._h, self.device, self.base, self.capacity, self.page_size)
+        self._pid = os.getpid()
         _arenas.add(self)
 
-    def _handle(self) -> int:
+    def close(self) -> None:
+        """Unmaps and releases the range -- once no tensor from as_tensor() views it any more;
+        until then its memory stays mapped (leakcheck reports it as held by views)."""
         if not self._h:
-            raise RuntimeError("this Arena is closed")
-        return self._h
+            return
+        owner, self._h, self._owner = self._owner, None, None
+        _held.add(owner)  # gone from the set by itself once the last view is dropped
+        del owner  # the last reference unless a view holds one: the native arena goes now
+
+    def _pages_arg(self, what: str, first: int, count: int) -> tuple[int, int]:
+        first = int_arg(f"arena {what} first page", first, 0, self.num_pages - 1)
+        return first, int_arg(f"arena {what} count", count, 1, self.num_pages - first)
 
     def map_pages(self, first: int, count: int = 1) -> None:
+        h = self._handle()
+        first, count = self._pages_arg("map_pages", first, count)
         _native.check(
-            _native.lib().oxygen_arena_map(self._handle(), first, count),
-            f"arena map_pages({first}, {count})",
+            _native.lib().oxygen_arena_map(h, first, count), f"arena map_pages({first}, {count})"
         )
 
     def unmap_pages(self, first: int, count: int = 1) -> None:
+        h = self._handle()
+        first, count = self._pages_arg("unmap_pages", first, count)
         _native.check(
-            _native.lib().oxygen_arena_unmap(self._handle(), first, count),
+            _native.lib().oxygen_arena_unmap(h, first, count),
             f"arena unmap_pages({first}, {count})",
         )
 
     def is_mapped(self, page: int) -> bool:
-        return bool(_native.lib().oxygen_arena_is_mapped(self._handle(), page))
+        h = self._handle()
+        page = int_arg("arena is_mapped page", page, 0, self.num_pages - 1)
+        r = _native.lib().oxygen_arena_is_mapped(h, page)
+        if r < 0:
+            _native.check(-r, f"arena is_mapped({page})")
+        return bool(r)
 
     def mapped_pages(self) -> int:
         return int(_native.lib().oxygen_arena_mapped_pages(self._handle()))
@@ -278,28 +368,29 @@ class Arena(_NativeObject):
             _read(_native.lib().oxygen_arena_stats, self._handle()), self.backend, self.device
         )
 
+    def latency_histogram(self) -> list[int]:
+        return _hist(_native.lib().oxygen_arena_latency_hist, self._handle())
+
     def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat tensor over the whole range, no copy: the one view of an arena as a tensor.
 
-        cuda: through ``__cuda_array_interface__`` (the tensor keeps the arena alive; torch asks
-        the driver about the base address, so map page 0 first). host: over the mapping, which
-        the tensor does not own: keep the arena alive while it is used."""
+        The tensor (and every view of it) keeps the native arena alive, on both backends: after
+        close() the memory under it stays mapped until it is dropped, so reading it never
+        faults. cuda: through ``__cuda_array_interface__`` (torch asks the driver about the base
+        address, so map page 0 first). host: over the mapping."""
         self._handle()
+        owner = self._owner
         if self.backend == "cuda":
-            t = torch.as_tensor(self, device=torch.device("cuda", self.device))
+            t = torch.as_tensor(owner, device=torch.device("cuda", self.device))
         else:
             buf = (ctypes.c_byte * self.capacity).from_address(self.base)
+            buf.oxygen_arena = owner  # torch.frombuffer holds `buf`, and so the tensor the owner
             t = torch.frombuffer(buf, dtype=torch.uint8, count=self.capacity)
         return t.view(dtype)
 
     @property
     def __cuda_array_interface__(self) -> dict:
+        self._handle()
         if self.backend != "cuda":
             raise AttributeError("__cuda_array_interface__ exists only on a cuda arena")
-        return {
-            "shape": (self.capacity,),
-            "typestr": "|u1",
-            "data": (self.base, False),
-            "version": 3,
-            "strides": None,
-        }
+        return self._owner.__cuda_array_interface__

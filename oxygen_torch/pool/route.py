@@ -54,6 +54,11 @@ def enable_allocator(cfg: PoolConfig) -> None:
     backend."""
     if _route.enabled:
         return
+    if cfg.backend == "cuda" and not torch.cuda.is_available():  # only auto may choose host
+        raise RuntimeError(
+            "oxygen_torch: pool.backend is 'cuda', but torch sees no usable CUDA device on this "
+            "machine; set pool.backend to 'auto' (the host backend here) or 'host'"
+        )
     if cfg.backend == "host" or not torch.cuda.is_available():
         _route.enabled, _route.backend = True, "host"
         return

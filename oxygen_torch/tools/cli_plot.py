@@ -124,7 +124,7 @@ def record(cmd: list[str], path: Path, source: str, interval: float, label: str)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(shim), pkg_parent, os.environ.get("PYTHONPATH", "")] if p
     )
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env)  # FileNotFoundError / PermissionError: see plot()
     _watch(proc, path, label)
     return proc.returncode
 
@@ -281,9 +281,65 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, cmd
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why the PNG cannot be written, or None: found out before a run that may take minutes,
+    by opening the file as savefig will (as root, permission bits say nothing)."""
+    if out.is_dir():
+        return "it is a directory"
+    existed = out.exists()
+    try:
+        with open(out, "ab"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        out.unlink()
+    return None
+
+
+def _command(cmd: list[str]) -> list[str]:
+    """`plot -- script.py args` runs the script with this Python, as `-- python script.py` would."""
+    if cmd[0].endswith(".py") and Path(cmd[0]).is_file() and not os.access(cmd[0], os.X_OK):
+        return [sys.executable, *cmd]
+    return cmd
+
+
+def _nothing_recorded(path: Path) -> bool:
+    _, alloc, mapped = load(path)
+    return max(alloc, default=0) == 0 and max(mapped, default=0) == 0
+
+
+def _explain_empty(label: str) -> str:
+    import torch
+
+    why = (
+        "this machine has no GPU, and CPU tensors do not go through the pool (oxygen_torch "
+        "replaces PyTorch's CUDA allocator only). On a CPU, only pools the script makes itself "
+        "(oxygen_torch.pool.VirtualPool, registered with oxygen_torch.tools.metrics.register_pool)"
+        " and KV arenas are recorded; `plot --demo` shows one"
+        if not torch.cuda.is_available()
+        else "the script allocated no CUDA memory while it was recorded"
+    )
+    return f"plot: nothing went through oxygen_torch's pool in the {label} run: {why}. No chart."
+
+
 def plot(argv: list[str] | None = None) -> int:
     args, cmd = _parse(list(sys.argv[2:] if argv is None else argv))
     out = Path(args.output or args.png or "oxygen_memory.png")
+    reason = _unwritable(out)
+    if reason:
+        print(f"plot: cannot write the chart to {out}: {reason}", file=sys.stderr)
+        return 2
+    try:
+        return _plot(args, _command(cmd) if cmd else cmd, out)
+    except (FileNotFoundError, PermissionError) as exc:
+        if exc.filename is None or str(exc.filename) != (cmd or [""])[0]:
+            raise
+        print(f"plot: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+
+
+def _plot(args: argparse.Namespace, cmd: list[str], out: Path) -> int:
     sources = ["oxygen"]
     if args.compare:
         import torch
@@ -301,8 +357,15 @@ def plot(argv: list[str] | None = None) -> int:
             if rc != 0 or not path.exists() or not path.read_text().strip():
                 print(f"plot: the {label} run failed (exit {rc}) or recorded nothing")
                 return rc or 1
+            if source == "oxygen" and _nothing_recorded(path):
+                print(_explain_empty(label), file=sys.stderr)
+                return 1
             runs.append((label, path))
-        draw(runs, out)
+        try:
+            draw(runs, out)
+        except OSError as exc:  # the file went away or the disk filled while the script ran
+            print(f"plot: cannot write the chart to {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     print(f"plot: wrote {out}")
     return 0
 

@@ -9,20 +9,22 @@ layers register; until they do, those metrics report zero.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import start_http_server as _prom_start_http_server
+
+from . import metrics_server
 
 DEFAULT_PORT = 9400
 # Names follow vLLM/SGLang habits (`vllm:gpu_cache_usage_perc` is a 0..1 fraction despite "perc").
@@ -33,6 +35,15 @@ LATENCY_BUCKETS_US = [float(1 << i) for i in range(15)]
 WEIGHT_VARIANCE_BUCKETS = [0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0]
 
 _lock = threading.Lock()
+
+
+def _reset_lock_in_child() -> None:
+    # A fork while another thread held the lock (a scrape) would leave it held in the child.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_in_child)
 # (reference, label): weak references, or strong ones for objects that are not weak-referenceable
 _pools: list[tuple[Callable[[], Any], str | None]] = []
 _kv_sources: list[Callable[[], dict | None]] = []
@@ -306,12 +317,13 @@ def scrape() -> str:
     return generate_latest(_registry).decode()
 
 
-def start_http_server(port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> Any:
+def start_http_server(port: int = DEFAULT_PORT, addr: str = "127.0.0.1", **limits: Any) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the server
     (``.server_address``, ``.shutdown()``). Loopback only unless ``addr`` says otherwise:
     the figures describe the machine's memory and need no wider audience by default.
-    ``port=0`` picks a free port."""
-    server, _thread = _prom_start_http_server(port, addr=addr, registry=_registry)
+    ``port=0`` picks a free port. Threads and idle connections are bounded (metrics_server.py;
+    ``limits``: workers, idle_timeout_s, request_timeout_s, max_waiting)."""
+    server = metrics_server.serve(addr, port, make_wsgi_app(_registry), **limits)
     _servers.append(server)
     return server
 

@@ -1,0 +1,196 @@
+"""Limits on every size in the configuration, errors that name the right field, a strict YAML
+reader, pool.backend=cuda without a GPU, and the warning for fields that do nothing yet."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oxygen_torch
+from oxygen_torch import config
+from oxygen_torch.config import ENV_CONF, ENV_FILE, KVConfig, PoolConfig, load_config
+
+HUGE = 10**5000  # Python refuses to turn this into text: messages must not try
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(ENV_CONF, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    monkeypatch.setattr(config, "_warned_not_wired", set(), raising=False)
+    yield
+    oxygen_torch.disable()
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("page_size", 1 << 64, r"pool.page_size: 18446744073709551616 \(16777216 TiB\) is out of"),
+        ("page_size", 1e300, "pool.page_size: an integer of 997 bits .* is out of range"),
+        ("page_size", "1TiB", r"pool.page_size: 1099511627776 \(1 TiB\) is out of range; "),
+        ("page_size", HUGE, "pool.page_size: an integer of 16610 bits"),
+        ("cpu_tier_bytes", 1 << 64, "pool.cpu_tier_bytes: .* is out of range; allowed: 0 to this"),
+        ("arena_bytes", 1 << 64, "kv.arena_bytes: .* is out of range; allowed: 0 .auto. to"),
+        ("arena_bytes", HUGE, "kv.arena_bytes: an integer of 16610 bits"),
+        ("prefill_chunk_tokens", 1 << 80, "kv.prefill_chunk_tokens: .* out of range; allowed: 0"),
+        ("block_tokens", HUGE, "kv.block_tokens: an integer of 16610 bits .* is not allowed"),
+        ("prefetch_distance", HUGE, "kv.prefetch_distance: an integer of 16610 bits"),
+        ("block_m", HUGE, "kernel.block_m: an integer of 16610 bits"),
+        ("hysteresis_ms", HUGE, "pool.hysteresis_ms: .* is not a number"),
+    ],
+    ids=lambda v: "5000-digits" if v is HUGE else None,
+)
+def test_absurd_sizes_are_refused_naming_the_field(key, value, needle):
+    with pytest.raises(ValueError, match=needle):
+        load_config(**{key: value})
+
+
+def test_page_size_of_a_tebibyte_fails_at_enable_naming_pool_page_size(monkeypatch):
+    """It used to pass validation and fail at generate(), blaming kv.arena_bytes."""
+    monkeypatch.setenv(ENV_CONF, "page_size:1TiB")
+    with pytest.raises(ValueError, match="pool.page_size: .* allowed: a multiple of 2 MiB up to"):
+        oxygen_torch.enable()
+    assert not oxygen_torch.is_enabled()
+    assert load_config(page_size="1GiB").pool.page_size == 1 << 30  # the largest allowed
+
+
+def test_cpu_tier_is_bounded_by_this_machines_memory():
+    ram = config.host_memory_bytes()
+    assert PoolConfig(cpu_tier_bytes=ram).cpu_tier_bytes == ram
+    with pytest.raises(ValueError, match="pool.cpu_tier_bytes: .* this machine's memory"):
+        PoolConfig(cpu_tier_bytes=ram + 1)
+
+
+@pytest.mark.parametrize("where", ["env", "yaml"])
+def test_5000_digit_integers_name_the_field(where, monkeypatch, tmp_path):
+    digits = "9" * 5000
+    if where == "env":
+        monkeypatch.setenv(ENV_CONF, f"kv.arena_bytes:{digits}")
+    else:
+        f = tmp_path / "c.yaml"
+        f.write_text(f"kv:\n  arena_bytes: {digits}\n")
+        monkeypatch.setenv(ENV_FILE, str(f))
+    with pytest.raises(ValueError, match="kv.arena_bytes: an integer of 5000 digits") as info:
+        load_config()
+    if where == "yaml":
+        assert str(tmp_path / "c.yaml") in str(info.value) and ENV_FILE in str(info.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["page_size", "cpu_tier_bytes", "arena_bytes", "prefill_chunk_tokens"]),
+    st.one_of(st.integers(), st.integers(-(1 << 70), 1 << 70).map(lambda n: n * (1 << 21))),
+)
+def test_any_integer_gives_a_valid_config_or_names_its_field(key, n):
+    try:
+        cfg = load_config(**{key: n})
+    except ValueError as exc:
+        assert key in str(exc) and len(str(exc)) < 400
+    else:
+        assert cfg.as_dict()[next(k for k in cfg.as_dict() if k.endswith("." + key))] == n
+        assert 0 <= n < 1 << 48
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("pool:\n  page_size: 2MiB\n  page_size: 4MiB\n", r"key 'page_size' is given twice"),
+        ("kv:\n  block_tokens: 32\nkv:\n  block_tokens: 64\n", r"key 'kv' is given twice"),
+        ("1: 2\n", "configuration key 1 is not a name"),
+        ("pool: 5\n", "configuration section 'pool' must be a mapping of its fields, got 5"),
+    ],
+)
+def test_yaml_file_is_read_strictly(text, needle, monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    monkeypatch.setenv(ENV_FILE, str(f))
+    with pytest.raises(ValueError, match=needle) as info:
+        load_config()
+    assert str(f) in str(info.value)
+
+
+def test_yaml_merge_keys_are_not_duplicates(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("kv:\n  <<: {block_tokens: 32}\n  block_tokens: 64\n")
+    monkeypatch.setenv(ENV_FILE, str(f))
+    assert load_config().kv.block_tokens == 64
+
+
+def test_non_utf8_yaml_names_the_file_and_the_variable(monkeypatch, tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("pool:\n  backend: h\xf4st\n".encode("latin-1"))
+    monkeypatch.setenv(ENV_FILE, str(f))
+    with pytest.raises(ValueError) as info:
+        load_config()
+    msg = str(info.value)
+    assert msg.startswith(f"{ENV_FILE}: {str(f)!r} is not UTF-8 text (byte 18")
+    assert "must be YAML in UTF-8" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_backend_cuda_without_a_gpu_fails_clearly_auto_chooses_host():
+    with pytest.raises(RuntimeError, match="pool.backend is 'cuda', but torch sees no usable"):
+        oxygen_torch.enable(pool={"backend": "cuda"})
+    assert not oxygen_torch.is_enabled()
+    oxygen_torch.enable(pool={"backend": "auto"})
+    assert oxygen_torch.memory_stats()["backend"] == "host"
+
+
+NOT_WIRED = [
+    ("hot_zone_ratio", 0.5, "pool.hot_zone_ratio", "the CPU tier"),
+    ("migration_threshold", 0.7, "pool.migration_threshold", "the CPU tier"),
+    ("cpu_tier_bytes", 1 << 20, "pool.cpu_tier_bytes", "the CPU tier"),
+    ("prefetch_distance", 2, "kv.prefetch_distance", "the CPU tier"),
+]
+
+
+@pytest.mark.parametrize("key, value, field, feature", NOT_WIRED)
+def test_fields_not_wired_yet_warn_once(caplog, key, value, field, feature):
+    caplog.set_level(logging.WARNING, logger="oxygen_torch")
+    load_config()  # defaults: silent
+    load_config(**{key: config.OxygenConfig().as_dict()[field]})  # the default, given: silent
+    assert not [r for r in caplog.records if "has no effect yet" in r.getMessage()]
+    load_config(**{key: value})
+    oxygen_torch.enable(**{key: value})  # enable() reads through load_config: still once
+    warned = [r.getMessage() for r in caplog.records if "has no effect yet" in r.getMessage()]
+    assert warned == [
+        f"oxygen_torch: {field} = {value!r} has no effect yet: it is used by "
+        f"{config.NOT_WIRED[field]}"
+    ]
+    assert feature in warned[0]
+
+
+def test_scheduler_weights_are_wired_and_say_nothing(caplog):
+    caplog.set_level(logging.WARNING, logger="oxygen_torch")
+    assert load_config(alpha=0.5, beta=0.2).scheduler.alpha == 0.5  # the WFQ policy reads them
+    assert not [r for r in caplog.records if "has no effect yet" in r.getMessage()]
+
+
+def test_not_wired_warning_comes_from_every_source(caplog, monkeypatch, tmp_path):
+    caplog.set_level(logging.WARNING, logger="oxygen_torch")
+    monkeypatch.setenv(ENV_CONF, "pool.hot_zone_ratio:0.2")
+    f = tmp_path / "c.yaml"
+    f.write_text("kv:\n  prefetch_distance: 9\n")
+    monkeypatch.setenv(ENV_FILE, str(f))
+    load_config()
+    warned = {r.getMessage().split(" = ")[0] for r in caplog.records}
+    assert warned == {"oxygen_torch: pool.hot_zone_ratio", "oxygen_torch: kv.prefetch_distance"}
+    assert KVConfig().prefetch_distance == 4  # the documented default is unchanged
+
+
+@pytest.mark.parametrize(
+    "profile, needle",
+    [
+        ({"block_size": [HUGE, 64]}, "optimizations.llama.block_size: .* must be two integers"),
+        ({"prefetch_distance": HUGE}, "optimizations.llama.prefetch_distance: an integer of"),
+        ({"retention_priority_factor": float("inf")}, "must be a finite number"),
+    ],
+    ids=["block_size", "prefetch_distance", "retention"],
+)
+def test_profile_values_are_bounded_naming_the_key(profile, needle):
+    from oxygen_torch.profiles import validate_profile
+
+    with pytest.raises(ValueError, match=needle):
+        validate_profile("llama", profile)
