@@ -18,7 +18,7 @@ from oxygen_torch.config import (
     load_config,
     parse_conf_string,
 )
-from oxygen_torch.profiles import get_profile, nearest_pow2
+from oxygen_torch.config.profiles import get_profile, nearest_pow2
 
 
 @pytest.fixture(autouse=True)

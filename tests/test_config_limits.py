@@ -19,7 +19,7 @@ HUGE = 10**5000  # Python refuses to turn this into text: messages must not try
 def clean_env(monkeypatch):
     monkeypatch.delenv(ENV_CONF, raising=False)
     monkeypatch.delenv(ENV_FILE, raising=False)
-    monkeypatch.setattr(config, "_warned_not_wired", set(), raising=False)
+    monkeypatch.setattr(config.sources, "_warned_not_wired", set())
     yield
     oxygen_torch.disable()
 
@@ -190,7 +190,7 @@ def test_not_wired_warning_comes_from_every_source(caplog, monkeypatch, tmp_path
     ids=["block_size", "prefetch_distance", "retention"],
 )
 def test_profile_values_are_bounded_naming_the_key(profile, needle):
-    from oxygen_torch.profiles import validate_profile
+    from oxygen_torch.config.profiles import validate_profile
 
     with pytest.raises(ValueError, match=needle):
         validate_profile("llama", profile)

@@ -28,8 +28,8 @@ from oxygen_torch.triton_kernels.tiling import clear_choices
 from test_kernels_helpers import assert_close_rel, make_paged, poisoned_like, randn
 
 from oxygen_torch.config import KernelConfig
+from oxygen_torch.config.profiles import get_profile
 from oxygen_torch.kv.attention import paged_attention, tiles_for
-from oxygen_torch.profiles import get_profile
 
 pytestmark = pytest.mark.cuda
 CUDA = "cuda"

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import oxygen_torch.compile  # noqa: F401  (registers torch.ops.oxygen)
 from oxygen_torch.config import KernelConfig
+from oxygen_torch.config.profiles import ModelProfile, get_profile
 from oxygen_torch.kv.attention import Tiles, kv_write, paged_attention, tiles_for
-from oxygen_torch.profiles import ModelProfile, get_profile
 
 ops = torch.ops.oxygen
 

@@ -179,6 +179,8 @@ def test_every_method_of_a_closed_object_raises():
 def test_arena_view_outlives_close_without_faulting():
     """A tensor from as_tensor() read after close() read a released range: a segfault. Now the
     view keeps the range mapped, and the memory goes when the last view does."""
+    gc.collect()  # arenas earlier tests closed with views still to be collected
+    held = len(oxygen_pool.held_arenas())
     before = leakcheck.host_view()
     arena = Arena(4 * PAGE, backend="host")
     arena.map_pages(1, 2)
@@ -187,12 +189,12 @@ def test_arena_view_outlives_close_without_faulting():
     view[:, 7] = 0x5A
     del flat
     arena.close()
-    assert len(oxygen_pool.held_arenas()) == 1
+    assert len(oxygen_pool.held_arenas()) == held + 1
     assert int(view[:, 7].sum()) == 0x5A * view.shape[0]  # readable: no fault, contents kept
     assert leakcheck.host_view().mapped_bytes - before.mapped_bytes == 2 * PAGE
     del view
     gc.collect()
-    assert oxygen_pool.held_arenas() == []
+    assert len(oxygen_pool.held_arenas()) == held
     assert leakcheck.host_view().mapped_bytes == before.mapped_bytes
 
 

@@ -21,7 +21,7 @@ from ..triton_kernels.tiling import Tiles
 
 if TYPE_CHECKING:
     from ..config import KernelConfig
-    from ..profiles import ModelProfile
+    from ..config.profiles import ModelProfile
 
 __all__ = ["Tiles", "gather_blocks", "kv_write", "paged_attention", "tiles_for"]
 

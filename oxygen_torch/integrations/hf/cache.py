@@ -20,9 +20,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ... import context
 from ...config import OxygenConfig, load_config
+from ...config.profiles import get_profile
 from ...kv.attention import tiles_for
 from ...kv.core import PagedKVCore
-from ...profiles import get_profile
 from ...triton_kernels.precision import PrecisionMode
 from .compat import layer_types
 

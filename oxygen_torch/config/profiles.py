@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config import describe
+from .fields import describe
 
 log = logging.getLogger("oxygen_torch")
 
@@ -45,10 +45,11 @@ def nearest_pow2(n: int) -> int:
     return lo if n - lo <= hi - n else hi
 
 
-def _kernel_side(model_type: str, value: int) -> int:
-    """A tile side Triton can use: a power of two in [16, 256]."""
+def _kernel_side(model_type: str, value: int, given: bool = True) -> int:
+    """A tile side Triton can use: a power of two in [16, 256]. `given`: the value came from the
+    user's file (the built-in profile's 96 is the seed's, rounded without a word each run)."""
     side = min(256, max(16, nearest_pow2(value)))
-    if side != value and (model_type, value) not in _warned:
+    if given and side != value and (model_type, value) not in _warned:
         _warned.add((model_type, value))
         log.warning(
             "oxygen_torch: profile %r asks for tile side %d, but Triton block sides must be powers "
@@ -98,7 +99,8 @@ def get_profile(model_type: str, extra: dict[str, dict[str, Any]] | None = None)
     validate_profile(model_type, prof)
     bm = bn = None
     if prof.get("block_size") is not None:
-        bm, bn = (_kernel_side(model_type, v) for v in prof["block_size"])
+        given = "block_size" in (extra or {}).get(model_type, {})
+        bm, bn = (_kernel_side(model_type, v, given) for v in prof["block_size"])
     return ModelProfile(
         model_type=model_type,
         block_m=bm,
