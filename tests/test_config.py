@@ -148,12 +148,15 @@ def test_yaml_file_errors(tmp_path, monkeypatch):
 def test_llama_profile_rounds_with_one_warning(caplog, tmp_path, monkeypatch):
     caplog.set_level(logging.WARNING, logger="oxygen_torch")
     prof = get_profile("llama")
-    assert (prof.block_m, prof.block_n) == (64, 64)
+    assert (prof.block_m, prof.block_n) == (None, None)  # measured: the adaptive tiles win
     assert prof.prefetch_distance == 4
     assert prof.retention_priority(10) == pytest.approx(8.0)
-    get_profile("llama")
+    given = {"llama": {"block_size": [96, 96]}}  # the seed's, from a user's file
+    prof = get_profile("llama", given)
+    assert (prof.block_m, prof.block_n) == (64, 64)
+    get_profile("llama", given)
     # one warning per (model, value), however often the profile is looked up
-    assert sum("powers of two" in r.getMessage() for r in caplog.records) <= 1
+    assert sum("powers of two" in r.getMessage() for r in caplog.records) == 1
     assert get_profile("gpt2").block_m is None
     f = tmp_path / "c.yaml"
     f.write_text(

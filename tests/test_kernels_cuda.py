@@ -247,7 +247,8 @@ def test_decode_step_is_cuda_graph_capturable():
 def test_dispatch_passes_profile_tiles_to_the_kernels(phase):
     """paged_attention (the one dispatch) with the llama profile's tiles (64, 64 after rounding):
     the launch on the GPU takes them (prefill: both; decode: the key tile), values as before."""
-    tiles = tiles_for(KernelConfig(block_n=32), get_profile("llama"))  # (64, 32): kernel wins
+    profile = get_profile("llama", {"llama": {"block_size": [96, 96]}})  # the seed's, rounded
+    tiles = tiles_for(KernelConfig(block_n=32), profile)  # (64, 32): kernel wins
     p = make_paged(_lens(4, 3000, seed=20), 8, 128, 16, BF16, device=CUDA, seed=21)
     clear_choices()
     if phase == "decode":

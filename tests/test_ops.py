@@ -145,9 +145,11 @@ def test_tiles_for_explicit_over_profile_over_automatic(kernel, profile, expecte
     assert tiles_for(KernelConfig(**kernel), prof) == expected
 
 
-def test_tiles_for_takes_the_rounded_builtin_llama_profile():
+def test_tiles_for_takes_a_rounded_profile_block_size():
     # block_size [96, 96]: Triton sides are powers of two, 96 rounds (ties down) to 64
-    assert tiles_for(KernelConfig(), get_profile("llama")) == Tiles(64, 64)
+    given = {"llama": {"block_size": [96, 96]}}
+    assert tiles_for(KernelConfig(), get_profile("llama", given)) == Tiles(64, 64)
+    assert tiles_for(KernelConfig(), get_profile("llama")) == Tiles()  # built-in: adaptive
     assert tiles_for(KernelConfig(), get_profile("gpt2")) == Tiles()
 
 

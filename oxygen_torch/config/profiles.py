@@ -1,8 +1,11 @@
 """Model profiles: per-model-family tuning as plain data, looked up by ``config.model_type``.
 
-The built-in ``llama`` profile is the original design's (block_size [96, 96], prefetch_distance 4,
-retention priority = layer depth × 0.8). A YAML config file may add or override profiles under
-``optimizations:``. Values a kernel cannot use are rounded, with one logged warning.
+The built-in ``llama`` profile is the original design's (prefetch_distance 4, retention priority =
+layer depth × 0.8) without its block_size [96, 96]: those tiles (rounded to 64 x 64) ran the H200's
+Llama-1.1B generate() at 8,137 tok/s against 8,408 for the adaptive tiles (B=16 P=512 N=256, one
+device call, docs/h200-notes.md), so the tiling rule keeps choosing. A YAML config file may add or
+override profiles under ``optimizations:`` (a block_size there is applied to the paged kernels).
+Values a kernel cannot use are rounded, with one logged warning.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from .fields import describe
 log = logging.getLogger("oxygen_torch")
 
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
-    "llama": {"block_size": [96, 96], "prefetch_distance": 4, "retention_priority_factor": 0.8},
+    "llama": {"prefetch_distance": 4, "retention_priority_factor": 0.8},
 }
 
 PROFILE_KEYS = ("block_size", "prefetch_distance", "retention_priority_factor")
