@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from ..config import SchedulerConfig
 from . import policy as policies
 from .policy import Account
+from .stats import METRICS
 from .task import Task
 
 
@@ -97,6 +98,7 @@ class StepScheduler:
         self._stepping = False
         self.stats = StepStats()
         self.observers: list = []  # callables(event, call, **figures): metrics
+        METRICS.attach(self)
 
     # --- calls -----------------------------------------------------------------------------------
 
@@ -229,8 +231,13 @@ class StepScheduler:
             call.account.share += ch.tokens / total
             if req.done:
                 self._record_done(call, ch, now)
+        accounts = [c.account for c in self._calls]
         if isinstance(self.policy, policies.WFQ):
-            self.policy.reweigh([c.account for c in self._calls])
+            self.policy.reweigh(accounts)
+        if failed is None:
+            balance = policies.weight_balance(accounts)
+            for observe in self.observers:
+                observe("step", None, tokens=total, rows=seqs, balance=balance)
 
     def _record_done(self, call: Call, ch: Chunk, now: float) -> None:
         a = call.account

@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..engine.stats import METRICS as ENGINE
 from . import metrics_server
 
 DEFAULT_PORT = 9400
@@ -279,6 +280,9 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
     for direction, n in sorted(moved.items()):
         mig.add_metric([str(tier.get("device", 0)), direction], float(n))
     sched = (_scheduler_source() if _scheduler_source else None) or {}
+    if not sched:  # the multi-task engine's own figure
+        _, counts, total = ENGINE.snapshot()["balance"]
+        sched = {"buckets": counts, "sum": total}
     counts = list(sched.get("buckets", [])) or [0] * (len(WEIGHT_VARIANCE_BUCKETS) + 1)
     var = HistogramMetricFamily(
         PREFIX + "scheduler_weight_variance",
@@ -293,6 +297,47 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
     yield from (hot, mig, var)
 
 
+def _histogram(name: str, doc: str, labels: list[str], series) -> HistogramMetricFamily:
+    """series: [(label values, (bounds, counts per bucket then +Inf, sum))]."""
+    fam = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+    for values, (bounds, counts, total) in series:
+        cumulative, running = [], 0.0
+        for bound, count in zip([*map(repr, map(float, bounds)), "+Inf"], counts):
+            running += float(count)
+            cumulative.append((bound, running))
+        fam.add_metric(values, cumulative, sum_value=float(total))
+    return fam
+
+
+def _engine_metrics() -> Iterator[Metric]:
+    """The multi-task engine (concurrent generate() calls merged step by step)."""
+    snap = ENGINE.snapshot()
+    yield _histogram(
+        "task_time_to_first_token_seconds", "Time from a generate() call to its first token.",
+        ["class"], [([k], v) for k, v in sorted(snap["ttft"].items())],
+    )  # fmt: skip
+    yield _histogram(
+        "task_time_per_output_token_seconds", "Time between a call's tokens after the first.",
+        ["class"], [([k], v) for k, v in sorted(snap["tpot"].items())],
+    )  # fmt: skip
+    yield _histogram("engine_step_batch_size", "Sequences served per merged step.", [],
+                     [([], snap["batch"])])  # fmt: skip
+    g = snap["gauges"]
+    depth = GaugeMetricFamily(PREFIX + "engine_queue_depth", "Requests waiting for a step.")
+    depth.add_metric([], float(g["queued"]))
+    tasks = GaugeMetricFamily(
+        PREFIX + "engine_tasks", "Live generate() calls by state.", labels=["state"]
+    )
+    for state in ("running", "waiting", "preempted"):
+        tasks.add_metric([state], float(g[state]))
+    c = snap["counters"]
+    steps = CounterMetricFamily(PREFIX + "engine_steps", "Merged steps run.")
+    steps.add_metric([], float(c["steps"]))
+    pre = CounterMetricFamily(PREFIX + "engine_preemptions", "Calls preempted (KV recomputed).")
+    pre.add_metric([], float(c["preemptions"]))
+    yield from (depth, tasks, steps, pre)
+
+
 class OxygenCollector:
     """Reads every source when scraped; holds no state of its own."""
 
@@ -300,6 +345,7 @@ class OxygenCollector:
         yield from _pool_metrics(pool_snapshots())
         yield from _kv_metrics()
         yield from _tier_and_scheduler_metrics()
+        yield from _engine_metrics()
 
 
 _registry = CollectorRegistry(auto_describe=False)
