@@ -86,10 +86,11 @@ def main() -> None:
     for prio in ("high", "low"):
         rs = [r for r in results if r["priority"] == prio]
         ok = [r for r in rs if r["ok"]]
+        ttft, wall = [r["ttft"] for r in ok], [r["wall"] for r in ok]
         print(
-            f"{prio:5}: {len(ok)}/{len(rs)} ok, TTFT P50 {pct([r['ttft'] for r in ok], 0.5):.0f} "
-            f"P99 {pct([r['ttft'] for r in ok], 0.99):.0f} ms, request P50 "
-            f"{pct([r['wall'] for r in ok], 0.5):.0f} P99 {pct([r['wall'] for r in ok], 0.99):.0f} ms"
+            f"{prio:5}: {len(ok)}/{len(rs)} ok, TTFT P50 {pct(ttft, 0.5):.0f} P99 "
+            f"{pct(ttft, 0.99):.0f} ms, request P50 {pct(wall, 0.5):.0f} P99 "
+            f"{pct(wall, 0.99):.0f} ms"
         )
 
 
