@@ -1,0 +1,248 @@
+"""Many requests, one GPU: the same request trace through stock transformers and oxygen_torch.
+
+A trace from a seed (examples/load.py's generator): gamma arrivals (coefficient of variation 1
+and 4), about 20 % high priority, log-normal chat lengths (means ~160 in / ~340 out, capped at
+2,048 / 1,024), 200 requests, Llama-1.1B shape bf16, greedy. Modes, each in its own process:
+
+  stock_threads   stock transformers, one thread per request at its arrival
+  stock_serial    stock transformers, one request after the other
+  generate_batch  transformers' continuous batching (all requests given at once: it takes no
+                  arrivals and no priorities)
+  oxygen_fcfs     oxygen_torch.enable(), one thread per request, scheduler.policy=fcfs
+  oxygen_wfq      the same with the weighted-fair policy (priorities from the trace)
+  burst           oxygen_wfq with three times the arrival rate for the first 10 s
+
+Per mode: total generated tok/s, per class TTFT and TPOT P50 / P99 and mean completion time,
+peak GPU memory held, OOMs and lost requests; the worst over the trace seeds is reported.
+
+    python benchmarks/bench_multitask.py                       # every mode, seeds 0 1, cv 1 4
+    python benchmarks/bench_multitask.py --modes oxygen_wfq oxygen_fcfs --requests 100
+    python benchmarks/bench_multitask.py --smoke               # tiny model on CPU: the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+from load import pct, trace  # noqa: E402  (the trace generator the load script uses)
+
+MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq", "burst")
+SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
+DEVICE = "cpu" if SMOKE else "cuda"
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=1024)  # fmt: skip
+
+
+def build_model():
+    import transformers as T
+
+    torch.manual_seed(0)
+    shape = TINY if SMOKE else LLAMA_1B
+    with torch.device(DEVICE):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
+    model = model.to(torch.float32 if SMOKE else torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class Clock:
+    """A streamer that records when each new token of one request arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt = True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass
+
+
+def one(model, req: dict, start: float, oom: list) -> dict:
+    import oxygen_torch
+
+    time.sleep(max(0.0, start + req["at"] - time.monotonic()))
+    x = torch.tensor([req["prompt_ids"]], device=DEVICE)
+    clock, t0 = Clock(), time.monotonic()
+    kw = dict(max_new_tokens=req["max_tokens"], min_new_tokens=req["max_tokens"], do_sample=False)
+    try:
+        with oxygen_torch.task(priority=req["priority"]), torch.no_grad():
+            model.generate(x, attention_mask=torch.ones_like(x), streamer=clock, **kw)
+    except torch.OutOfMemoryError:
+        oom.append(1)
+        return dict(req, ok=False)
+    t = clock.times
+    tpot = [(b - a) for a, b in zip(t, t[1:])]
+    return dict(priority=req["priority"], ok=True, tokens=len(t), ttft=t[0] - t0 if t else None,
+                tpot_p50=pct(tpot, 0.5), tpot_p99=pct(tpot, 0.99), done=time.monotonic() - t0,
+                tpot=tpot)  # fmt: skip
+
+
+def run_requests(model, reqs: list[dict], threaded: bool) -> tuple[list[dict], int, float]:
+    results, oom, start = [], [], time.monotonic()
+    if threaded:
+        out = [None] * len(reqs)
+
+        def work(i):
+            out[i] = one(model, reqs[i], start, oom)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = [r for r in out if r is not None]
+    else:
+        results = [one(model, dict(r, at=0.0), time.monotonic(), oom) for r in reqs]
+    return results, len(oom), time.monotonic() - start
+
+
+def run_batch(model, reqs: list[dict]) -> tuple[list[dict], int, float]:
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("paged|sdpa")
+    new = max(r["max_tokens"] for r in reqs)
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    t0 = time.monotonic()
+    out = model.generate_batch(inputs=[r["prompt_ids"] for r in reqs], generation_config=gc)
+    took = time.monotonic() - t0
+    results = [dict(priority=r["priority"], ok=True, tokens=len(o.generated_tokens), done=took)
+               for r, o in zip(reqs, out.values())]  # fmt: skip
+    return results, 0, took
+
+
+def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
+    import oxygen_torch
+
+    if mode.startswith("oxygen") or mode == "burst":
+        policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
+        oxygen_torch.enable(scheduler={"policy": policy})
+    model = build_model()
+    rate = 4.0 if SMOKE else 8.0
+    cap_p, cap_n = (40, 24) if SMOKE else (2048, 1024)
+    reqs = trace(seed, n, rate, cv, 0.2, model.config.vocab_size, cap_p, cap_n)
+    if mode == "burst":  # three times the rate for the first 10 s
+        for r in reqs:
+            r["at"] = r["at"] / 3 if r["at"] < 30 else r["at"] - 20
+    warm = [dict(r, at=0.0, max_tokens=4) for r in reqs[:2]]
+    run_requests(model, warm, threaded=True)  # kernels compiled, graphs captured
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    if mode == "generate_batch":
+        results, oom, took = run_batch(model, reqs)
+    else:
+        results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
+    peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
+    return summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
+
+
+def summarize(mode, seed, cv, results, oom, took, peak, n) -> dict:
+    ok = [r for r in results if r["ok"]]
+    out = dict(mode=mode, seed=seed, cv=cv, requests=n, completed=len(ok), lost=n - len(results),
+               oom=oom, tok_per_s=round(sum(r["tokens"] for r in ok) / took, 1),
+               peak_GiB=round(peak, 2), seconds=round(took, 1))  # fmt: skip
+    for cls in ("high", "low"):
+        rs = [r for r in ok if r["priority"] == cls]
+        if not rs:
+            continue
+        tpot = [t for r in rs for t in r.get("tpot", [])]
+        out[cls] = dict(
+            n=len(rs), ttft_p50=pct([r.get("ttft") for r in rs], 0.5),
+            ttft_p99=pct([r.get("ttft") for r in rs], 0.99), tpot_p50=pct(tpot, 0.5),
+            tpot_p99=pct(tpot, 0.99), mean_done=statistics.fmean(r["done"] for r in rs),
+        )  # fmt: skip
+    return out
+
+
+def spawn(mode: str, seed: int, cv: float, n: int) -> dict:
+    cmd = [sys.executable, __file__, "--run", mode, "--seed", str(seed), "--cv", str(cv),
+           "--requests", str(n)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        return dict(mode=mode, seed=seed, cv=cv, error=proc.stderr[-2000:])
+    return json.loads(lines[-1])
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| mode | seed | cv | tok/s | done/lost/OOM | peak GiB | high TTFT P50/P99 s | "
+            "high TPOT P50/P99 ms | high mean done s | low mean done s |")  # fmt: skip
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['seed']} | {r['cv']} | error: "
+                         f"{r['error'].strip().splitlines()[-1][:60]} |||||||")  # fmt: skip
+            continue
+        h, lo = r.get("high", {}), r.get("low", {})
+        lines.append(
+            f"| {r['mode']} | {r['seed']} | {r['cv']} | {r['tok_per_s']} | {r['completed']}/"
+            f"{r['lost']}/{r['oom']} | {r['peak_GiB']} | {h.get('ttft_p50', 0):.3f}/"
+            f"{h.get('ttft_p99', 0):.3f} | {1e3 * h.get('tpot_p50', 0):.1f}/"
+            f"{1e3 * h.get('tpot_p99', 0):.1f} | {h.get('mean_done', 0):.2f} | "
+            f"{lo.get('mean_done', 0):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--cvs", nargs="*", type=float, default=[1.0, 4.0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 12 requests")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["BENCH_MULTITASK_SMOKE"] = "1"
+        args.requests = min(args.requests, 12)
+        args.modes = [m for m in args.modes if m != "generate_batch"]  # its paged path is CUDA
+    if args.run:
+        try:
+            print(json.dumps(run_mode(args.run, args.seed, args.cv, args.requests)), flush=True)
+        except Exception:  # noqa: BLE001 - reported in the table
+            print(json.dumps(dict(mode=args.run, seed=args.seed, cv=args.cv,
+                                  error=traceback.format_exc()[-2000:])))  # fmt: skip
+        return
+    rows = []
+    for seed in args.seeds:
+        for cv in args.cvs:
+            for mode in args.modes:
+                t = time.time()
+                rows.append(spawn(mode, seed, cv, args.requests))
+                print(f"[{mode} seed {seed} cv {cv}: {time.time() - t:.0f}s] "
+                      f"{json.dumps(rows[-1])[:400]}", flush=True)  # fmt: skip
+    md = table(rows)
+    print("\n" + md)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_multitask.json").write_text(json.dumps(rows))
+        Path(out, "bench_multitask.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()
