@@ -29,7 +29,7 @@ COPY . .
 RUN pip install ".[hf,ops]"
 
 WORKDIR /workspace
-# The metrics endpoint (oxygen_torch.metrics.start_http_server). It binds 127.0.0.1 unless the
+# The metrics endpoint (oxygen_torch.tools.metrics.start_http_server). It binds 127.0.0.1 unless the
 # program passes addr="0.0.0.0": do that inside a container so `-p 9400:9400` can reach it.
 EXPOSE 9400
 CMD ["python", "-m", "oxygen_torch", "doctor"]

@@ -7,6 +7,7 @@ when caches end or are garbage-collected; pages with no live block are unmapped 
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -127,6 +128,15 @@ def default_arena_bytes(device: torch.device) -> int:
 
 _pools: dict[PoolKey, KVPool] = {}
 _pools_lock = threading.Lock()
+
+
+def _reset_lock_in_child() -> None:
+    # a fork while another thread was in get_pool would leave the lock held in the child
+    global _pools_lock
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_in_child)
 
 
 def get_pool(key: PoolKey) -> KVPool:
