@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 import transformers as T
-from test_hf_generate import COMMON
+from test_hf_integration import llama
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 import oxygen_torch
@@ -19,14 +19,6 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import PagedKVCache, compat
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.pool import route
-
-
-def llama(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON, **kw)).eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def prompt(seed, b=2, n=9):

@@ -113,6 +113,13 @@ class _NativeObject:
             pass
 
 
+def _create(fn, obj, args: tuple, what: str) -> int:
+    """A native pool or arena for `obj` (its backend and device set): its handle."""
+    h = ctypes.c_void_p()
+    _native.check(fn(obj.backend.encode(), obj.device, *args, ctypes.byref(h)), what)
+    return h.value
+
+
 class VirtualPool(_NativeObject):
     """One pool as a Python object (tests, benchmarks, the KV cache). ``capacity`` is the physical
     limit in bytes (default: device memory x ``reserve_fraction``); the virtual range reserved is
@@ -145,12 +152,7 @@ class VirtualPool(_NativeObject):
         self.backend = _resolve_backend(backend)
         self.page_size = args[0]
         lib = _native.lib()
-        h = ctypes.c_void_p()
-        _native.check(
-            lib.oxygen_pool_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
-            f"creating a {self.backend} pool",
-        )
-        self._h = h.value
+        self._h = _create(lib.oxygen_pool_create, self, args, f"creating a {self.backend} pool")
         self.base = int(lib.oxygen_pool_base(self._h))
         raw = self._raw()
         self.capacity = raw["max_pages"] * raw["page_size"]
@@ -310,12 +312,8 @@ class Arena(_NativeObject):
         self.device = int_arg("Arena device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
         lib = _native.lib()
-        h = ctypes.c_void_p()
-        _native.check(
-            lib.oxygen_arena_create(self.backend.encode(), self.device, *args, ctypes.byref(h)),
-            f"creating a {self.backend} KV arena of {nbytes} bytes",
-        )
-        self._h = h.value
+        what = f"creating a {self.backend} KV arena of {nbytes} bytes"
+        self._h = _create(lib.oxygen_arena_create, self, args, what)
         self.base = int(lib.oxygen_arena_base(self._h))
         self.page_size = int(lib.oxygen_arena_page_size(self._h))
         self.num_pages = int(lib.oxygen_arena_pages(self._h))
