@@ -293,7 +293,7 @@ class _StepCache(PagedKVCache):
         types = self._layer_types(model_config, None)
         self.cfg, self._config, self._core = cfg, model_config, step
         self._any_sliding = any(t != "full_attention" for t in types)
-        self.max_cache_len_hint, self.compile_options = 0, None
+        self.max_cache_len_hint, self.compile_options, self.merge = 0, None, None
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super(PagedKVCache, self).__init__(layers=layers)
 

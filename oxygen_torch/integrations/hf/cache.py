@@ -108,6 +108,7 @@ class PagedKVCache(Cache):
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
+        self.merge = None  # (Merger, Call) while a generate() on this cache is registered
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)
@@ -237,13 +238,18 @@ class PagedKVCache(Cache):
     def __deepcopy__(self, memo) -> PagedKVCache:
         other = PagedKVCache.__new__(PagedKVCache)
         other.__dict__.update(
-            {k: v for k, v in self.__dict__.items() if k not in ("_core", "layers", "_finalizer")}
+            {
+                k: v
+                for k, v in self.__dict__.items()
+                if k not in ("_core", "layers", "_finalizer", "merge")
+            }
         )
         other._core = self._core.fork()
         other.layers = [
             PagedLayer(other, i, layer.is_sliding) for i, layer in enumerate(self.layers)
         ]
         other._finalizer = weakref.finalize(other, other._core.release)
+        other.merge = None  # a copy is not the registered call's cache
         return other
 
     def stats(self) -> SimpleNamespace:
