@@ -270,3 +270,22 @@ def test_task_tags_are_per_context_and_reach_an_executor():
         parse("urgent")
     with pytest.raises(ValueError, match="task qos"):
         parse("high", qos=1.5)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "qwen2"])
+def test_merged_calls_on_sliding_window_architectures(oxygen, arch):
+    """Windows shorter than the prompts (the window really cuts), left padding: merged calls
+    give the tokens they give alone."""
+    from test_hf_generate import tiny
+
+    model = hf.apply(tiny(arch))
+    kws = []
+    for s in range(4):
+        ids, mask = prompt(40 + s, rows=2, length=12 + 2 * s)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
+    ref = [generate(model, kw) for kw in kws]
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"{arch} call {i}"
+    assert max(schedulers(model)[0].stats.batch_sizes) > 2
