@@ -289,3 +289,55 @@ def test_merged_calls_on_sliding_window_architectures(oxygen, arch):
     for i, r in enumerate(ref):
         assert torch.equal(out[i], r), f"{arch} call {i}"
     assert max(schedulers(model)[0].stats.batch_sizes) > 2
+
+
+class Started(T.LogitsProcessor):
+    """Sets an event once its call has produced `after` tokens."""
+
+    def __init__(self, event, after):
+        self.event, self.after, self.n = event, after, 0
+
+    def __call__(self, input_ids, scores):
+        self.n += 1
+        if self.n == self.after:
+            self.event.set()
+        return scores
+
+
+def test_a_low_priority_call_running_alone_is_preempted_for_a_high_one(oxygen):
+    """The batch job started alone (its steps ran unmerged, decode graphs' bookkeeping
+    included); a chat call arrives, and when their KV no longer fits the low one is preempted
+    (its tokens, recorded while it ran alone, recomputed): both give their tokens alone."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**{**COMMON, "max_position_embeddings": 1024}))
+    model = model.eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    hf.apply(model, load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20}))  # 31 blocks
+    low_ids, low_mask = prompt(50, rows=4, length=300)
+    high_ids, high_mask = prompt(51, rows=4, length=300)
+    low_kw = dict(input_ids=low_ids, attention_mask=low_mask, max_new_tokens=150, do_sample=False)
+    high_kw = dict(input_ids=high_ids, attention_mask=high_mask, max_new_tokens=150,
+                   do_sample=False)  # fmt: skip
+    ref_low, ref_high = generate(model, low_kw), generate(model, high_kw)
+    started, preempted = threading.Event(), []
+    sched_seen = []
+
+    def low():
+        kw = dict(low_kw, logits_processor=T.LogitsProcessorList([Started(started, 5)]))
+        with oxygen_torch.task(priority="low", name="batch"):
+            return generate(model, kw)
+
+    def high():
+        assert started.wait(120)
+        for s in schedulers(model):
+            if not sched_seen:
+                s.observers.append(lambda e, c, **f: e == "preempted" and preempted.append(c))
+                sched_seen.append(s)
+        with oxygen_torch.task(priority="high", name="chat"):
+            return generate(model, high_kw)
+
+    out, errors = in_threads(lambda f: f(), [(low,), (high,)])
+    assert not errors, errors
+    assert torch.equal(out[0], ref_low) and torch.equal(out[1], ref_high)
+    assert preempted and all(c.account.task.name == "batch" for c in preempted)

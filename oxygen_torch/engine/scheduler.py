@@ -143,9 +143,11 @@ class StepScheduler:
             self._cond.notify_all()
             try:
                 while not req.done:
-                    if not self._stepping and self._should_step():
-                        self._step()
-                    else:
+                    if self._stepping or not self._should_step():
+                        self._cond.wait(self._wait_s())
+                    elif not self._step():
+                        # nothing fits (the KV a request needs is held by a call still in its
+                        # own code): wait for a submit, a leave or a step, lock released
                         self._cond.wait(self._wait_s())
             finally:
                 if call.queued is req:
@@ -181,7 +183,8 @@ class StepScheduler:
 
     # --- one step (the leading thread, holding the lock except while the forward runs) -------
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Leads one step; False when nothing could be served."""
         self._stepping = True
         try:
             chunks = self._select()
@@ -190,7 +193,7 @@ class StepScheduler:
             raise
         if not chunks:
             self._stepping = False
-            return
+            return False
         for ch in chunks:
             ch.request.taken = True
         self._cond.release()
@@ -210,6 +213,7 @@ class StepScheduler:
             self._cond.notify_all()
         if failed is not None and not isinstance(failed, Exception):
             raise failed  # KeyboardInterrupt in the leading thread: its own call ends
+        return served
 
     def _finish(self, chunks: list[Chunk], failed: BaseException | None) -> None:
         now = time.monotonic()
@@ -256,16 +260,14 @@ class StepScheduler:
         queued = [c for c in self._calls if self._waiting(c)]
         order = {id(a): c for c in queued for a in (c.account,)}
         ranked = [order[id(a)] for a in self.policy.order([c.account for c in queued])]
-        budget, seqs = self.cfg.max_step_tokens, self.cfg.max_step_seqs
-        free = self.runner.free_blocks()
-        chosen: list[Chunk] = []
+        step = _Budget(self.cfg.max_step_tokens, self.cfg.max_step_seqs, self.runner.free_blocks())
         for call in ranked:
-            ch = self.runner.plan(call.queued, budget)
-            if ch is None or (chosen and ch.rows > seqs):
+            ch = self.runner.plan(call.queued, step.tokens)
+            if ch is None or (step.chosen and ch.rows > step.seqs):
                 continue
-            if ch.blocks > free:
-                free += self._preempt_for(ch.blocks - free, call, ranked, chosen)
-            if ch.blocks > free:
+            if ch.blocks > step.free:
+                self._preempt_for(ch.blocks - step.free, call, ranked, step)
+            if ch.blocks > step.free:
                 if ch.blocks > self.runner.total_blocks():
                     call.queued.error = KVBudgetError(
                         f"oxygen_torch: this generate() step needs {ch.blocks} KV blocks, the "
@@ -274,22 +276,20 @@ class StepScheduler:
                     )
                     call.queued.done = True
                 continue
-            chosen.append(ch)
-            free -= ch.blocks
-            budget -= ch.tokens
-            seqs -= ch.rows
-            if budget <= 0 or seqs <= 0:
+            step.take(ch)
+            if step.tokens <= 0 or step.seqs <= 0:
                 break
-        return chosen
+        return step.chosen
 
-    def _preempt_for(self, need: int, requester: Call, ranked, chosen) -> int:
+    def _preempt_for(self, need: int, requester: Call, ranked, step: _Budget) -> None:
         """Frees up to `need` blocks from calls waiting in submit that rank below the requester
-        (a lower level; or the same level, younger). Returns the blocks freed."""
-        taken = {id(ch.request.call) for ch in chosen}
+        by priority (a lower level; or the same level, younger), lowest-ranked first. A victim
+        the step had already taken is put back out of it: priority, not the fair share, decides
+        who keeps the KV when it is short."""
         me = requester.account
         victims = [
-            c for c in reversed(ranked)  # the lowest-ranked first
-            if c is not requester and id(c) not in taken and not c.preempted
+            c for c in reversed(ranked)
+            if c is not requester and not c.preempted
             and (c.account.task.level < me.task.level
                  or (c.account.task.level == me.task.level and c.account.arrived > me.arrived))
         ]  # fmt: skip
@@ -297,6 +297,7 @@ class StepScheduler:
         for c in victims:
             if freed >= need:
                 break
+            step.drop(c)
             got = self.runner.preempt(c)
             if got:
                 c.preempted = True
@@ -304,4 +305,27 @@ class StepScheduler:
                 self.stats.preemptions += 1
                 for observe in self.observers:
                     observe("preempted", c, blocks=got)
-        return freed
+        step.free += freed
+
+
+@dataclass
+class _Budget:
+    """What a step has left to give while it is being chosen."""
+
+    tokens: int
+    seqs: int
+    free: int  # KV blocks
+    chosen: list[Chunk] = field(default_factory=list)
+
+    def take(self, ch: Chunk) -> None:
+        self.chosen.append(ch)
+        self.free -= ch.blocks
+        self.tokens -= ch.tokens
+        self.seqs -= ch.rows
+
+    def drop(self, call: Call) -> None:
+        for ch in [ch for ch in self.chosen if ch.request.call is call]:
+            self.chosen.remove(ch)
+            self.free += ch.blocks
+            self.tokens += ch.tokens
+            self.seqs += ch.rows

@@ -19,6 +19,7 @@ from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
 from .attention import Tiles, gather_blocks, kv_write, paged_attention
 from .block_manager import SequenceBlocks
 from .graph_step import GraphStepMixin
+from .history import History
 from .plan import StepPlan
 from .pool import KVPool, PoolKey, get_pool
 from .storage import GUARD_BLOCK, debug_checks_enabled
@@ -56,6 +57,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
+        self.history: History | None = None  # tokens held, kept for a recompute (the engine)
         self._unbind()
 
     def _unbind(self) -> None:
@@ -316,6 +318,8 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             return
         with self.pool.lock:
             self.seqs.select(order)
+        if self.history is not None:
+            self.history.select(order)
         self._table_host = self._table_host[torch.tensor(order, dtype=torch.int64)]
         self._reload()
 
@@ -332,6 +336,8 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         with self.pool.lock:
             for b, n in enumerate(self.seqs.lens):
                 self.seqs.truncate(b, max(0, n - remove))
+        for b, n in enumerate(self.seqs.lens if self.history is not None else ()):
+            self.history.truncate(b, n)
         for b, blocks in enumerate(self.seqs.blocks):
             self._table_host[b, len(blocks) :] = GUARD_BLOCK
         self.length = new_len
@@ -363,6 +369,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
                 self.pool.manager.incref(b)
         other.length, other._layer_len = self.length, list(self._layer_len)
         other._pad_frontier = self._pad_frontier
+        other.history = self.history.copy() if self.history is not None else None
         other._table_host = self._table_host.clone()
         other._reload()
         return other
@@ -386,4 +393,5 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
                 self.seqs.release()
         self.seqs = None
         self.pool = None
+        self.history = None
         self._unbind()

@@ -9,8 +9,9 @@ side; each caller gets its rows of logits back, as its own forward would have re
 A call alone runs as before (decode graphs included). A forward the merge cannot take (inputs
 embeddings, hidden states asked for, ...) runs alone, in its caller's thread.
 
-Each call's stored tokens (ids and positions, per row) are kept on the host, so a call the
-scheduler preempts can have its KV recomputed at its next step.
+Each registered call's core records the tokens it holds (kv/history.py: ids and positions per
+row, also for the steps it ran alone), so a call the scheduler preempts has its KV recomputed at
+its next step.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ...engine.scheduler import Chunk, Request, StepScheduler
 from ...engine.task import Task
+from ...kv.history import History
 from ...kv.merged import MergedStep, Part
 from . import compat
 from .cache import PagedKVCache, PagedLayer
@@ -36,14 +38,9 @@ _MERGEABLE = frozenset(
 
 @dataclass
 class CallState:
-    """What the runner keeps of a call: its cache, the tokens it stored (per row), whether that
-    record is complete (a call that ran alone before it was merged has none), and the model
-    output type its caller expects."""
+    """What the runner keeps of a call: its cache (whose core records the tokens it holds)."""
 
     cache: PagedKVCache
-    ids: list[list[int]] = field(default_factory=list)
-    pos: list[list[int]] = field(default_factory=list)
-    complete: bool = True
 
 
 @dataclass
@@ -89,32 +86,40 @@ class Merger:
 
     def _parse(self, cache: PagedKVCache, name: str, kw: dict) -> Work:
         ids = kw["input_ids"]
-        b, q = ids.shape
-        core = cache._core
-        pm = kw.get("attention_mask")
-        if pm is None:
-            real = torch.ones(b, q, dtype=torch.bool)
-        else:
-            end = core.length + q
-            if pm.shape[-1] < end:  # as transformers' padding mask: missing columns are pad
-                pm = torch.nn.functional.pad(pm, (0, end - pm.shape[-1]))
-            real = pm[:, end - q : end].to("cpu", torch.bool)
-        if kw.get("position_ids") is not None:
-            pos = kw["position_ids"].to("cpu", torch.int64).expand(b, q)
-        else:  # stock: the cache positions, padding counted
-            pos = torch.arange(core.length, core.length + q).expand(b, q)
+        real, pos = _real_and_positions(cache._core, kw, ids.shape)
+        real = torch.ones(ids.shape, dtype=torch.bool) if real is None else real.cpu()
         keep = kw.get("logits_to_keep") or 0
-        return Work(cache, name, ids, real, pos, min(keep, q) if keep else q)
+        q = ids.shape[1]
+        return Work(
+            cache, name, ids, real, pos.cpu().expand(ids.shape), min(keep, q) if keep else q
+        )
+
+    def record_alone(self, cache: PagedKVCache, kw: dict, args: tuple) -> None:
+        """A forward of a registered call that runs alone: its new tokens join the core's record
+        as device tensors (no host sync now); a forward that cannot be recorded ends the record
+        (that call then cannot be preempted)."""
+        core = cache._core
+        if core.history is None:
+            return
+        ids = kw.get("input_ids")
+        if args or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            core.history = None
+            return
+        real, pos = _real_and_positions(core, kw, ids.shape)
+        core.history.add_later(ids, real, pos)
 
     # --- the Runner protocol ---------------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> Chunk | None:
         work: Work = req.payload
-        state: CallState = req.call.state
         core = work.cache._core
         cols_left = work.real.shape[1] - work.done
         per_col = work.real[:, work.done :].sum(0).tolist()  # real tokens in each column left
-        hist = [len(h) for h in state.ids] if req.call.preempted else [0] * work.real.shape[0]
+        if req.call.preempted:
+            core.history.settle()
+            hist = [len(h) for h in core.history.ids]
+        else:
+            hist = [0] * work.real.shape[0]
         base = sum(hist)
         cols, tokens = 0, base
         for n in per_col:
@@ -149,10 +154,9 @@ class Merger:
         return None
 
     def preempt(self, call) -> int:
-        state: CallState = call.state
-        core = state.cache._core
-        if not state.complete or core.seqs is None or core.debug:
-            return 0
+        core = call.state.cache._core
+        if core.history is None or core.seqs is None or core.debug:
+            return 0  # no record of its tokens: it cannot be recomputed
         before = core.pool.manager.num_free
         core.drop_kv()
         return core.pool.manager.num_free - before
@@ -210,17 +214,19 @@ class Merger:
         base = offset = 0
         hist: list[int] = []
         for ch in chunks:
-            req, work, state = ch.request, ch.request.payload, ch.request.call.state
+            req, work = ch.request, ch.request.payload
+            hist_of = work.cache._core.history
             cols, _ = ch.part
             c0, c1 = work.done, work.done + cols
             b, q = work.real.shape
             keep = []
             for row in range(b):
-                if req.call.preempted and state.ids:
-                    index.extend(-1 - (len(hist) + i) for i in range(len(state.ids[row])))
-                    hist.extend(state.ids[row])
-                    pos_rows.append(state.pos[row])
-                    offset += len(state.ids[row])
+                if req.call.preempted and hist_of is not None:
+                    stored = hist_of.ids[row]
+                    index.extend(-1 - (len(hist) + i) for i in range(len(stored)))
+                    hist.extend(stored)
+                    pos_rows.append(hist_of.pos[row])
+                    offset += len(stored)
                 real = (work.real[row, c0:c1].nonzero().squeeze(1) + c0).tolist()
                 index.extend(base + row * q + c for c in real)
                 pos_rows.append(work.pos[row, real].tolist())
@@ -243,22 +249,16 @@ class Merger:
 
     @staticmethod
     def _record(chunks, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        """Each call's stored tokens, per row (what a recompute after a preemption replays)."""
-        flat = ids.tolist()
+        """Each core's tokens, per row (what a recompute after a preemption replays)."""
+        flat, flat_pos = ids.tolist(), pos.tolist()
         at = 0
         for ch in chunks:
-            state, (_, counts) = ch.request.call.state, ch.part
+            history, (_, counts) = ch.request.payload.cache._core.history, ch.part
             recompute = ch.request.call.preempted
-            if not state.ids:
-                state.ids = [[] for _ in counts]
-                state.pos = [[] for _ in counts]
             for row, n in enumerate(counts):
-                got_ids, got_pos = flat[at : at + n], pos[at : at + n].tolist()
-                if recompute:
-                    state.ids[row], state.pos[row] = got_ids, got_pos
-                else:
-                    state.ids[row].extend(got_ids)
-                    state.pos[row].extend(got_pos)
+                got_ids, got_pos = flat[at : at + n], flat_pos[at : at + n]
+                if history is not None:
+                    (history.replace if recompute else history.add)(row, got_ids, got_pos)
                 at += n
             ch.request.call.preempted = False
 
@@ -284,6 +284,25 @@ class Merger:
                 logits=got.view(b, work.keep, -1), **{work.cache_name: work.cache}
             )
             req.done = True
+
+
+def _real_and_positions(core, kw: dict, shape) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """For a forward of `shape` [B, q] on `core`: which new tokens are real (None: all; as
+    transformers reads the padding mask: missing columns are padding) and each one's position
+    (position_ids as given, else the cache positions, padding counted, as stock)."""
+    b, q = shape
+    pm = kw.get("attention_mask")
+    real = None
+    if pm is not None:
+        end = core.length + q
+        if pm.shape[-1] < end:
+            pm = torch.nn.functional.pad(pm, (0, end - pm.shape[-1]))
+        real = pm[:, end - q : end].to(torch.bool)
+    if kw.get("position_ids") is not None:
+        pos = kw["position_ids"].to(torch.int64)
+    else:
+        pos = torch.arange(core.length, core.length + q).view(1, q)
+    return real, pos
 
 
 class _StepCache(PagedKVCache):
@@ -333,8 +352,10 @@ def merger_for(model, cache: PagedKVCache) -> Merger:
 def session(model, cache: PagedKVCache, task: Task):
     """One generate() call registered with its model's scheduler for its whole duration."""
     merger = merger_for(model, cache)
-    state = CallState(cache, complete=cache._core.seqs is None)
-    call = merger.scheduler.enter(task, state)
+    core = cache._core
+    if core.seqs is None and core.history is None:  # a fresh cache: its tokens can be recorded
+        core.history = History(0)
+    call = merger.scheduler.enter(task, CallState(cache))
     cache.merge = (merger, call)
     try:
         yield call

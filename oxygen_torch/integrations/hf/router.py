@@ -70,7 +70,7 @@ def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
         merger, call = merge
         if merger.wanted(kw, args):
             return merger.forward(call, kw)
-        call.state.complete = False  # this forward runs alone: its tokens are not recorded
+        merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
     forward = own._torchdynamo_orig_callable if own is not None else model.forward
     if not args:
         name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)
