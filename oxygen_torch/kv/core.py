@@ -318,8 +318,8 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             return
         with self.pool.lock:
             self.seqs.select(order)
-        if self.history is not None:
-            self.history.select(order)
+        if self.history is not None and not self.history.select(order):
+            self.history = None  # a step went unrecorded: this core cannot be recomputed
         self._table_host = self._table_host[torch.tensor(order, dtype=torch.int64)]
         self._reload()
 

@@ -49,10 +49,15 @@ class History:
                         self.ids[b].append(t)
                         self.pos[b].append(p)
 
-    def select(self, order: list[int]) -> None:
+    def select(self, order: list[int]) -> bool:
+        """Row i becomes old row order[i]; False (nothing changed) where a row was never
+        recorded: the record is incomplete, the caller drops it."""
         self.settle()
+        if any(j >= len(self.ids) for j in order):
+            return False
         self.ids = [list(self.ids[j]) for j in order]
         self.pos = [list(self.pos[j]) for j in order]
+        return True
 
     def truncate(self, row: int, n: int) -> None:
         self.settle()

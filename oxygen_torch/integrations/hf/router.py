@@ -54,23 +54,25 @@ def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
     own = model.__dict__.get("forward")
     if model.__dict__.get("_compiled_call_impl") is not None or _compiled(own):
         _patching.warn_once(_USER_COMPILED)
-    if model._forward_hooks or model._forward_pre_hooks:
+    hooks = bool(model._forward_hooks or model._forward_pre_hooks)
+    wrapped = own is not None and not _compiled(own)
+    merge = getattr(cache, "merge", None)
+    if merge is not None:  # a generate() registered with the model's step scheduler
+        merger, call = merge
+        if not (hooks or wrapped) and merger.wanted(kw, args):  # (a merged step skips both)
+            return merger.forward(call, kw)
+        merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
+    if hooks:
         _patching.warn_once(
             "oxygen_torch: decode steps run without CUDA graphs: the model has forward hooks"
         )
         return _MODULE_CALL(model, *args, **kw)
-    if own is not None and not _compiled(own):
+    if wrapped:
         _patching.warn_once(
             "oxygen_torch: decode steps run without CUDA graphs: the model's forward is replaced "
             f"on the instance ({own!r}: accelerate hooks or a wrapper)"
         )
         return own(*args, **kw)
-    merge = getattr(cache, "merge", None)
-    if merge is not None:  # a generate() registered with the model's step scheduler
-        merger, call = merge
-        if merger.wanted(kw, args):
-            return merger.forward(call, kw)
-        merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
     forward = own._torchdynamo_orig_callable if own is not None else model.forward
     if not args:
         name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)
