@@ -249,9 +249,9 @@ class StepScheduler:
             call.first_done = now
             event, seconds = "first_token", now - a.arrived
         else:
-            per_token = (now - (call.last_done or now)) / max(1, ch.rows)
+            per_token = now - (call.last_done or now)  # a step: one more token for each row
             a.latency = per_token if a.latency is None else 0.8 * a.latency + 0.2 * per_token
-            event, seconds = "next_token", now - (call.last_done or now)
+            event, seconds = "next_token", per_token
         call.last_done = now
         for observe in self.observers:
             observe(event, call, seconds=seconds, rows=ch.rows)
