@@ -50,9 +50,10 @@ def current() -> StepContext:
     return _ctx
 
 
-def reset() -> None:
-    """Forgets everything this thread's step left (a forward that raised midway)."""
-    _ctx.mask_for = _ctx.pending = _ctx.lent = None
+def begin_forward() -> None:
+    """A forward on the paged cache starts on this thread: what an interrupted one left (a mask
+    mark, K/V handed over but never attended) is forgotten."""
+    _ctx.mask_for = _ctx.pending = None
 
 
 # --- tracing ---------------------------------------------------------------------------------

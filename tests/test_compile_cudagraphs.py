@@ -1,59 +1,33 @@
-"""The CUDA-graph runner's bookkeeping (mode="reduce-overhead"), driven on CPU with a stand-in
-graph: a capture records the function, a replay re-runs it on the captured inputs and writes the
-captured outputs in place, which is what a real graph does to its buffers. The real capture runs
-in test_compile_cuda.py on the GPU."""
+"""The CUDA-graph runner's bookkeeping (mode="reduce-overhead"), driven on CPU with its stand-in
+graph (RerunGraph): a capture records the function, a replay re-runs it on the captured inputs and
+writes the captured outputs in place, which is what a real graph does to its buffers. The real
+capture runs in test_compile_cuda.py on the GPU."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn as nn
 
 from oxygen_torch.compile import cudagraphs
-from oxygen_torch.compile.cudagraphs import GraphRunner, mutated_inputs
-
-
-class FakeGraph:
-    def __init__(self):
-        self.fn = self.args = self.outs = None
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        new = self.fn(*self.args)
-        for o, n in zip(self.outs, new):
-            o.copy_(n)
+from oxygen_torch.compile.cudagraphs import GraphRunner, RerunGraph, mutated_inputs
 
 
 def _runner(fn, mutated=frozenset(), static=None):
+    """A runner whose graphs are RerunGraph, the CPU stand-in: a capture records the call, a
+    replay re-runs it and writes the captured outputs in place. `graphs` lists them."""
     graphs = []
 
     def factory():
-        graphs.append(FakeGraph())
+        graphs.append(RerunGraph())
         return graphs[-1]
 
-    @contextlib.contextmanager
-    def capture(graph):
-        yield
-        graph.fn = fn
-
-    runner = GraphRunner(
-        _recording(fn, graphs), mutated, factory, capture, device_type="cpu", static=static
-    )
+    runner = GraphRunner(fn, mutated, factory, device_type="cpu", static=static)
     return runner, graphs
 
 
-def _recording(fn, graphs):
-    """fn, remembering its last inputs and outputs on the newest fake graph (the 'capture')."""
-
-    def run(*args):
-        outs = fn(*args)
-        if graphs and graphs[-1].args is None:
-            graphs[-1].args, graphs[-1].outs = args, outs
-        return outs
-
-    return run
+def _args(graph):
+    """The inputs a stand-in graph was captured with."""
+    return graph.call[1]
 
 
 def test_runner_warms_up_captures_then_replays_with_fresh_inputs():
@@ -71,8 +45,8 @@ def test_runner_warms_up_captures_then_replays_with_fresh_inputs():
     assert len(graphs) == 1 and graphs[0].replays == 2
     for x, out in ((x1, out1), (x2, out2), (x3, out3)):
         torch.testing.assert_close(out[0], x * w + 1)
-    assert graphs[0].args[1] is w  # the parameter is used in place, not copied
-    assert graphs[0].args[0] is not x2  # the activation was copied into a static buffer
+    assert _args(graphs[0])[1] is w  # the parameter is used in place, not copied
+    assert _args(graphs[0])[0] is not x2  # the activation was copied into a static buffer
     assert out2[0].data_ptr() != graphs[0].outs[0].data_ptr()  # outputs survive the next replay
 
 
@@ -127,7 +101,7 @@ def test_runner_with_given_static_indices_uses_those_inputs_in_place():
         torch.testing.assert_close(out, x * 2 + table[0])
         table[0] += 1  # the graph reads the table in place: later replays see the new values
     assert len(graphs) == 1 and graphs[0].replays == 3  # warm-up, capture + replay, 2 replays
-    assert graphs[0].args[1] is table  # used in place, not copied into a buffer
+    assert _args(graphs[0])[1] is table  # used in place, not copied into a buffer
     other = torch.randn(3, 4)  # a static input at a new address: a new signature
     (out,) = runner(torch.ones(4), other)
     torch.testing.assert_close(out, 2 + other[0])

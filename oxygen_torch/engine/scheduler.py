@@ -119,6 +119,11 @@ class StepScheduler:
     def live(self) -> int:
         return len(self._calls)
 
+    def calls(self) -> list[Call]:
+        """The live calls (a copy)."""
+        with self._cond:
+            return list(self._calls)
+
     def snapshot(self) -> dict:
         """Queue depth, running / waiting / preempted calls, the weight balance."""
         with self._cond:

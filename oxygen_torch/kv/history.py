@@ -1,8 +1,7 @@
 """The tokens each sequence of a core holds (ids and positions), so that its KV can be recomputed
-after the multi-task engine preempted it. Steps served by a merged forward are recorded from the
-host; a call's steps that ran alone (decode graphs included) are kept as the device tensors they
-came in and read back only when needed (a preemption, a reorder), so recording costs the step no
-host sync."""
+after the multi-task engine preempted it. Every step's new tokens (merged, or run alone with
+decode graphs) are kept as the tensors they came in and read back only when needed (a
+preemption, a reorder), so recording costs a step no host sync."""
 
 from __future__ import annotations
 
@@ -21,16 +20,6 @@ class History:
         while len(self.ids) < n:
             self.ids.append([])
             self.pos.append([])
-
-    def add(self, row: int, ids: list[int], pos: list[int]) -> None:
-        self.settle()
-        self.rows(row + 1)
-        self.ids[row].extend(ids)
-        self.pos[row].extend(pos)
-
-    def replace(self, row: int, ids: list[int], pos: list[int]) -> None:
-        self.settle()
-        self.ids[row], self.pos[row] = list(ids), list(pos)
 
     def add_later(self, ids: torch.Tensor, real: torch.Tensor | None, pos: torch.Tensor) -> None:
         """One step's new tokens ([B, q] each, any device): read when next needed."""

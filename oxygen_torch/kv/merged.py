@@ -49,7 +49,6 @@ class MergedStep:
         self.pool = parts[0].core.pool
         first = parts[0].core
         self.precision, self.tiles, self.debug = first.precision, first.tiles, first.debug
-        self.device = self.pool.key.device
         self.tokens = sum(sum(p.counts) for p in parts)
         self._plan: StepPlan | None = None
 
@@ -85,17 +84,13 @@ class MergedStep:
                 counts.append(n)
         decode = all(n == 1 for n in counts)
         ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
-        buf = self._to_device(ints)
+        to_device = self.parts[0].core._to_device  # (the pool's device, pinned copies)
+        buf = to_device(ints)
         t, r = len(slots), len(lens)
-        self.table = self._to_device(table.contiguous())
+        self.table = to_device(table.contiguous())
         self.seq_lens = buf[t : t + r]
         cu = None if decode else buf[t + r :].cumsum(0, dtype=torch.int32)
         return StepPlan(1 if decode else 0, buf[:t], cu, None)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     # --- what the attention path calls ---------------------------------------------------------
 

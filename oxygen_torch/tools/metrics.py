@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..engine.stats import BALANCE_BUCKETS
 from ..engine.stats import METRICS as ENGINE
 from . import metrics_server
 
@@ -32,8 +33,8 @@ DEFAULT_PORT = 9400
 PREFIX = "oxygen:"
 # The native map-latency histogram: bucket i counts per-page latencies below 2**i microseconds.
 LATENCY_BUCKETS_US = [float(1 << i) for i in range(15)]
-# Scheduler weight variance is healthy in 0.9-1.1: buckets dense around 1.
-WEIGHT_VARIANCE_BUCKETS = [0.5, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0]
+# Scheduler weight variance is healthy in 0.9-1.1: buckets dense around 1 (the engine's).
+WEIGHT_VARIANCE_BUCKETS = BALANCE_BUCKETS
 
 _lock = threading.Lock()
 
@@ -284,16 +285,12 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
         _, counts, total = ENGINE.snapshot()["balance"]
         sched = {"buckets": counts, "sum": total}
     counts = list(sched.get("buckets", [])) or [0] * (len(WEIGHT_VARIANCE_BUCKETS) + 1)
-    var = HistogramMetricFamily(
-        PREFIX + "scheduler_weight_variance",
+    var = _histogram(
+        "scheduler_weight_variance",
         "Achieved / intended share per task and round (healthy 0.9-1.1).",
-        labels=["device"],
+        ["device"],
+        [([str(sched.get("device", 0))], (WEIGHT_VARIANCE_BUCKETS, counts, sched.get("sum", 0)))],
     )
-    cumulative, running = [], 0.0
-    for bound, count in zip([*map(repr, WEIGHT_VARIANCE_BUCKETS), "+Inf"], counts):
-        running += float(count)
-        cumulative.append((bound, running))
-    var.add_metric([str(sched.get("device", 0))], cumulative, sum_value=float(sched.get("sum", 0)))
     yield from (hot, mig, var)
 
 

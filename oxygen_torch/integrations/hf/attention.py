@@ -46,13 +46,18 @@ class OxygenMask:
         pm = self.kwargs.get("attention_mask")
         if pm is None:
             return None
-        q = self.kwargs["q_length"]
         end = self.kwargs.get("kv_offset", 0) + self.kwargs["kv_length"]
-        if pm.shape[-1] < end:  # as transformers' prepare_padding_mask: missing columns = pad
-            pm = torch.nn.functional.pad(pm, (0, end - pm.shape[-1]))
-        real = pm[:, end - q : end].to("cpu", torch.bool)
+        real = new_columns(pm, end, self.kwargs["q_length"]).cpu()
         self._real = None if bool(real.all()) else real
         return self._real
+
+
+def new_columns(padding_mask: torch.Tensor, end: int, q: int) -> torch.Tensor:
+    """Bool [B, q]: columns end - q .. end of a 2D padding mask (True = a real token), as
+    transformers' prepare_padding_mask reads it: missing columns are padding. On its device."""
+    if padding_mask.shape[-1] < end:
+        padding_mask = torch.nn.functional.pad(padding_mask, (0, end - padding_mask.shape[-1]))
+    return padding_mask[:, end - q : end].to(torch.bool)
 
 
 def oxygen_mask(**kwargs):

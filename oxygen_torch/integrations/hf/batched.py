@@ -28,6 +28,7 @@ from ...engine.task import Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
 from . import compat
+from .attention import new_columns
 from .cache import PagedKVCache, PagedLayer
 
 _MERGEABLE = frozenset(
@@ -55,7 +56,6 @@ class Work:
     pos: torch.Tensor  # [B, q] int64, host
     keep: int
     done: int = 0  # columns served by earlier steps
-    out: torch.Tensor | None = None  # the caller's logits, filled as the columns are served
 
 
 class Merger:
@@ -65,7 +65,6 @@ class Merger:
         self._model = weakref.ref(model)
         self.scheduler = StepScheduler(cache.cfg.scheduler, self)
         self.out_type = None
-        self._lock = threading.Lock()
 
     # --- what the router asks -----------------------------------------------------------------
 
@@ -78,11 +77,9 @@ class Merger:
             and (kw.get("logits_to_keep") is None or isinstance(kw.get("logits_to_keep"), int))
         )
 
-    def forward(self, call, kw: dict):
-        cache = compat.given_cache(kw)
-        name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)
-        work = self._parse(cache, name, kw)
-        return self.scheduler.submit(call, work)
+    def forward(self, call, name: str, cache: PagedKVCache, kw: dict):
+        """One forward of `call` (its cache under `name`), served by a merged step."""
+        return self.scheduler.submit(call, self._parse(cache, name, kw))
 
     def _parse(self, cache: PagedKVCache, name: str, kw: dict) -> Work:
         ids = kw["input_ids"]
@@ -147,7 +144,7 @@ class Merger:
         return pool.manager.num_blocks - pool.manager.first_id if pool is not None else 1 << 30
 
     def _pool(self):
-        for call in list(self.scheduler._calls):
+        for call in self.scheduler.calls():
             core = call.state.cache._core
             if core.pool is not None:
                 return core.pool
@@ -187,6 +184,7 @@ class Merger:
             step.abandon()
             raise
         step.commit()
+        self._record(chunks)  # (after the step: a failed one leaves its preempted to recompute)
         self.out_type = type(out)
         self._deliver(chunks, out.logits[0], keeps)
         return True
@@ -195,16 +193,11 @@ class Merger:
 
     @staticmethod
     def _bind(model, cache: PagedKVCache, batch: int) -> None:
-        core = cache._core
-        if core.pool is not None:
-            return
-        text = model.config.get_text_config(decoder=True)
-        hkv = text.num_key_value_heads
-        d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        param = next(model.parameters())
-        core.bind(batch, hkv, d, param.dtype, param.device)
+        if cache._core.pool is None:
+            cache._core.bind(batch, *_geometry(model))
 
-    def _pack(self, chunks: list[Chunk]):
+    @staticmethod
+    def _pack(chunks: list[Chunk]):
         """The step's packed ids and positions ([1, T], on the device) in row order (a
         recomputed row's stored tokens first), and per chunk the packed index of each logit its
         caller wants (-1: a padding position, answered with zeros). One gather on the device:
@@ -215,21 +208,25 @@ class Merger:
         hist: list[int] = []
         for ch in chunks:
             req, work = ch.request, ch.request.payload
-            hist_of = work.cache._core.history
+            stored = work.cache._core.history if req.call.preempted else None
             cols, _ = ch.part
             c0, c1 = work.done, work.done + cols
             b, q = work.real.shape
-            keep = []
-            for row in range(b):
-                if req.call.preempted and hist_of is not None:
-                    stored = hist_of.ids[row]
-                    index.extend(-1 - (len(hist) + i) for i in range(len(stored)))
-                    hist.extend(stored)
-                    pos_rows.append(hist_of.pos[row])
-                    offset += len(stored)
-                real = (work.real[row, c0:c1].nonzero().squeeze(1) + c0).tolist()
+            sel = work.real[:, c0:c1]
+            real_cols = [[] for _ in range(b)]  # each row's real columns, one nonzero a chunk
+            for row, col in sel.nonzero().tolist():
+                real_cols[row].append(c0 + col)
+            positions = work.pos[:, c0:c1][sel].tolist()  # row by row, as real_cols
+            keep, at_pos = [], 0
+            for row, real in enumerate(real_cols):
+                if stored is not None:
+                    index.extend(-1 - (len(hist) + i) for i in range(len(stored.ids[row])))
+                    hist.extend(stored.ids[row])
+                    pos_rows.append(stored.pos[row])
+                    offset += len(stored.ids[row])
                 index.extend(base + row * q + c for c in real)
-                pos_rows.append(work.pos[row, real].tolist())
+                pos_rows.append(positions[at_pos : at_pos + len(real)])
+                at_pos += len(real)
                 at = {c: offset + i for i, c in enumerate(real)}
                 offset += len(real)
                 if c1 == q:
@@ -244,22 +241,19 @@ class Merger:
         idx = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
         ids = flat.index_select(0, idx)
         pos = torch.tensor([p for row in pos_rows for p in row], dtype=torch.int64)
-        self._record(chunks, ids, pos)
         return ids.view(1, -1), pos.to(device).view(1, -1), keeps
 
     @staticmethod
-    def _record(chunks, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        """Each core's tokens, per row (what a recompute after a preemption replays)."""
-        flat, flat_pos = ids.tolist(), pos.tolist()
-        at = 0
+    def _record(chunks: list[Chunk]) -> None:
+        """Each core's new tokens join its record (what a recompute after a preemption
+        replays), kept as they came in, as a step that ran alone is: no host sync. A
+        recomputed row replays its record, which stays as it was."""
         for ch in chunks:
-            history, (_, counts) = ch.request.payload.cache._core.history, ch.part
-            recompute = ch.request.call.preempted
-            for row, n in enumerate(counts):
-                got_ids, got_pos = flat[at : at + n], flat_pos[at : at + n]
-                if history is not None:
-                    (history.replace if recompute else history.add)(row, got_ids, got_pos)
-                at += n
+            work, (cols, _) = ch.request.payload, ch.part
+            history = work.cache._core.history
+            if history is not None:
+                c0, c1 = work.done, work.done + cols
+                history.add_later(work.ids[:, c0:c1], work.real[:, c0:c1], work.pos[:, c0:c1])
             ch.request.call.preempted = False
 
     def _deliver(self, chunks: list[Chunk], logits: torch.Tensor, keeps) -> None:
@@ -287,17 +281,12 @@ class Merger:
 
 
 def _real_and_positions(core, kw: dict, shape) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """For a forward of `shape` [B, q] on `core`: which new tokens are real (None: all; as
-    transformers reads the padding mask: missing columns are padding) and each one's position
-    (position_ids as given, else the cache positions, padding counted, as stock)."""
-    b, q = shape
+    """For a forward of `shape` [B, q] on `core`: which new tokens are real (None: all) and each
+    one's position (position_ids as given, else the cache positions, padding counted, as
+    stock). On the inputs' device."""
+    q = shape[1]
     pm = kw.get("attention_mask")
-    real = None
-    if pm is not None:
-        end = core.length + q
-        if pm.shape[-1] < end:
-            pm = torch.nn.functional.pad(pm, (0, end - pm.shape[-1]))
-        real = pm[:, end - q : end].to(torch.bool)
+    real = None if pm is None else new_columns(pm, core.length + q, q)
     if kw.get("position_ids") is not None:
         pos = kw["position_ids"].to(torch.int64)
     else:
@@ -308,9 +297,9 @@ def _real_and_positions(core, kw: dict, shape) -> tuple[torch.Tensor | None, tor
 class _StepCache(PagedKVCache):
     """The cache a merged forward runs on: PagedKVCache's attention path over a MergedStep."""
 
-    def __init__(self, step: MergedStep, model_config, cfg):
+    def __init__(self, step: MergedStep, model_config):
         types = self._layer_types(model_config, None)
-        self.cfg, self._config, self._core = cfg, model_config, step
+        self.cfg, self._config, self._core = None, model_config, step
         self._any_sliding = any(t != "full_attention" for t in types)
         self.max_cache_len_hint, self.compile_options, self.merge = 0, None, None
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
@@ -320,13 +309,20 @@ class _StepCache(PagedKVCache):
 def _forward(model, step: MergedStep, ids, pos, keep_idx):
     """The model's own forward (not its __call__: the router would send it here again)."""
     text = model.config.get_text_config(decoder=True)
-    cache = _StepCache(step, text, None)
+    cache = _StepCache(step, text)
     name = compat.cache_arg(type(model))
     forward = type(model).forward.__get__(model)
     return forward(
         input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True,
         logits_to_keep=keep_idx, return_dict=True, **{name: cache},
     )  # fmt: skip
+
+
+def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
+    """(kv heads, head dim, dtype, device) of the model's K/V: what picks its KV pool."""
+    text = model.config.get_text_config(decoder=True)
+    param = next(model.parameters())
+    return text.num_key_value_heads, compat.head_dim(text), param.dtype, param.device
 
 
 _mergers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Merger}
@@ -336,11 +332,7 @@ _mergers_lock = threading.Lock()
 def merger_for(model, cache: PagedKVCache) -> Merger:
     """The Merger for this model and this cache's KV geometry, precision and tiles."""
     core = cache._core
-    text = model.config.get_text_config(decoder=True)
-    d = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    param = next(model.parameters())
-    key = (core.pool_key(text.num_key_value_heads, d, param.dtype, param.device),
-           core.precision, core.tiles)  # fmt: skip
+    key = (core.pool_key(*_geometry(model)), core.precision, core.tiles)
     with _mergers_lock:
         group = _mergers.setdefault(model, {})
         if key not in group:

@@ -35,12 +35,25 @@ def cache_arg(model_cls: type) -> str | None:
     return next((name for name in CACHE_ARGS if name in params), None)
 
 
-def given_cache(kwargs: dict) -> Any:
-    """The cache a caller passed to generate() or forward() under either name, or None."""
+def cache_entry(kwargs: dict) -> tuple[str | None, Any]:
+    """(name, cache) of the cache a caller passed to generate() or forward() under either name,
+    or (None, None)."""
     for name in CACHE_ARGS:
         if kwargs.get(name) is not None:
-            return kwargs[name]
-    return None
+            return name, kwargs[name]
+    return None, None
+
+
+def given_cache(kwargs: dict) -> Any:
+    """The cache a caller passed to generate() or forward() under either name, or None."""
+    return cache_entry(kwargs)[1]
+
+
+def head_dim(text_config) -> int:
+    """The attention head size of a (text) model config."""
+    return getattr(text_config, "head_dim", None) or (
+        text_config.hidden_size // text_config.num_attention_heads
+    )
 
 
 def output_cache(outputs: Any) -> Any:

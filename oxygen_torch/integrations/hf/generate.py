@@ -120,10 +120,6 @@ def _stock_reason(model, call: _Call) -> str | None:
     return None
 
 
-def _head_dim(text) -> int:
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
 def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, PagedKVCache | None]:
     """This call's kwargs on oxygen, and the PagedKVCache given to it (None: it runs stock)."""
     call = _Call(model, args, kwargs)
@@ -141,9 +137,9 @@ def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, Pag
         cc = oxygen_compile_config(call, user or call.opt("cache_implementation"), device)
         return ({**kwargs, "compile_config": cc} if cc is not None else kwargs), None
     text = model.config.get_text_config(decoder=True)
-    if device == "cuda" and _head_dim(text) not in SUPPORTED_HEAD_DIMS:
+    if device == "cuda" and compat.head_dim(text) not in SUPPORTED_HEAD_DIMS:
         _patching.warn_once(
-            f"oxygen_torch: head_dim {_head_dim(text)} has no kernel; stock attention is used"
+            f"oxygen_torch: head_dim {compat.head_dim(text)} has no kernel; stock attention is used"
         )
         return kwargs, None
     opts, given = _paged_compile_options(call)

@@ -116,7 +116,7 @@ class DecodeGraph:
             }  # fmt: skip
             try:
                 if self.runner is None:
-                    logits = self._first(model, forward, core, fuse_on)
+                    logits = self._first(model, forward, core, kw[cache_name], fuse_on)
                 else:
                     logits = self.runner(*self.inputs.values())
                     self.replays += 1
@@ -126,14 +126,14 @@ class DecodeGraph:
             core.end_graph_step()
             return self.out_type(logits=logits, **{cache_name: kw[cache_name]})
 
-    def _first(self, model, forward, core, fuse_on: bool):
+    def _first(self, model, forward, core, cache: PagedKVCache, fuse_on: bool):
         """Warm-up and capture: compiled whole by backend "oxygen" when `fuse_on`, else (or when
         that compile fails) with the fusible modules compiled, else unfused; each failure warns
         once. The step is idempotent, so a failed try leaves nothing to undo."""
-        options = self._call_cache().compile_options
+        options = cache.compile_options
         tries = []
         if fuse_on:
-            if self._call_cache().cfg.kv.decode_graph_compile:
+            if cache.cfg.kv.decode_graph_compile:
                 tries.append(("compiled", fuse.compiled))
             tries.append(("modules", fuse.fused))
         for how, fusion in tries:
@@ -149,11 +149,6 @@ class DecodeGraph:
                 self.runner = None
                 core.lend(self.table, self.seq_lens, self.slots)
         return self._warm_and_capture(forward, core)
-
-    def _call_cache(self) -> PagedKVCache:
-        from .compat import given_cache
-
-        return given_cache(self._call)
 
     def _warm_and_capture(self, forward, core):
         def step(*_static_inputs):

@@ -138,9 +138,10 @@ def _install() -> None:
     with _state.lock:
         if _state.installed:
             return
-        registries = [(AttentionInterface, oxygen_attention_forward)]
-        registries.append((AttentionMaskInterface, oxygen_mask))
-        for iface, fn in registries:
+        for iface, fn in (
+            (AttentionInterface, oxygen_attention_forward),
+            (AttentionMaskInterface, oxygen_mask),
+        ):
             mapping = _patching.require(
                 iface, "_global_mapping", library="transformers",
                 what=f"{iface.__name__}.register is used without a way to undo it",

@@ -42,15 +42,14 @@ def _compiled(fn) -> bool:
 def _model_call(self, *args, **kw):
     """The model class's __call__ while oxygen is on (see the module docstring)."""
     if not torch.compiler.is_compiling():
-        cache = compat.given_cache(kw)
+        name, cache = compat.cache_entry(kw)
         if isinstance(cache, PagedKVCache):
-            return _paged_call(self, cache, args, kw)
+            return _paged_call(self, name, cache, args, kw)
     return _MODULE_CALL(self, *args, **kw)
 
 
-def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
-    ctx = context.current()
-    ctx.mask_for = ctx.pending = None  # whatever an interrupted forward left on this thread
+def _paged_call(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
+    context.begin_forward()
     own = model.__dict__.get("forward")
     if model.__dict__.get("_compiled_call_impl") is not None or _compiled(own):
         _patching.warn_once(_USER_COMPILED)
@@ -60,7 +59,7 @@ def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
     if merge is not None:  # a generate() registered with the model's step scheduler
         merger, call = merge
         if not (hooks or wrapped) and merger.wanted(kw, args):  # (a merged step skips both)
-            return merger.forward(call, kw)
+            return merger.forward(call, name, cache, kw)
         merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
     if hooks:
         _patching.warn_once(
@@ -75,7 +74,6 @@ def _paged_call(model, cache: PagedKVCache, args: tuple, kw: dict):
         return own(*args, **kw)
     forward = own._torchdynamo_orig_callable if own is not None else model.forward
     if not args:
-        name = next(n for n in compat.CACHE_ARGS if kw.get(n) is cache)
         out = graphs.decode_step(model, forward, kw, cache, name)
         if out is not None:
             return out
