@@ -84,6 +84,15 @@ def in_threads(fn, args_list, timeout=300):
     return out, errors
 
 
+def together_as_alone(model, kws: list[dict], label: str = "") -> None:
+    """Each call run alone, then all at once from threads: no error, the same tokens."""
+    ref = [generate(model, kw) for kw in kws]  # one by one: each call alone
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"{label} call {i}"
+
+
 def schedulers(model):
     return [m.scheduler for m in batched._mergers.get(model, {}).values()]
 
@@ -99,11 +108,7 @@ def oxygen():
 def test_concurrent_calls_give_the_tokens_they_give_alone(oxygen, threads):
     model = hf.apply(llama())
     calls = [call_kw(s) for s in range(threads)]
-    ref = [generate(model, kw) for kw in calls]  # one by one: each call alone
-    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in calls])
-    assert not errors, errors
-    for i in range(threads):
-        assert torch.equal(out[i], ref[i]), f"call {i}"
+    together_as_alone(model, calls)
     (sched,) = schedulers(model)
     alone = max(kw["input_ids"].shape[0] * kw.get("num_beams", 1) for kw in calls)
     assert max(sched.stats.batch_sizes) > alone  # several calls' sequences in one forward
@@ -143,11 +148,7 @@ def test_a_burst_larger_than_the_kv_budget_completes_without_oom(oxygen):
     for s in range(10):
         ids, mask = prompt(s, rows=2, length=100 + s)
         kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
-    ref = [generate(model, kw) for kw in kws]
-    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
-    assert not errors, errors
-    for i, r in enumerate(ref):
-        assert torch.equal(out[i], r), f"call {i}"
+    together_as_alone(model, kws)
     (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
     assert pool["peak_blocks_used"] <= pool["blocks_total"] == 31
     assert schedulers(model)[0].stats.preemptions > 0
@@ -283,11 +284,7 @@ def test_merged_calls_on_sliding_window_architectures(oxygen, arch):
     for s in range(4):
         ids, mask = prompt(40 + s, rows=2, length=12 + 2 * s)
         kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
-    ref = [generate(model, kw) for kw in kws]
-    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
-    assert not errors, errors
-    for i, r in enumerate(ref):
-        assert torch.equal(out[i], r), f"{arch} call {i}"
+    together_as_alone(model, kws, arch)
     assert max(schedulers(model)[0].stats.batch_sizes) > 2
 
 
