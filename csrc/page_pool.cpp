@@ -139,9 +139,12 @@ void DeviceCtx::start_thread() {
 
 Status DeviceCtx::acquire(PhysHandle* handle) {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     start_thread();
     refill_paused_ = false;
+    created_cv_.wait(g, [this] {
+      return !cache_.empty() || owned_.load() < max_pages_ || creating_ == 0;
+    });
     if (!cache_.empty()) {
       *handle = cache_.back();
       cache_.pop_back();
@@ -201,7 +204,10 @@ void DeviceCtx::trim(std::size_t keep) {
 Status DeviceCtx::prepare(std::size_t pages) {
   for (;;) {
     {
-      std::lock_guard<std::mutex> g(mu_);
+      std::unique_lock<std::mutex> g(mu_);
+      created_cv_.wait(g, [&] {
+        return cache_.size() >= pages || owned_.load() < max_pages_ || creating_ == 0;
+      });
       if (cache_.size() >= pages) return OK;
       if (owned_.load() >= max_pages_) {
         set_last_error("prepare: pool capacity reached");
@@ -233,24 +239,29 @@ void DeviceCtx::refill() {
           owned_.load() >= max_pages_)
         return;
       owned_.fetch_add(1);
+      ++creating_;
     }
     PhysHandle h = 0;
-    if (backend_->create(page_, &h) != OK) {
+    Status s = backend_->create(page_, &h);
+    std::unique_lock<std::mutex> g(mu_);
+    --creating_;
+    if (s != OK) {
       owned_.fetch_sub(1);
-      std::lock_guard<std::mutex> g(mu_);
       refill_failed_ = true;  // device full: the allocating thread will reclaim and report
+      created_cv_.notify_all();
       return;
     }
     bump(stats_.handles_created);
-    std::unique_lock<std::mutex> g(mu_);
     if (refill_paused_) {  // trim(0) ran while this handle was being created: hand it back too
       owned_.fetch_sub(1);
+      created_cv_.notify_all();
       g.unlock();
       if (backend_->release(h) == OK) bump(stats_.handles_released);
       return;
     }
     cache_.push_back(h);
     bump(stats_.handle_cache_pages);
+    created_cv_.notify_all();
   }
 }
 

@@ -93,7 +93,12 @@ class DeviceCtx {
   std::mutex mu_;  // the per-device lock for physical pages
   std::condition_variable cv_;
   std::vector<PhysHandle> cache_;
-  std::atomic<std::size_t> owned_{0};  // handles alive: mapped + cached
+  std::atomic<std::size_t> owned_{0};  // handles alive: mapped + cached + being created
+  // Handles the refill thread is creating (counted in owned_, not yet in cache_). An acquire that
+  // finds the cache empty and owned_ at capacity waits for them instead of reporting OOM: the
+  // last pages of the capacity may be on their way (a spurious OOM seen on a loaded CI machine).
+  std::size_t creating_ = 0;
+  std::condition_variable created_cv_;
   bool stop_ = false;
   bool refill_failed_ = false;  // device out of memory: wait for a give_back before retrying
   // trim(0) (empty_cache, teardown) asked for every cached handle back: the refill thread stays

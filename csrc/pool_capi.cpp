@@ -398,6 +398,12 @@ OXY_API void oxygen_host_set_event_lag(std::uint64_t ns) {
     return OK;
   });
 }
+OXY_API void oxygen_host_set_create_delay(std::uint64_t ns) {
+  guarded("host_set_create_delay", [&] {
+    host_set_create_delay(ns);
+    return OK;
+  });
+}
 OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) {
   guarded("host_set_capture", [&] {
     host_set_capture(stream, id);

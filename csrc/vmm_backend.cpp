@@ -13,10 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <atomic>
+#include <chrono>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <new>
+#include <thread>
 
 #include <cuda.h>
 
@@ -77,6 +79,8 @@ std::atomic<bool> g_host_hold{false};
 // Test knob: an event completes `g_host_lag_ns` after it was recorded, like a GPU running behind
 // the CPU (host memory itself is written synchronously). 0: complete once recorded.
 std::atomic<std::uint64_t> g_host_lag_ns{0};
+// Test knob: creating a physical page takes up to about this long, like a driver call under load.
+std::atomic<std::uint64_t> g_host_create_delay_ns{0};
 std::mutex g_host_event_mu;
 std::map<std::uint64_t, std::uint64_t> g_host_recorded_at;  // event -> steady clock ns
 std::mutex g_host_capture_mu;
@@ -135,6 +139,13 @@ class HostBackend final : public Backend {
   }
   Status create(std::size_t size, PhysHandle* handle) override {
     if (size == 0 || size % page_) return invalid("create: size is not a multiple of the page");
+    if (std::uint64_t d = g_host_create_delay_ns.load(std::memory_order_acquire)) {
+      // A pseudo-random share of d (a multiplicative hash of a counter), so that creations on
+      // two threads finish in either order.
+      static std::atomic<std::uint64_t> n{0};
+      std::uint64_t h = (n.fetch_add(1) + 1) * 0x9E3779B97F4A7C15ull;
+      std::this_thread::sleep_for(std::chrono::nanoseconds(d / 8 + (h >> 40) % d));
+    }
     int fd = memfd_create("oxygen_page", MFD_CLOEXEC);
     if (fd < 0) return os_error("memfd_create");
     if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
@@ -258,6 +269,10 @@ class HostBackend final : public Backend {
 }  // namespace
 
 void host_hold_events(bool hold) { g_host_hold.store(hold, std::memory_order_release); }
+
+void host_set_create_delay(std::uint64_t ns) {
+  g_host_create_delay_ns.store(ns, std::memory_order_release);
+}
 
 void host_set_event_lag(std::uint64_t ns) {
   g_host_lag_ns.store(ns, std::memory_order_release);

@@ -76,6 +76,8 @@ void host_hold_events(bool hold);
 // Test knob: host events complete `ns` after they are recorded, like a GPU running behind (0: at
 // once).
 void host_set_event_lag(std::uint64_t ns);
+// Test knob: every host page creation first sleeps a pseudo-random time up to about ns (0: off).
+void host_set_create_delay(std::uint64_t ns);
 void host_set_capture(void* stream, std::uint64_t id);
 
 // Factories. On failure they return nullptr and set *status and last_error().

@@ -89,3 +89,24 @@ def test_eight_threads_random_malloc_free_with_content_checks():
         pool.empty_cache()
         s = pool.stats()
         assert s["mapped_bytes"] == 0 and s["idle_pages"] == 0 and s["slab_cached_pages"] == 0
+
+
+def test_the_whole_capacity_is_usable_while_the_refill_thread_creates_pages():
+    """The refill thread counts a page as owned while it creates it. An allocation that needs the
+    last pages of the capacity at that moment waits for them: it is not out of memory (a spurious
+    OOM a loaded CI machine once hit; page creation is slowed here so that it always overlaps)."""
+    from oxygen_torch.pool import native as _native
+
+    lib = _native.lib()
+    page = 2 * MiB
+    lib.oxygen_host_set_create_delay(3_000_000)  # up to ~3 ms a page
+    try:
+        with VirtualPool(backend="host", capacity=12 * page, hysteresis_us=1000) as p:
+            for _ in range(12):
+                p.empty_cache()
+                blocks = [p.malloc(2 * page) for _ in range(6)]  # the whole capacity
+                assert p.stats()["mapped_bytes"] == 12 * page
+                for b in blocks:
+                    p.free(b)
+    finally:
+        lib.oxygen_host_set_create_delay(0)
