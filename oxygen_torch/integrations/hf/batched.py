@@ -319,10 +319,11 @@ def _forward(model, step: MergedStep, ids, pos, keep_idx):
 
 
 def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
-    """(kv heads, head dim, dtype, device) of the model's K/V: what picks its KV pool."""
+    """(kv heads, head dim, dtype, device) of the model's K/V on this rank: what picks its KV
+    pool (a tensor-parallel plan splits the KV heads across its ranks)."""
     text = model.config.get_text_config(decoder=True)
     param = next(model.parameters())
-    return text.num_key_value_heads, compat.head_dim(text), param.dtype, param.device
+    return compat.local_kv_heads(model, text), compat.head_dim(text), param.dtype, param.device
 
 
 _mergers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Merger}

@@ -56,6 +56,14 @@ def head_dim(text_config) -> int:
     )
 
 
+def local_kv_heads(model, text_config) -> int:
+    """The KV heads of `model` on this rank: all of them, or under a tensor-parallel plan
+    (`model.tp_size` > 1, public on 5.17 to 5.24) this rank's share, as its k_proj shards them."""
+    heads = text_config.num_key_value_heads
+    tp = getattr(model, "tp_size", None) or 1
+    return heads // tp if tp > 1 and heads % tp == 0 else heads
+
+
 def output_cache(outputs: Any) -> Any:
     """The cache a model output or generate() output carries (either name)."""
     for name in CACHE_ARGS:

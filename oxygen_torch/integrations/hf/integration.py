@@ -111,13 +111,27 @@ def _generate(self, *args, **kwargs):
     router.ensure(self)
     cfg = config_of(self)
     kwargs, cache = gen.plan(self, cfg, args, kwargs)
-    if cache is not None and cfg.scheduler.merge:  # concurrent calls' steps merged
-        with batched.session(self, cache, current_task()):
+    if cache is not None and cfg.scheduler.merge and not _tensor_parallel(self):
+        with batched.session(self, cache, current_task()):  # concurrent calls' steps merged
             out = _state.generate(self, *args, **kwargs)
     else:
         out = _state.generate(self, *args, **kwargs)
     gen.check_used(self, cache)
     return out
+
+
+def _tensor_parallel(model) -> bool:
+    """A model sharded by transformers' tensor-parallel plan: its calls are not merged. A merged
+    step's make-up depends on when each thread's call arrives, which differs from rank to rank,
+    and every rank must run the same forwards in the same order (their collectives pair up)."""
+    if (getattr(model, "tp_size", None) or 1) <= 1:
+        return False
+    _patching.warn_once(
+        f"oxygen_torch: {type(model).__name__} is tensor-parallel: its generate() calls run one "
+        "by one, not merged (a merged step is not yet agreed across ranks); issue them in the "
+        "same order on every rank"
+    )
+    return True
 
 
 def _not_on_oxygen(model) -> None:

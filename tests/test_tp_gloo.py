@@ -1,0 +1,94 @@
+"""Tensor parallel on the CPU: transformers' own TP plan over torch.distributed's gloo backend,
+two processes, each rank's generate() after oxygen_torch.enable() against stock TP.
+
+Every rank runs tests/tp_worker.py on a tiny checkpoint (two architectures); the test then checks
+that oxygen's tokens equal stock TP's (greedy, beams, and sampling with the same seed), that the
+paged cache held this rank's share of the KV heads, and that every rank decided the same block
+tables (each rank plans its own; nothing is broadcast, so they must agree by construction)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from test_hf_generate import COMMON
+
+pytest.importorskip("accelerate")  # transformers' TP loading needs it (a dev dependency)
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+WORLD = 2
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def checkpoint(tmp_path: Path, arch: str) -> Path:
+    torch.manual_seed(3)
+    if arch == "qwen3":
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON))
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    path = tmp_path / arch
+    model.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(path: Path, tmp_path: Path, seed: int) -> list[dict]:
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(WORLD):
+        out = tmp_path / f"rank{rank}.json"
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        )  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
+        cmd = [sys.executable, str(WORKER), str(path), str(out), str(seed)]
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(subprocess.Popen(cmd, env=env, **pipe))
+        outs.append(out)
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen3", 1)])
+def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, arch, seed):
+    ranks = run_ranks(checkpoint(tmp_path, arch), tmp_path, seed)
+    heads = COMMON["num_key_value_heads"] // WORLD
+    for r in ranks:
+        assert r["tp_size"] == WORLD
+        assert r["local_kv_heads"] == heads
+        # calls are not merged under TP (a step's make-up is not agreed across ranks): said once
+        assert r["warned_not_merged"] and r["merged_sessions"] == 0
+        for name, stock in r["stock"].items():
+            ours = r["oxygen"][name]
+            assert stock["cache"] != "PagedKVCache"
+            assert ours["cache"] == "PagedKVCache", name
+            assert ours["kv_heads"] == heads, name  # this rank's share of the KV heads
+            assert ours["tokens"] == stock["tokens"], (r["rank"], name)
+    first = ranks[0]["oxygen"]
+    for r in ranks[1:]:
+        for name in first:
+            assert r["oxygen"][name]["tokens"] == first[name]["tokens"]
+            assert r["oxygen"][name]["blocks"] == first[name]["blocks"], name
