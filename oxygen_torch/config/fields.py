@@ -257,6 +257,9 @@ class SchedulerConfig:
     max_step_seqs: int = 256  # sequences one merged step serves at most
     # how long a step waits for a call that has not submitted yet before it goes without it
     gather_ms: float = 5.0
+    # merged decode steps (every row one token) replayed from CUDA graphs by batch-size bucket;
+    # off by default until it has run on a GPU (with kv.decode_graphs also on)
+    decode_graphs: bool = False
 
     def __post_init__(self):
         _check_types(self, "scheduler")

@@ -51,6 +51,7 @@ class MergedStep:
         self.precision, self.tiles, self.debug = first.precision, first.tiles, first.debug
         self.tokens = sum(sum(p.counts) for p in parts)
         self._plan: StepPlan | None = None
+        self._starts: list[list[int]] = []
 
     # --- planning (host) ---------------------------------------------------------------------
 
@@ -60,15 +61,24 @@ class MergedStep:
             p.core.seqs.blocks_needed(b, n) for p in self.parts for b, n in enumerate(p.counts)
         )
 
-    def reserve(self) -> None:
+    def reserve(self, *, build: bool = True) -> None:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none
-        taken here: call `blocks_needed` first), then builds the step's table and slots."""
-        starts = [list(p.core.seqs.lens) for p in self.parts]
+        taken here: call `blocks_needed` first), then builds the step's table and slots on the
+        device (`build`; a merged decode graph copies `host_plan()` into its own buffers)."""
+        self._starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
             p.core._reserve(p.counts)
-        self._plan = self._build(starts)
+        if build:
+            self.build()
 
-    def _build(self, starts: list[list[int]]) -> StepPlan:
+    def build(self) -> None:
+        """The reserved step's table, lengths and slots on the device (what attend reads)."""
+        self._plan = self._build()
+
+    def host_plan(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+        """The reserved step on the host: block table [R, W] (int32, every row's blocks side by
+        side, GUARD_BLOCK beyond), then per new token its slot, and per row its length after the
+        step and its new tokens."""
         bt = self.pool.key.block_tokens
         width = max(p.core.seqs.max_blocks() for p in self.parts)
         rows = [p.core._table_host[:, :width] for p in self.parts]
@@ -76,12 +86,16 @@ class MergedStep:
             [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=GUARD_BLOCK) for r in rows]
         )  # [R, W]
         lens, counts, slots = [], [], []
-        for p, start in zip(self.parts, starts):
+        for p, start in zip(self.parts, self._starts):
             blocks = p.core.seqs.blocks
             for b, (n0, n) in enumerate(zip(start, p.counts)):
                 slots.extend(blocks[b][t // bt] * bt + t % bt for t in range(n0, n0 + n))
                 lens.append(n0 + n)
                 counts.append(n)
+        return table, slots, lens, counts
+
+    def _build(self) -> StepPlan:
+        table, slots, lens, counts = self.host_plan()
         decode = all(n == 1 for n in counts)
         ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
         to_device = self.parts[0].core._to_device  # (the pool's device, pinned copies)

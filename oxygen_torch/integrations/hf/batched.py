@@ -27,7 +27,7 @@ from ...engine.scheduler import Chunk, Request, StepScheduler
 from ...engine.task import Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
-from . import compat
+from . import compat, graphs, merged_graphs
 from .attention import new_columns
 from .cache import PagedKVCache, PagedLayer
 
@@ -65,6 +65,7 @@ class Merger:
         self._model = weakref.ref(model)
         self.scheduler = StepScheduler(cache.cfg.scheduler, self)
         self.out_type = None
+        self.graphs = merged_graphs.MergedGraphs()
 
     # --- what the router asks -----------------------------------------------------------------
 
@@ -172,22 +173,58 @@ class Merger:
             for ch in chunks
         ]  # fmt: skip
         step = MergedStep(parts)
+        graph = self._graphs_for(chunks)
         with step.pool.lock:
             if step.blocks_needed() > step.pool.manager.num_free:
                 return False
-            step.reserve()
+            step.reserve(build=graph is None)
         try:
-            ids, pos, keeps = self._pack(chunks)
-            keep_idx = torch.tensor([i for k in keeps for i in k if i >= 0], dtype=torch.int64)
-            out = _forward(model, step, ids, pos, keep_idx.to(ids.device))
+            logits = None if graph is None else self._replay(model, step, chunks)
+            if logits is None:
+                if graph is not None:
+                    step.build()
+                ids, pos, keeps = self._pack(chunks)
+                keep_idx = torch.tensor([i for k in keeps for i in k if i >= 0], dtype=torch.int64)
+                out = _forward(model, step, ids, pos, keep_idx.to(ids.device))
+                self.out_type, logits = type(out), out.logits[0]
+            else:
+                keeps = [[0] * ch.request.payload.real.shape[0] for ch in chunks]
         except BaseException:
             step.abandon()
             raise
         step.commit()
         self._record(chunks)  # (after the step: a failed one leaves its preempted to recompute)
-        self.out_type = type(out)
-        self._deliver(chunks, out.logits[0], keeps)
+        self._deliver(chunks, logits, keeps)
         return True
+
+    # --- merged decode steps through CUDA graphs (merged_graphs.py) ----------------------------
+
+    def _graphs_for(self, chunks: list[Chunk]):
+        """The graphs that may replay this step: every row of every call decodes one token
+        (nothing recomputed), on CUDA, with scheduler.decode_graphs and kv.decode_graphs on."""
+        work = chunks[0].request.payload
+        cfg = work.cache.cfg
+        if not (cfg.scheduler.decode_graphs and graphs.usable(work.ids.device, work.cache)):
+            return None
+        for ch in chunks:
+            w = ch.request.payload
+            if ch.request.call.preempted or w.real.shape[1] != 1 or w.keep != 1:
+                return None
+            if w.cache._core.debug or not bool(w.real.all()):
+                return None
+        return self.graphs
+
+    def _replay(self, model, step: MergedStep, chunks: list[Chunk]):
+        """The step's logits [R, V] from its graph, or None: run it eagerly."""
+        need = max(p.core.seqs.max_blocks() for p in step.parts)
+        width = max(max(graphs.graph_width(ch.request.payload.cache) for ch in chunks), need)
+        width = -(-width // graphs.WIDTH_STEP) * graphs.WIDTH_STEP
+        ids = [ch.request.payload.ids for ch in chunks]
+        pos = [p for ch in chunks for p in ch.request.payload.pos[:, 0].tolist()]
+        logits = self.graphs.run(model, step, width, ids, pos, _graph_forward)
+        if logits is not None:
+            self.out_type = self.graphs.out_type
+        return logits
 
     # --- a step's inputs and outputs ---------------------------------------------------------
 
@@ -318,6 +355,11 @@ def _forward(model, step: MergedStep, ids, pos, keep_idx):
     )  # fmt: skip
 
 
+def _graph_forward(model, core, ids, pos):
+    """A merged decode graph's forward over its static buffers (every logit kept)."""
+    return _forward(model, core, ids, pos, 0)
+
+
 def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
     """(kv heads, head dim, dtype, device) of the model's K/V on this rank: what picks its KV
     pool (a tensor-parallel plan splits the KV heads across its ranks)."""
@@ -339,6 +381,17 @@ def merger_for(model, cache: PagedKVCache) -> Merger:
         if key not in group:
             group[key] = Merger(model, cache)
         return group[key]
+
+
+def merged_graph_stats(model) -> dict:
+    """The merged decode graphs of `model`'s mergers, summed."""
+    with _mergers_lock:
+        mergers = list(_mergers.get(model, {}).values())
+    total = {"graphs": 0, "captures": 0, "replays": 0, "failed": 0}
+    for m in mergers:
+        for k, v in m.graphs.stats().items():
+            total[k] += v
+    return total
 
 
 @contextlib.contextmanager

@@ -53,6 +53,36 @@ _lock = threading.RLock()
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
 
 
+class Staging:
+    """The host side of a graph's int32 input buffer: two pinned buffers, so that one may still
+    be in flight while the other is filled, written through numpy views (a numpy store costs a
+    fraction of a torch op's host time), each sent in one non-blocking copy."""
+
+    def __init__(self, device_buf: torch.Tensor):
+        self.device_buf = device_buf
+        pinned = device_buf.device.type == "cuda"
+        self._bufs = []
+        for _ in range(2):
+            host = torch.empty(device_buf.numel(), dtype=device_buf.dtype, pin_memory=pinned)
+            self._bufs.append((host, host.numpy(), torch.cuda.Event() if pinned else None))
+        self._turn = 0
+
+    def fill(self) -> np.ndarray:
+        """The next host buffer, once its copy two sends ago has finished: safe to write."""
+        _, view, done = self._bufs[self._turn]
+        if done is not None:
+            done.synchronize()
+        return view
+
+    def send(self) -> None:
+        """Copies the buffer `fill()` gave into the device buffer (queued, not waited for)."""
+        host, _, done = self._bufs[self._turn]
+        self._turn ^= 1
+        self.device_buf.copy_(host, non_blocking=True)
+        if done is not None:
+            done.record()
+
+
 class DecodeGraph:
     """One captured decode step: batch B, block table W blocks wide, over one pool."""
 
@@ -69,15 +99,7 @@ class DecodeGraph:
         self.slots = self.buf[n + batch : n + 2 * batch]
         self.position = self.buf[n + 2 * batch :].view(torch.int64).view(1, 1)
         self.inputs: dict[str, torch.Tensor] = {}
-        pinned = device.type == "cuda"
-        # two staging buffers: one may still be in flight while the other is filled; written
-        # through numpy views (a numpy store costs a fraction of a torch op's host time)
-        self._staging = []
-        for _ in range(2):
-            host = torch.empty(self._size, dtype=torch.int32, pin_memory=pinned)
-            event = torch.cuda.Event() if pinned else None
-            self._staging.append((host, host.numpy(), event))
-        self._turn = 0
+        self._staging = Staging(self.buf)
         self.runner: GraphRunner | None = None
         self.replays = 0
         self.fusion = None  # "compiled" (whole forward) or "modules" (fuse.fused) or None
@@ -89,17 +111,12 @@ class DecodeGraph:
         """Plans the step on the host and queues the copies into the graph's buffers."""
         position = core.length  # what the model would take from get_seq_length()
         table, ints = core.begin_graph_step(self.width)
-        buf, view, done = self._staging[self._turn]
-        self._turn ^= 1
-        if done is not None:
-            done.synchronize()  # its copy two steps ago has finished: safe to refill
+        view = self._staging.fill()
         n, b = self.batch * self.width, self.batch
         view[:n].reshape(b, self.width)[:] = table.numpy()
         view[n : n + 2 * b] = ints
         view[n + 2 * b :].view(np.int64)[0] = position
-        self.buf.copy_(buf, non_blocking=True)
-        if done is not None:
-            done.record()
+        self._staging.send()
         for name, static in self.inputs.items():
             static.copy_(kw[name])
         core.lend(self.table, self.seq_lens, self.slots)
@@ -294,10 +311,14 @@ def stats(model) -> dict:
     """Decode graphs of `model`: held now, captured so far, replays of those held, input
     signatures that failed to capture (they run eagerly), and of those held, how many were
     captured from the forward compiled whole by backend "oxygen" (compiled) or with only its
-    RMSNorm / MLP / rotary modules compiled (fused)."""
+    RMSNorm / MLP / rotary modules compiled (fused); under "merged", the same figures of the
+    multi-task engine's merged decode graphs (merged_graphs.py)."""
+    from .batched import merged_graph_stats
+
     mg = _graphs.get(model)
     held = list(mg.graphs.values()) if mg is not None else []
     return {
+        "merged": merged_graph_stats(model),
         "graphs": len(held),
         "captures": mg.captures if mg is not None else 0,
         "replays": sum(g.replays for g in held),

@@ -1,0 +1,188 @@
+"""The multi-task engine's merged decode steps, replayed from CUDA graphs by batch-size bucket.
+
+A merged step in which every row of every call decodes one token (no prefill chunk, no
+recompute) has the same shape as any other such step with as many rows: one packed row [1, R]
+of ids and positions over a block table [R, W]. It is captured once per (rows bucket, table
+width, pool) and replayed, through the one CUDA-graph runner (compile.cudagraphs.GraphRunner,
+warm_capture, strict), like a single call's decode step (graphs.py):
+
+- R is rounded up to a bucket (BUCKETS, then multiples of 64); the rows beyond R are padding:
+  they read and write GUARD_BLOCK (always mapped, never handed out) at position 0, and their
+  logits are dropped.
+- The table width is the widest call's graph width (graphs.graph_width: its generate()'s
+  max_length in WIDTH_STEP blocks), so the calls' whole decode phases replay few graphs.
+- The host plans the step as an eager merged step does (MergedStep.reserve, every core's own
+  blocks), then copies table, lengths, slots and positions into the graph's buffer in one pinned
+  copy and the callers' ids into the graph's ids; the graph reads only those, the weights and
+  the pool's K/V. After the replay MergedStep.commit() leaves each core as its eager step would.
+
+Off unless `scheduler.decode_graphs` (not yet run on a GPU: see README). Graphs are kept per
+Merger (at most MAX_GRAPHS, least recently used dropped), dropped when the model's weights move;
+a signature whose capture fails runs eagerly, with one warning.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ... import _patching
+from ...compile.cudagraphs import CaptureError, GraphRunner
+from ...kv.merged import MergedStep
+from ...kv.plan import StepPlan
+from ...kv.storage import GUARD_BLOCK
+from . import graphs
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MAX_GRAPHS = 8
+
+
+def bucket(rows: int) -> int:
+    """The graph batch a merged decode step of `rows` rows replays."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return -(-rows // 64) * 64
+
+
+class _GraphStep:
+    """The duck-typed core a captured forward runs on: MergedStep's write and attend over the
+    graph's static buffers (the replay reads whatever the host copied there)."""
+
+    length = 0
+    seqs = None
+    debug = False
+    write = MergedStep.write
+    attend = MergedStep.attend
+
+    def __init__(self, graph: MergedDecodeGraph, pool, precision, tiles):
+        self.pool, self.precision, self.tiles = pool, precision, tiles
+        self.tokens = graph.rows
+        self.table, self.seq_lens = graph.table, graph.seq_lens
+        self._plan = StepPlan(1, graph.slots, None, None)
+
+
+class MergedDecodeGraph:
+    """One captured merged decode step: `rows` rows (padding included), table `width` wide."""
+
+    def __init__(self, rows: int, width: int, step: MergedStep, device: torch.device):
+        self.rows, self.width = rows, width
+        n = rows * width
+        # one int32 buffer: table [rows, W] | lengths | slots | positions
+        self.buf = torch.empty(n + 3 * rows, dtype=torch.int32, device=device)
+        self.table = self.buf[:n].view(rows, width)
+        self.seq_lens = self.buf[n : n + rows]
+        self.slots = self.buf[n + rows : n + 2 * rows]
+        self.positions = self.buf[n + 2 * rows :]
+        self.ids = torch.zeros(1, rows, dtype=torch.int64, device=device)
+        self._staging = graphs.Staging(self.buf)
+        self.core = _GraphStep(self, step.pool, step.precision, step.tiles)
+        self.runner: GraphRunner | None = None
+        self.out_type = None
+        self.replays = 0
+        self.lock = threading.Lock()
+
+    def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int]) -> int:
+        """Copies the reserved `step` into the graph's buffers; returns its real rows."""
+        table, slots, lens, _ = step.host_plan()
+        r, rows, w = len(lens), self.rows, self.width
+        view = self._staging.fill()
+        n = rows * w
+        grid = view[:n].reshape(rows, w)
+        grid[:] = GUARD_BLOCK
+        grid[:r, : table.shape[1]] = table.numpy()
+        view[n : n + rows] = 1  # padding rows: one token, in GUARD_BLOCK's slot 0
+        view[n : n + r] = lens
+        view[n + rows : n + 2 * rows] = GUARD_BLOCK * step.pool.key.block_tokens
+        view[n + rows : n + rows + r] = slots
+        view[n + 2 * rows :] = 0
+        view[n + 2 * rows : n + 2 * rows + r] = pos
+        self._staging.send()
+        packed = torch.cat([t.reshape(-1) for t in ids]).to(torch.int64)
+        self.ids[0, :r].copy_(packed)
+        if r < rows:
+            self.ids[0, r:].zero_()
+        return r
+
+    def run(self, model, forward) -> torch.Tensor:
+        """Replays (or warms up and captures on first use); the logits [rows, V]."""
+        if self.runner is None:
+
+            def step(ids, buf):
+                out = forward(model, self.core, ids, self.positions.to(torch.int64).view(1, -1))
+                self.out_type = type(out)
+                return out.logits  # (not the output: it holds the step's cache)
+
+            self.runner = GraphRunner(
+                step,
+                frozenset(),
+                device_type=self.ids.device.type,
+                static=frozenset({0, 1}),
+                warm_capture=True,
+                strict=True,
+            )
+        else:
+            self.replays += 1
+        return self.runner(self.ids, self.buf)[0]
+
+
+class MergedGraphs:
+    """The merged decode graphs of one Merger."""
+
+    def __init__(self):
+        self.graphs: OrderedDict[tuple, MergedDecodeGraph] = OrderedDict()
+        self.failed: set[tuple] = set()
+        self.fingerprint: tuple = ()
+        self.captures = 0
+        self.out_type = None  # the model's output class (what a replay's logits are given in)
+        self._lock = threading.Lock()
+
+    def run(self, model, step: MergedStep, width: int, ids, pos, forward):
+        """The logits [R, V] of the reserved decode `step` (R rows), or None when this
+        signature runs eagerly (its capture failed before: the step is not run)."""
+        rows = bucket(len(pos))
+        key = (rows, width, id(step.pool))
+        with self._lock:
+            fp = graphs._fingerprint(model)
+            if fp != self.fingerprint:  # weights or buffers moved: the graphs read stale addresses
+                self.graphs.clear()
+                self.failed.clear()
+                self.fingerprint = fp
+            if key in self.failed:
+                return None
+            g = self.graphs.get(key)
+            if g is None:
+                g = self.graphs[key] = MergedDecodeGraph(
+                    rows, width, step, step.parts[0].core.device
+                )
+                while len(self.graphs) > MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+            self.graphs.move_to_end(key)
+        with g.lock:
+            r = g.stage(step, ids, pos)
+            fresh = g.runner is None
+            try:
+                logits = g.run(model, forward)
+            except CaptureError as failed:  # this signature stays eager; the step was done
+                with self._lock:
+                    self.failed.add(key)
+                    self.graphs.pop(key, None)
+                _patching.warn_once(
+                    "oxygen_torch: merged decode CUDA-graph capture failed, these steps run "
+                    f"eagerly: {failed.__cause__!r}"
+                )
+                logits = failed.result[0]
+            self.captures += fresh
+            self.out_type = g.out_type
+            return logits[:r]
+
+    def stats(self) -> dict:
+        held = list(self.graphs.values())
+        return {
+            "graphs": len(held),
+            "captures": self.captures,
+            "replays": sum(g.replays for g in held),
+            "failed": len(self.failed),
+        }

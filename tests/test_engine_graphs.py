@@ -1,0 +1,102 @@
+"""The multi-task engine's merged decode steps through graphs by batch-size bucket, on CPU.
+
+There is no CUDA graph on CPU: with hf_graphs.CPU_RERUN the runner's stand-in "replays" by
+running the captured forward again on the graph's static buffers, so what these tests check is
+the bookkeeping a replay depends on: the packed step copied into the buffers (tables, lengths,
+slots, positions, ids), the padding rows of a bucket kept out of every call's KV, the logits
+handed back row by row, and each core left as its eager step leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import call_kw, generate, in_threads, llama, prompt, schedulers, together_as_alone
+from test_hf_generate import tiny
+
+from oxygen_torch import _patching
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import graphs as hf_graphs
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.integrations.hf import merged_graphs
+
+ON = dict(scheduler={"decode_graphs": True, "gather_ms": 50})
+
+
+@pytest.fixture
+def rerun(monkeypatch):
+    _patching.forget_warnings()
+    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    yield
+    hf.disable_hf()
+
+
+def test_buckets_cover_every_batch_and_grow_in_steps():
+    got = [merged_graphs.bucket(r) for r in range(1, 700)]
+    assert all(b >= r for r, b in zip(range(1, 700), got))
+    assert got == sorted(got)
+    assert {merged_graphs.bucket(r) for r in range(1, 257)} == set(merged_graphs.BUCKETS)
+    assert merged_graphs.bucket(257) == 320 and merged_graphs.bucket(640) == 640
+
+
+def logits_as_alone(model, kws: list[dict]) -> None:
+    """Each call alone, then all at once: the same tokens and (to float32 rounding: the packing
+    changes reduction orders) the same logits at every step."""
+    kws = [dict(kw, return_dict_in_generate=True, output_logits=True) for kw in kws]
+    ref = [generate(model, kw) for kw in kws]
+    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i].sequences, r.sequences), f"call {i}"
+        for a, b in zip(out[i].logits, r.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_merged_decode_steps_replay_graphs_and_give_the_logits_of_each_call_alone(rerun, arch):
+    model = hf.apply(llama(seed=4, arch=arch), load_config(**ON))
+    calls = [call_kw(s) for s in (0, 1, 2, 5, 6, 7)]  # 1-3 rows, beams, an early stop
+    logits_as_alone(model, calls)
+    st = hf_graphs.stats(model)["merged"]
+    assert st["captures"] >= 1 and st["replays"] >= 1, st
+    assert st["failed"] == 0
+    assert max(schedulers(model)[0].stats.batch_sizes) > 3
+
+
+def test_sliding_window_calls_replay_merged_graphs(rerun):
+    model = hf.apply(tiny("mistral"), load_config(**ON))
+    kws = []
+    for s in range(3):
+        ids, mask = prompt(60 + s, rows=2, length=11 + 3 * s)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    together_as_alone(model, kws, "mistral")
+    assert hf_graphs.stats(model)["merged"]["replays"] >= 1
+
+
+def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun, monkeypatch):
+    model = hf.apply(llama(seed=5))
+    together_as_alone(model, [call_kw(s) for s in range(3)])
+    assert hf_graphs.stats(model)["merged"]["captures"] == 0  # scheduler.decode_graphs is off
+
+    model = hf.apply(llama(seed=6), load_config(**ON))
+    real = merged_graphs.GraphRunner
+
+    class Failing(real):  # the merged graphs' runner only (single calls keep theirs)
+        def __init__(self, fn, *a, **kw):
+            warm = []
+
+            def step(*args):
+                if not warm:
+                    warm.append(1)
+                    return fn(*args)
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+            super().__init__(step, *a, **kw)
+
+    monkeypatch.setattr(merged_graphs, "GraphRunner", Failing)
+    seen = []
+    monkeypatch.setattr(_patching, "warn_once", lambda msg: seen.append(msg))
+    together_as_alone(model, [call_kw(s) for s in range(3)])
+    st = hf_graphs.stats(model)["merged"]
+    assert st["failed"] >= 1 and st["replays"] == 0
+    assert sum("merged decode CUDA-graph capture failed" in m for m in seen) >= 1
+    assert torch.is_grad_enabled()
