@@ -154,6 +154,10 @@ def dense_attention(
     dtype = q.dtype
     if precision == PrecisionMode.FP32_SAFE and dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()  # fp32 everywhere, as the mode promises
+    # torch's own backend choice: sdpa_kernel() would pin cuDNN, but it sets process-wide flags
+    # that other threads' attention reads. Whether torch 2.11 picks cuDNN or flash on the H200
+    # by default is not measured; both took enable_gqa in bench_attention and both beat the
+    # paged prefill there (flash 324-342 TFLOP/s against 293-298)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
