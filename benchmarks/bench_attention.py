@@ -3,9 +3,11 @@
 bf16, 32 query heads, 8 KV heads, head dim 128, block_tokens 16 and 64 (shuffled block tables).
 Per case: our kernel, SDPA cuDNN and flash on contiguous K/V (enable_gqa), compiled
 FlexAttention, and a plain copy moving the same bytes (the ceiling). Decode is reported in TB/s
-of K+V read, prefill in causal TFLOP/s. Every time is triton.testing.do_bench's median (L2
-flushed before each call). Then: the error of every precision mode against float64, and a small
-sweep of decode launch choices (bounded by the time left) to feed the tiling rule.
+of K+V read, prefill in causal TFLOP/s. Beside them: fp8 KV decode and prefill, a skewed decode
+batch (one 32k sequence with 31 of 512), and last generate()'s time to first token after
+enable() against stock (bench_ttft.py; --no-ttft skips it). Every time is do_bench's median
+(L2 flushed before each call). Then: the error of every precision mode against float64, and a
+small sweep of decode launch choices (bounded by the time left) to feed the tiling rule.
 
     python benchmarks/bench_attention.py [--no-flex] [--no-sweep]     # OUT=dir: json + md there
     python benchmarks/bench_attention.py --cpu-errors   # only the error table, CPU interpreter
@@ -17,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -44,6 +47,7 @@ HQ, HKV, D = 32, 8, 128
 DECODE = [(32, 4096), (64, 1024), (8, 32768), (1, 32768)]
 PREFILL = [(4, 4096), (1, 16384)]
 FP8_CASES = ((32, 4096), (8, 32768))  # fp8 KV decode beside the bf16 one
+SKEWED = (32768, 512, 31)  # one sequence of 32k tokens beside 31 of 512 in one decode batch
 BLOCK_TOKENS = (16, 64)
 ERR_SHAPE, ERR_NEW = (4, 4096, 16), 512  # (batch, seq_len, block_tokens), new tokens (prefill)
 BUDGET_S = 225  # the whole run stays under ~4 minutes; optional parts stop when it is spent
@@ -155,17 +159,29 @@ def decode_case(b, n, gen):
             fp8_case(q3, k, v, table, perm, lens, bt, ref, ROWS[-1]["ms"])
 
 
+def fp8_paged(k, v, table, bt, lens=None):
+    """Contiguous k, v [B, Hkv, L, D] (the first lens[b] tokens of row b real; default all) ->
+    fp8 e4m3 caches written by kv_append (per-block scales) at the blocks `table` [B, nblk]
+    gives: (kc, vc, ks, vs)."""
+    b, h, n, d = k.shape
+    nb = int(table.max()) + 1
+    kc = torch.zeros(nb, bt, h, d, device=DEV, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros_like(kc)
+    ks, vs = torch.zeros(nb, h, device=DEV), torch.zeros(nb, h, device=DEV)
+    lens = lens or [n] * b
+    pos = [torch.arange(x, device=DEV) for x in lens]
+    slots = torch.cat([table[i, p // bt].long() * bt + p % bt for i, p in enumerate(pos)])
+    dt = BF16 if DEV == "cuda" else torch.float16
+    k_tok = torch.cat([k[i, :, :x].transpose(0, 1) for i, x in enumerate(lens)]).to(dt)
+    v_tok = torch.cat([v[i, :, :x].transpose(0, 1) for i, x in enumerate(lens)]).to(dt)
+    kv_append(k_tok, v_tok, kc, vc, slots, k_scale=ks, v_scale=vs)  # [T, Hkv, D] token-major
+    return kc, vc, ks, vs
+
+
 def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
     """fp8 e4m3 KV written by kv_append (per-block scales), decoded on the same case."""
     b, h, n, d = k.shape
-    kc = torch.zeros(b * n // bt, bt, h, d, device=DEV, dtype=torch.float8_e4m3fn)
-    vc = torch.zeros_like(kc)
-    ks = torch.zeros(b * n // bt, h, device=DEV)
-    vs = torch.zeros_like(ks)
-    pos = torch.arange(n, device=DEV)
-    slots = (table[:, pos // bt].long() * bt + pos % bt).reshape(-1)  # [B*L] token-major
-    kv_append(k.transpose(1, 2).reshape(-1, h, d), v.transpose(1, 2).reshape(-1, h, d), kc, vc,
-              slots, k_scale=ks, v_scale=vs)  # fmt: skip
+    kc, vc, ks, vs = fp8_paged(k, v, table, bt)
     out = torch.empty_like(q3)
     fn = lambda: paged_decode(q3, kc, vc, table, lens, out=out, k_scale=ks, v_scale=vs)
     fn()
@@ -196,6 +212,60 @@ def prefill_case(b, s, gen):
         if ref is not None:
             err = rel_err(out, ref.transpose(1, 2).reshape(b * s, HQ, D))
         row(case, f"ours bt={bt}", bench(fn), flops, "TFLOP/s", err)
+        bf16_ms = ROWS[-1]["ms"]
+        kc, vc, ks, vs = fp8_paged(k, v, table, bt)  # fp8 KV prefill: the same case over codes
+        fn = functools.partial(paged_prefill, qt, kc, vc, table, cu, lens, out=out,
+                               k_scale=ks, v_scale=vs)  # fmt: skip
+        fn()
+        err = rel_err(out, ref.transpose(1, 2).reshape(b * s, HQ, D)) if ref is not None else None
+        ms = bench(fn)
+        row(f"{case} fp8 KV", f"ours fp8 bt={bt}", ms, flops, "TFLOP/s", err,
+            f"time vs bf16 = {ms / bf16_ms:.2f}x")  # fmt: skip
+
+
+def skewed_case(gen):
+    """One long sequence beside many short ones in one decode batch (issue 17: 32k + 31 x 512).
+    No SDPA call takes ragged lengths: the anchors run one call per length group, timed
+    together; ours is one paged call over the ragged batch."""
+    (long_, short, n_short), bt = SKEWED, 16
+    lens = [long_] + [short] * n_short
+    b = len(lens)
+    case = f"decode skewed 1x{long_}+{n_short}x{short}"
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=BF16, generator=gen)
+    kv = [torch.randn(2, n, HKV, n_tok, D, device=DEV, dtype=BF16, generator=gen)
+          for n, n_tok in ((1, long_), (n_short, short))]  # fmt: skip
+    nbytes = sum(x.nbytes for x in kv)  # K + V read
+    ref = None
+    for name, backend in (("sdpa cuDNN", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
+        fn = lambda: [F.scaled_dot_product_attention(qq, x[0], x[1], enable_gqa=True)
+                      for qq, x in zip((q[:1], q[1:]), kv)]  # fmt: skip
+        try:
+            with sdpa_kernel(backend):
+                out = torch.cat(fn())
+                row(case, f"{name} (2 calls)", bench(fn), nbytes, "TB/s")
+            ref = out if ref is None else ref
+        except Exception as e:
+            row(case, name, None, nbytes, "TB/s", note=f"failed: {type(e).__name__}"[:80])
+    # ours: every sequence's blocks at shuffled places of one cache
+    per_seq = [x[:, i].transpose(1, 2).reshape(2, -1, bt, HKV, D) for x in kv for i in
+               range(x.shape[1])]  # fmt: skip
+    blocks = torch.cat(per_seq, 1)  # [2, nblk, bt, Hkv, D]
+    perm = torch.randperm(blocks.shape[1], generator=gen, device=DEV)
+    cache = torch.empty_like(blocks)
+    cache[:, perm] = blocks
+    table = torch.zeros(b, long_ // bt, dtype=torch.int32, device=DEV)
+    first = 0
+    for i, n in enumerate(lens):
+        table[i, : n // bt] = perm[first : first + n // bt].to(torch.int32)
+        first += n // bt
+    q3, seq_lens = q[:, :, 0].contiguous(), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    fn = functools.partial(paged_decode, q3, cache[0], cache[1], table, seq_lens)
+    _, _, splits = decode_launch(q3, cache[0], table, 0, PrecisionMode.AUTO_MIXED, None, None)
+    err = rel_err(fn(), ref[:, :, 0]) if ref is not None else None
+    row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err, f"splits={splits}")
+    src, dst = blocks[0], torch.empty_like(blocks[0])  # read + write of K = the K+V bytes
+    row(case, "copy (ceiling)", bench(lambda: dst.copy_(src)), 2 * src.nbytes, "TB/s")
 
 
 def precision_errors(gen, kinds=("bf16", "fp16", "fp8")):
@@ -226,16 +296,7 @@ def _error_caches(k, v, bt, perm, table, kv):
         dt = {"fp16": torch.float16, "fp32": torch.float32}.get(kv, BF16)
         return (paged_from_contiguous(k.to(dt), bt, perm),
                 paged_from_contiguous(v.to(dt), bt, perm), None, None)  # fmt: skip
-    b, h, n, d = k.shape
-    kc = torch.zeros(b * n // bt, bt, h, d, device=DEV, dtype=torch.float8_e4m3fn)
-    vc = torch.zeros_like(kc)
-    ks, vs = torch.zeros(b * n // bt, h, device=DEV), torch.zeros(b * n // bt, h, device=DEV)
-    pos = torch.arange(n, device=DEV)
-    slots = (table[:, pos // bt].long() * bt + pos % bt).reshape(-1)
-    k_tok = k.transpose(1, 2).reshape(-1, h, d).to(BF16 if DEV == "cuda" else torch.float16)
-    v_tok = v.transpose(1, 2).reshape(-1, h, d).to(k_tok.dtype)
-    kv_append(k_tok, v_tok, kc, vc, slots, k_scale=ks, v_scale=vs)
-    return kc, vc, ks, vs
+    return fp8_paged(k, v, table, bt)
 
 
 def _one_error(phase, kv, mode, q, caches, table, lens, cu):
@@ -289,7 +350,7 @@ def sweep(gen):
 def table_md() -> str:
     lines = ["| case | impl | ms | value | unit | ours/cuDNN | rel err vs SDPA | note |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    cudnn = {r["case"]: r["ms"] for r in ROWS if r["impl"] == "sdpa cuDNN" and r["ms"]}
+    cudnn = {r["case"]: r["ms"] for r in ROWS if r["impl"].startswith("sdpa cuDNN") and r["ms"]}
     for r in ROWS:
         base = cudnn.get(r["case"].replace(" fp8 KV", ""))
         ratio = f"{base / r['ms']:.2f}" if base and r["ms"] and r["impl"].startswith("ours") else ""
@@ -325,6 +386,7 @@ def main():
         decode_case(b, n, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()
+    skewed_case(gen)
     for b, s in progress(PREFILL if not ARGS.decode_only else (), "prefill cases"):
         prefill_case(b, s, gen)
         if DEV == "cuda":
@@ -338,6 +400,9 @@ def main():
             json.dump(dict(env=env, rows=ROWS, errors=errors, sweep=best), f, indent=1)
         with open(os.path.join(out_dir, "bench_attention.md"), "w") as f:
             f.write(md + "\n")
+    if ARGS.ttft:  # generate()'s time to first token, in processes of its own (bench_ttft.py)
+        torch.cuda.empty_cache()
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "bench_ttft.py")])
 
 
 if __name__ == "__main__":
@@ -345,6 +410,8 @@ if __name__ == "__main__":
     parser.add_argument("--no-flex", dest="flex", action="store_false")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
     parser.add_argument("--cpu-errors", action="store_true")
+    parser.add_argument("--no-ttft", dest="ttft", action="store_false",
+                        help="skip the generate() TTFT rows (bench_ttft.py)")  # fmt: skip
     parser.add_argument(
         "--decode-only", action="store_true", help="only the decode cases (bf16 and fp8 KV)"
     )

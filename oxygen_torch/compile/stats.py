@@ -1,4 +1,5 @@
-"""What the oxygen backend did, for tests and users: counts since the last `reset_stats()`."""
+"""What the oxygen backend did, and which path paged prefill attention took, for tests and users:
+counts since the last `reset_stats()`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..kv import fresh
 
 
 @dataclass
@@ -35,6 +38,7 @@ _totals: dict[str, Any] = {}
 
 
 def reset_stats() -> None:
+    fresh.reset()
     with _lock:
         _totals.clear()
         _totals.update(
@@ -68,7 +72,10 @@ def count_cuda_graph(event: str, n: int = 1) -> None:
 
 def stats() -> dict[str, Any]:
     """graphs_compiled, attention_found, rewritten, rewritten_by_pattern, left (count),
-    left_reasons [{pattern, reason, where}], notes, cuda_graphs {captured, replayed, skipped}."""
+    left_reasons [{pattern, reason, where}], notes, cuda_graphs {captured, replayed, skipped},
+    prefill_attention {dense, paged, why {reason: n}}: prefill attention calls (one per layer and
+    forward) on the paged cache by path, dense being SDPA on a fresh prefill's own K/V
+    (kv.fresh_prefill)."""
     with _lock:
         return {
             "graphs_compiled": _totals["graphs_compiled"],
@@ -79,6 +86,7 @@ def stats() -> dict[str, Any]:
             "left_reasons": [vars(x).copy() for x in _totals["left"]],
             "notes": list(_totals["notes"]),
             "cuda_graphs": dict(_totals["cuda_graphs"]),
+            "prefill_attention": fresh.stats(),
         }
 
 

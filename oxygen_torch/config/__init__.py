@@ -12,6 +12,7 @@ from .fields import (
     DEVICE_GRANULARITY,
     ENV_CONF,
     ENV_FILE,
+    FRESH_PREFILL,
     MAX_PAGE_SIZE,
     MAX_TOKENS,
     MAX_VIRTUAL_BYTES,
@@ -28,7 +29,8 @@ from .fields import (
 from .sources import NOT_WIRED, load_config, parse_conf_string
 
 __all__ = [
-    "DEVICE_GRANULARITY", "ENV_CONF", "ENV_FILE", "SECTIONS", "KernelConfig", "KVConfig",
+    "DEVICE_GRANULARITY", "ENV_CONF", "ENV_FILE", "FRESH_PREFILL", "SECTIONS", "KernelConfig",
+    "KVConfig",
     "OxygenConfig", "PoolConfig", "SchedulerConfig", "describe", "load_config",
     "parse_conf_string", "NOT_WIRED", "host_memory_bytes", "check_page_size",
     "MAX_PAGE_SIZE", "MAX_TOKENS", "MAX_VIRTUAL_BYTES",

@@ -28,6 +28,8 @@ MAX_PAGE_SIZE = GiB
 # 128 TiB: the user address space of x86-64 and arm64 with 4-level page tables; no virtual range
 # (kv.arena_bytes) can be larger.
 MAX_VIRTUAL_BYTES = 1 << 47
+# kv.fresh_prefill: how a prefill with no cached prefix attends (kv/fresh.py)
+FRESH_PREFILL = ("auto", "dense", "paged")
 # Token counts are int32 in the kernels' position and length tensors.
 MAX_TOKENS = (1 << 31) - 1
 # Integers written with more digits than this are refused before Python converts them (it refuses
@@ -178,6 +180,10 @@ class KVConfig:
     # along the sequence (transformers' prefill_chunk_size), so prefill activations stay at this
     # size instead of growing with the prompt; 0 = never chunk; at most 2^31 - 1 (int32 positions)
     prefill_chunk_tokens: int = 16384
+    # a prefill with no cached prefix: attention on the forward's own K/V through torch SDPA
+    # (dense), over the paged cache (paged), or chosen per call by shape/dtype/device from the
+    # measured table in kv/fresh.py (auto); K/V are written to the cache either way
+    fresh_prefill: str = "auto"
     # generate() on the paged cache (CUDA) replays its one-token decode steps from CUDA graphs
     decode_graphs: bool = True
     # ... captured from compiled code (fused kernels) rather than the eager forward
@@ -193,6 +199,7 @@ class KVConfig:
                 "allowed: a power of two from 16 to 256"
             )
         _check_choice("kv", "kv_dtype", self.kv_dtype, tuple(KV_DTYPES))
+        _check_choice("kv", "fresh_prefill", self.fresh_prefill, FRESH_PREFILL)
         _check_int("kv.prefetch_distance", self.prefetch_distance, 0, 1024, "0 to 1024")
         if self.arena_bytes < 0:
             raise ValueError(

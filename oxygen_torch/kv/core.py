@@ -16,19 +16,21 @@ from __future__ import annotations
 import torch
 
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
-from .attention import Tiles, gather_blocks, kv_write, paged_attention
+from .attention import Tiles, kv_write
 from .block_manager import SequenceBlocks
+from .fresh import check_setting
 from .graph_step import GraphStepMixin
 from .history import History
 from .plan import StepPlan
 from .pool import KVPool, PoolKey, get_pool
+from .step_attention import AttendMixin
 from .storage import GUARD_BLOCK, debug_checks_enabled
 from .table import BlockTableMixin
 
 MiB = 1 << 20
 
 
-class PagedKVCore(BlockTableMixin, GraphStepMixin):
+class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
     """KV cache of a batch of sequences in a shared KVPool. One table serves all layers."""
 
     def __init__(
@@ -43,6 +45,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         precision: PrecisionMode = PrecisionMode.AUTO_MIXED,
         kv_dtype: str = "auto",
         tiles: Tiles | None = None,
+        fresh_prefill: str = "auto",
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(
@@ -55,6 +58,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
         self.backing, self.arena_bytes, self.page_size = backing, arena_bytes, page_size
         self.debug, self.precision = debug_checks_enabled(debug), precision
         self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
+        self.fresh_prefill = check_setting("PagedKVCore", fresh_prefill)  # kv.fresh_prefill
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
         self.history: History | None = None  # tokens held, kept for a recompute (the engine)
@@ -222,18 +226,21 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             slots = torch.where(real, slots, -1)
             q_index = self._to_device(real.flatten().nonzero().squeeze(1))
         cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        buf = self._to_device(
-            torch.cat(
-                [
-                    slots.flatten().to(torch.int32),
-                    cu,
-                    torch.tensor(self.seqs.lens, dtype=torch.int32),
-                ]
-            )
-        )
+        # no sequence held a token before this step: its attention may skip the paged read
+        fresh = not any(lens0)
+        parts = [
+            slots.flatten().to(torch.int32),
+            cu,
+            torch.tensor(self.seqs.lens, dtype=torch.int32),
+        ]
+        keep_real = fresh and real is not None and self.fresh_prefill != "paged"
+        if keep_real:  # the dense path's padding mask, in the same copy
+            parts.append(real.flatten().to(torch.int32))
+        buf = self._to_device(torch.cat(parts))
         n = batch * q
-        self.seq_lens = buf[n + batch + 1 :]
-        return StepPlan(q, buf[:n], buf[n : n + batch + 1], q_index)
+        self.seq_lens = buf[n + batch + 1 : n + 2 * batch + 1]
+        dense_real = buf[n + 2 * batch + 1 :].view(batch, q).bool() if keep_real else None
+        return StepPlan(q, buf[:n], buf[n : n + batch + 1], q_index, fresh, dense_real)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst of every layer's K and V becomes a copy of block src."""
@@ -243,72 +250,6 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             for cache in (*st.k, *st.v) if st is not None else ():
                 raw = cache.view(torch.uint8)  # bytes: index_copy_ has no fp8 kernel
                 raw.index_copy_(0, dst, raw.index_select(0, src))
-
-    # --- attention and reading ------------------------------------------------------------
-
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        plan: StepPlan,
-        *,
-        scale: float | None,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """q: [B, Hq, q_len, D] -> attention output [B, q_len, Hq, D] (padding rows are 0)."""
-        st = self.pool.storage
-        batch, hq, q_len, d = q.shape
-        if self.debug:
-            st.check_blocks(self.table)
-        scales = dict(k_scale=self.pool.k_scale(layer), v_scale=self.pool.v_scale(layer))
-        if plan.cu_seqlens_q is None:
-            out = paged_attention(
-                q[:, :, 0],
-                st.k[layer],
-                st.v[layer],
-                self.table,
-                self.seq_lens,
-                scale=scale,
-                sliding_window=sliding_window,
-                precision=self.precision,
-                tiles=self.tiles,
-                **scales,
-            )  # [B, Hq, D]
-            return out.unsqueeze(1)
-        qr = q.transpose(1, 2).reshape(batch * q_len, hq, d)
-        if plan.q_index is not None:
-            qr = qr.index_select(0, plan.q_index)
-        out = paged_attention(
-            qr,
-            st.k[layer],
-            st.v[layer],
-            self.table,
-            self.seq_lens,
-            plan.cu_seqlens_q,
-            scale=scale,
-            sliding_window=sliding_window,
-            precision=self.precision,
-            tiles=self.tiles,
-            **scales,
-        )
-        if plan.q_index is not None:
-            full = out.new_zeros(batch * q_len, hq, d)
-            out = full.index_copy_(0, plan.q_index, out)
-        return out.view(batch, q_len, hq, d)
-
-    def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K, V as [B, Hkv, length, D] (only when no padding was skipped)."""
-        if self._pad_frontier or any(n != self.length for n in self.seqs.lens):
-            raise NotImplementedError(
-                "PagedKVCache: this cache skipped padding (oxygen attention); it cannot be read "
-                "back densely by another attention implementation"
-            )
-        st, n = self.pool.storage, self.length
-        nblk = -(-n // self.block_tokens)
-        idx = self.table[:, :nblk].to(torch.int64)  # [B, nblk]: only allocated blocks
-        pool, dtype = self.pool, self.model_dtype
-        k = gather_blocks(st.k[layer], pool.k_scale(layer), idx, n, dtype)
-        return k, gather_blocks(st.v[layer], pool.v_scale(layer), idx, n, dtype)
 
     # --- sequence operations --------------------------------------------------------------
 
@@ -357,6 +298,7 @@ class PagedKVCore(BlockTableMixin, GraphStepMixin):
             precision=self.precision,
             kv_dtype=self.kv_dtype,
             tiles=self.tiles,
+            fresh_prefill=self.fresh_prefill,
         )
         if self.seqs is None:
             return other

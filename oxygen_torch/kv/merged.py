@@ -17,6 +17,7 @@ import torch
 
 from .attention import kv_write, paged_attention
 from .core import PagedKVCore
+from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
 
@@ -127,10 +128,13 @@ class MergedStep:
         )  # fmt: skip
         return self._plan
 
-    def attend(self, layer, q, plan, *, scale, sliding_window) -> torch.Tensor:
-        """q: [1, Hq, T, D] -> [1, T, Hq, D]."""
+    def attend(self, layer, q, plan, *, scale, sliding_window, k=None, v=None) -> torch.Tensor:
+        """q: [1, Hq, T, D] -> [1, T, Hq, D]. k, v (the packed new K/V) are not read: every row
+        attends over the blocks, where write() stored them."""
         st = self.pool.storage
         qq = q[0].transpose(0, 1)  # [T, Hq, D]
+        if plan.cu_seqlens_q is not None:  # prefill chunks beside decode rows: always paged
+            count_prefill("paged", "merged step", layer)
         out = paged_attention(
             qq, st.k[layer], st.v[layer], self.table, self.seq_lens, plan.cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, precision=self.precision,

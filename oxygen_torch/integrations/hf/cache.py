@@ -74,7 +74,8 @@ class PagedKVCache(Cache):
     (OXYGEN_CONF, OXYGEN_CONFIG_FILE, the defaults). generate() passes the model's.
     kv_dtype: overrides cfg's kv.kv_dtype ("auto", or "fp8_e4m3": K/V stored as e4m3 codes with
     one fp32 scale per block and kv head; half the bytes of bf16). precision: overrides
-    cfg's kernel.precision.
+    cfg's kernel.precision. cfg's kv.fresh_prefill chooses how a prefill with no cached prefix
+    attends (kv/fresh.py).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class PagedKVCache(Cache):
             ),
             kv_dtype=kv_dtype or cfg.kv.kv_dtype,
             tiles=tiles_for(cfg.kernel, self._profile(config, cfg)),
+            fresh_prefill=cfg.kv.fresh_prefill,
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
@@ -166,7 +168,7 @@ class PagedKVCache(Cache):
 
         plan = self._core.write(layer_idx, key, value, real_fn)
         return self._core.attend(
-            layer_idx, query, plan, scale=scaling, sliding_window=sliding_window
+            layer_idx, query, plan, scale=scaling, sliding_window=sliding_window, k=key, v=value
         )
 
     def _check_left_padding(self, real: torch.Tensor) -> None:
