@@ -32,6 +32,8 @@ Allocator::Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt)
       slab_max_(std::min(kMaxSlabBlock, range_->page() / 2)),
       opt_(opt),
       streams_(range_->ctx().backend()),
+      small_(range_->page()),
+      small_live_(range_->pages(), 0),
       refcnt_(range_->pages(), 0),
       idle_since_(range_->pages(), 0),
       idle_(range_->pages()) {
@@ -141,22 +143,14 @@ Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
 
 void Allocator::free_block(const Block& b, StreamState* fs) {
   if (b.capture) return free_capture_block(b, fs);
-  if (!b.slab) return large_free(b, fs);
-  Heap* h = b.slab->heap;
-  if (fs != h->stream) {
-    // Freed on another stream than the slab's: the slot waits until that stream has passed the
-    // free, then returns to its slab (process_deferred).
-    deferred_.push_back({b.slab, b.slot, streams_.on_free(fs)});
-    try_record(fs);
-    return;
-  }
-  slab_put(b.slab, b.slot, streams_.on_free(fs));
+  if (b.small) return small_free(b, fs);
+  large_free(b, fs);  // slab blocks are a capture's (free_capture_block)
 }
 
 std::uintptr_t Allocator::place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b) {
   if (bytes <= slab_max_) {
-    int cls = size_class(bytes);
-    return slab_alloc(heap_for(st, cap ? cap->id : 0), cls, b);
+    if (!cap) return small_alloc(bytes, st, b);
+    return slab_alloc(heap_for(st, cap->id), size_class(bytes), b);
   }
   return large_alloc(bytes, st, cap, b);
 }

@@ -22,7 +22,8 @@ void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
   if (next != by_addr_.begin()) {
     auto prev = std::prev(next);
     Tag joined;
-    if (prev->first + prev->second.size == addr && merge_tags(prev->second.tag, tag, &joined)) {
+    if (prev->first + prev->second.size == addr && joinable_at(addr) &&
+        merge_tags(prev->second.tag, tag, &joined)) {
       addr = prev->first;
       size += prev->second.size;
       tag = joined;
@@ -31,7 +32,7 @@ void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
   }
   next = by_addr_.lower_bound(addr + size);
   Tag joined;
-  if (next != by_addr_.end() && next->first == addr + size &&
+  if (next != by_addr_.end() && next->first == addr + size && joinable_at(next->first) &&
       merge_tags(tag, next->second.tag, &joined)) {
     size += next->second.size;
     tag = joined;
@@ -79,7 +80,7 @@ void FreeExtents::coalesce() {
     auto next = std::next(it);
     Tag joined;
     if (next != by_addr_.end() && it->first + it->second.size == next->first &&
-        merge_tags(it->second.tag, next->second.tag, &joined)) {
+        joinable_at(next->first) && merge_tags(it->second.tag, next->second.tag, &joined)) {
       std::uintptr_t addr = it->first;
       std::size_t size = it->second.size + next->second.size;
       erase(next);

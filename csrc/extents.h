@@ -17,6 +17,10 @@ namespace oxygen {
 
 class FreeExtents {
  public:
+  // boundary != 0: ranges never join across a multiple of it (the small-block pages: a block
+  // never straddles two of them, so each page goes back whole when its last block is freed).
+  explicit FreeExtents(std::size_t boundary = 0) : boundary_(boundary) {}
+
   struct Extent {
     std::size_t size;
     Tag tag;
@@ -53,6 +57,9 @@ class FreeExtents {
  private:
   void erase(std::map<std::uintptr_t, Extent>::iterator it);
   void add(std::uintptr_t addr, std::size_t size, Tag tag);
+  bool joinable_at(std::uintptr_t addr) const { return boundary_ == 0 || addr % boundary_ != 0; }
+
+  std::size_t boundary_;
 
   std::map<std::uintptr_t, Extent> by_addr_;
   std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;
