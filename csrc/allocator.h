@@ -109,6 +109,7 @@ class Allocator {
   bool place_on_idle(std::size_t bytes, std::size_t align, const StreamState* user,
                      std::uintptr_t* addr, Pieces* pieces);
   void give_back(const Pieces& pieces);
+  std::size_t unmapped_pages(std::uintptr_t a, std::size_t bytes) const;
   // small blocks (allocator_small.cpp)
   std::uintptr_t small_alloc(std::size_t bytes, StreamState* st, Block* b);
   bool new_small_page(StreamState* st);
@@ -155,6 +156,7 @@ class Allocator {
   AllocCounters stats_;
   Streams streams_;
   FreeExtents extents_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> fits_;  // take_free's scratch
   FreeExtents small_;                      // free space on small-block pages (never joined
                                            // across pages: a block stays on one page)
   std::vector<std::uint32_t> small_live_;  // live small blocks on each small-block page

@@ -62,6 +62,17 @@ bool FreeExtents::take(std::size_t size, std::size_t align, const StreamState* u
   return false;
 }
 
+void FreeExtents::fits(std::size_t size, std::size_t align, const StreamState* user, int k,
+                       std::vector<std::pair<std::uintptr_t, std::size_t>>* out) const {
+  for (auto it = by_size_.lower_bound({size, 0}); it != by_size_.end() && k > 0; ++it) {
+    const Extent& e = by_addr_.find(it->second)->second;
+    if (user ? !usable_by(e.tag, user) : !is_safe(e.tag)) continue;
+    if ((it->second + align - 1) / align * align + size > it->second + e.size) continue;
+    out->push_back({it->second, e.size});
+    --k;
+  }
+}
+
 bool FreeExtents::find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size,
                        Tag* tag) const {
   auto it = by_addr_.upper_bound(addr);

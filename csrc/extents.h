@@ -36,6 +36,11 @@ class FreeExtents {
   bool take(std::size_t size, std::size_t align, const StreamState* user, std::uintptr_t* addr,
             Tag* tag);
 
+  // Up to `k` free extents (start, size) that hold `size` bytes at an `align`-aligned address and
+  // that `user` may use (nullptr: safe ones only), smallest first: best fit and its runners-up.
+  void fits(std::size_t size, std::size_t align, const StreamState* user, int k,
+            std::vector<std::pair<std::uintptr_t, std::size_t>>* out) const;
+
   // The free extent holding `addr`, or false. Sets its start, size and tag.
   bool find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size, Tag* tag) const;
 
