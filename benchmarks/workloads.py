@@ -7,7 +7,7 @@ long prompts, few new tokens; decode-heavy: short prompts, many new tokens; bala
 logits processors, streamers or side work keep for a few steps, some on a second stream).
 
 ``trace(workload)`` emits what greedy HF generate() with the dynamic cache allocates and frees
-(weights first; per call a prefill and decode steps whose K/V grow by torch.cat: the grown block
+(weights first, freed last; per call a prefill and decode steps whose K/V grow by torch.cat: the grown block
 is made, then the old one freed), in the format of benchmarks/record_trace.py: ``["a", size, id,
 stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a trace to CPU size
 (tests/test_pool_workloads.py); bench_allocator.py ``--seeds`` runs the same seeds on the GPU
@@ -194,6 +194,8 @@ def trace(w: Workload, layers: int | None = None, max_new: int | None = None) ->
         t.free(ids)
         t.free(mask)
     for i, _ in side:
+        t.free(i)
+    for i in list(t.live):  # the model goes last: every block of a trace is freed
         t.free(i)
     return t.ops
 
