@@ -7,9 +7,9 @@ long prompts, few new tokens; decode-heavy: short prompts, many new tokens; bala
 logits processors, streamers or side work keep for a few steps, some on a second stream).
 
 ``trace(workload)`` emits what greedy HF generate() with the dynamic cache allocates and frees
-(weights first, freed last; per call a prefill and decode steps whose K/V grow by torch.cat: the grown block
-is made, then the old one freed), in the format of benchmarks/record_trace.py: ``["a", size, id,
-stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a trace to CPU size
+(weights first, freed last; per call a prefill and decode steps whose K/V grow by torch.cat: the
+grown block is made, then the old one freed), in the format of benchmarks/record_trace.py:
+``["a", size, id, stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a trace to CPU size
 (tests/test_pool_workloads.py); bench_allocator.py ``--seeds`` runs the same seeds on the GPU
 (mixed_workload.run_seed) and replays them on the host backend (``--replay-host``).
 
