@@ -89,6 +89,32 @@ def worker(pool, seed: int, ops: int, live_max: int, lo: int, hi: int, errors: l
         errors.append(f"seed {seed}: {exc!r}")
 
 
+def replay(ops: list[list], capacity: int) -> dict:
+    """Replay an alloc/free trace (benchmarks/workloads.py, record_trace.py) on a host pool, every
+    block stamped at its malloc and checked at its free. The pool's figures at the end, with
+    `overwritten` (blocks whose content changed) and the mapped bytes after empty_cache()."""
+    from oxygen_torch.pool import VirtualPool
+
+    bad = 0
+    with VirtualPool(backend="host", capacity=capacity) as pool:
+        ptrs: dict[int, int] = {}
+        for op, size, i, stream in ops:
+            if op == "a":
+                ptrs[i] = p = pool.malloc(size, stream)
+                stamp(p, size, i)
+            elif i in ptrs:
+                p = ptrs.pop(i)
+                bad += not verify(p, size, i)
+                pool.free(p, size, stream)
+        s = pool.stats()
+        for p in ptrs.values():
+            pool.free(p)
+        pool.empty_cache()
+        s["overwritten"] = bad
+        s["mapped_after_empty_cache"] = pool.stats()["mapped_bytes"]
+    return s
+
+
 def run(threads: int = 8, ops: int = 200_000, seed: int = 0, live: int = 40, lo: int = 512,
         hi: int = 45 * MiB, capacity: int = 16 << 30, hysteresis_us: int = 0) -> dict:  # fmt: skip
     """One run; the pool's figures at the end, errors (corruption, exceptions) and the mapped

@@ -9,9 +9,10 @@ logits processors, streamers or side work keep for a few steps, some on a second
 ``trace(workload)`` emits what greedy HF generate() with the dynamic cache allocates and frees
 (weights first, freed last; per call a prefill and decode steps whose K/V grow by torch.cat: the
 grown block is made, then the old one freed), in the format of benchmarks/record_trace.py:
-``["a", size, id, stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a trace to CPU size
-(tests/test_pool_workloads.py); bench_allocator.py ``--seeds`` runs the same seeds on the GPU
-(mixed_workload.run_seed) and replays them on the host backend (``--replay-host``).
+``["a", size, id, stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a
+trace to CPU size (tests/test_pool_workloads.py); bench_allocator.py ``--seeds`` runs the same
+seeds on the GPU (mixed_workload.run_seed) and replays them on the host backend
+(``--replay-host``).
 
     python benchmarks/workloads.py 0 1 2        # print each seed's workload
 """
