@@ -6,7 +6,7 @@
   figure, 1 - peak allocated / peak mapped) <= 1.5 % on each seed, and below best fit without
   unmapping on the same trace.
 - Random log-uniform 512 B - 45 MiB malloc/free from 4 threads (benchmarks/host_random.py, the
-  issue's 11.4 % case; 13-14 % before small blocks shared pages): <= 6 % on each seed, no
+  issue's 11.4 % case; 11-14 % before small blocks shared pages): <= 8 % on each seed, no
   corruption, nothing mapped after empty_cache(). The 8 x 200,000 figure is the benchmark's."""
 
 from __future__ import annotations
