@@ -13,7 +13,14 @@
 Every measurement runs in its own child process (the global route must be installed before CUDA
 initialises). Prints a table last; writes bench_allocator.json and bench_allocator.md to $OUT.
 
-    python benchmarks/bench_allocator.py [--calls 14] [--skip-workload] [--allocators oxygen ...]
+The workload is a family (benchmarks/workloads.py): each of --seeds (default 0-7) draws a model
+shape, a prefill/decode mix and its calls; every allocator runs every seed, and the table gives
+each seed and the worst. --anchor adds the anchor's 14-call workload. On a CPU: --dry-run prints
+the plan; --replay-host replays each seed's trace (cut to --layers and --max-new) on the host
+backend with content checks and prints each seed's fragmentation and the worst.
+
+    python benchmarks/bench_allocator.py [--seeds 0 1 ...] [--calls N] [--skip-workload]
+        [--allocators oxygen ...] [--anchor] [--dry-run] [--replay-host]
 """
 
 from __future__ import annotations
@@ -115,17 +122,52 @@ def bench_latency() -> dict:
 WORKLOAD_ALLOCATORS = ("default", "expandable", "oxygen")
 
 
-def bench_workload(calls: int, allocators=WORKLOAD_ALLOCATORS) -> dict:
+def bench_workload(calls: int | None, allocators=WORKLOAD_ALLOCATORS, seeds=(None,)) -> dict:
+    """{seed name: {allocator: figures}}; seed None is the anchor workload."""
+    out: dict = {}
+    for seed in seeds:
+        name = "anchor" if seed is None else f"seed {seed}"
+        out[name] = {}
+        for mode in progress(allocators, f"mixed workload, {name}"):
+            code = (
+                f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import mixed_workload as m; "
+                f"print(json.dumps(m.run({mode!r}, {calls!r}, {seed!r})))"
+            )
+            t = time.perf_counter()
+            out[name][mode] = r = child(code, timeout=900)
+            r["wall_s"] = round(time.perf_counter() - t, 1)
+            print(f"workload {name} {mode}: {r}", flush=True)
+    return out
+
+
+def worst(per_seed: dict, key: str = "frag_pct") -> dict:
+    """{allocator: (worst value of key, seed name)} over the seeds that ran without error."""
+    out: dict = {}
+    for name, runs in per_seed.items():
+        for mode, r in runs.items():
+            if key in r and (mode not in out or r[key] > out[mode][0]):
+                out[mode] = (r[key], name)
+    return out
+
+
+def replay_host(seeds, layers: int, max_new: int) -> dict:
+    """Each seed's trace on the host backend, content checked: the CPU side of the family."""
+    import host_random
+    import workloads
+
     out = {}
-    for mode in progress(allocators, "mixed workload"):
-        code = (
-            f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import mixed_workload as m; "
-            f"print(json.dumps(m.run({mode!r}, {calls})))"
-        )
-        t = time.perf_counter()
-        out[mode] = child(code, timeout=900)
-        out[mode]["wall_s"] = round(time.perf_counter() - t, 1)
-        print(f"workload {mode}: {out[mode]}", flush=True)
+    for seed in seeds:
+        ops = workloads.trace(workloads.family(seed), layers=layers, max_new=max_new)
+        s = host_random.replay(ops, capacity=2 * workloads.peak_live(ops) + (256 << 20))
+        out[f"seed {seed}"] = r = {
+            "events": len(ops),
+            "frag_pct": round(100 * s["fragmentation"], 2),
+            "peak_alloc_MiB": round(s["peak_allocated_bytes"] / 2**20, 1),
+            "peak_mapped_MiB": round(s["peak_mapped_bytes"] / 2**20, 1),
+            "overwritten": s["overwritten"],
+            "mapped_after_empty_cache": s["mapped_after_empty_cache"],
+        }
+        print(f"host replay seed {seed}: {r}", flush=True)
     return out
 
 
@@ -146,17 +188,21 @@ def table(r: dict) -> str:
         lines.append(f"| {sz >> 10} KiB | {fmt(td)} | {fmt(to)} | {ratio} | "
                      + " | ".join(fmt(c) for c in cells) + " |")  # fmt: skip
     if "workload" in r:
-        lines += ["", "## 2. mixed generate() workload", "",
-                  "| allocator | peak alloc GiB | peak reserved/mapped GiB | fragmentation % "
-                  "| held after GiB (now / +100 ms) | tok/s |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for mode, w in r["workload"].items():
-            if "error" in w:
-                lines.append(f"| {mode} | error: {w['error'][-200:]!r} |||||")
-                continue
-            lines.append(f"| {mode} | {w['peak_alloc_GiB']} | {w['peak_reserved_GiB']} | "
-                         f"{w['frag_pct']} | {w['end_reserved_GiB']} / "
-                         f"{w['end_reserved_100ms_GiB']} | {w['tok_per_s']} |")  # fmt: skip
+        lines += ["", "## 2. mixed generate() workloads, one per seed", "",
+                  "| workload | allocator | peak alloc GiB | peak reserved/mapped GiB "
+                  "| fragmentation % | held after GiB (now / +100 ms) | tok/s |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, runs in r["workload"].items():
+            for mode, w in runs.items():
+                if "error" in w:
+                    lines.append(f"| {name} | {mode} | error: {w['error'][-200:]!r} |||||")
+                    continue
+                lines.append(f"| {name} ({w.get('arch')}) | {mode} | {w['peak_alloc_GiB']} | "
+                             f"{w['peak_reserved_GiB']} | {w['frag_pct']} | "
+                             f"{w['end_reserved_GiB']} / {w['end_reserved_100ms_GiB']} | "
+                             f"{w['tok_per_s']} |")  # fmt: skip
+        for mode, (v, name) in worst(r["workload"]).items():
+            lines.append(f"| **worst** | {mode} | | | {v} ({name}) | | |")
     g = r["growth"]
     lines += ["", "## 3. growth: 1 GiB more usable on the allocating thread", "",
               f"- handles prepared ahead (map + set-access only): "
@@ -171,21 +217,76 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=14, help="generate() calls (anchor: 14)")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(range(8)),
+        help="workload family seeds (benchmarks/workloads.py); default 0-7",
+    )
+    ap.add_argument("--anchor", action="store_true", help="also the anchor's 14-call workload")
+    ap.add_argument(
+        "--calls",
+        type=int,
+        default=None,
+        help="keep the first N calls of each workload (default: all)",
+    )
     ap.add_argument("--skip-workload", action="store_true")
-    ap.add_argument("--allocators", nargs="+", default=list(WORKLOAD_ALLOCATORS),
-                    choices=WORKLOAD_ALLOCATORS,
-                    help="which allocators run the workload (each ~2 min on the H200)")  # fmt: skip
-    args = ap.parse_args()
+    ap.add_argument(
+        "--allocators",
+        nargs="+",
+        default=list(WORKLOAD_ALLOCATORS),
+        choices=WORKLOAD_ALLOCATORS,
+        help="which allocators run the workloads (each ~2 min on the H200)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each seed's workload and what would run; no GPU",
+    )
+    ap.add_argument(
+        "--replay-host",
+        action="store_true",
+        help="replay each seed's trace on the host backend instead (CPU)",
+    )
+    ap.add_argument("--layers", type=int, default=2, help="--replay-host: layers kept")
+    ap.add_argument("--max-new", type=int, default=8, help="--replay-host: new tokens per call")
+    args = ap.parse_args(argv)  # fmt: skip
+    if any(s < 0 for s in args.seeds):
+        ap.error(f"--seeds must be non-negative, got {args.seeds}")
+    if args.calls is not None and args.calls < 1:
+        ap.error(f"--calls must be >= 1, got {args.calls}")
+    if args.layers < 1 or args.max_new < 1:
+        ap.error("--layers and --max-new must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    sys.path.insert(0, str(HERE))
+    if args.dry_run:
+        import workloads
+
+        for seed in args.seeds:
+            print(workloads.family(seed).describe())
+        print(f"would run: latency, growth, then {len(args.seeds) + args.anchor} workload(s) x "
+              f"{args.allocators}")  # fmt: skip
+        return 0
+    if args.replay_host:
+        res = replay_host(args.seeds, args.layers, args.max_new)
+        v, name = max((r["frag_pct"], n) for n, r in res.items())
+        print(f"worst fragmentation over {len(res)} seeds (host backend): {v} % ({name})")
+        return 0
     t0 = time.perf_counter()
     r = {"latency": bench_latency()}
     print(f"latency: {r['latency']}", flush=True)
     r["growth"] = child(GROWTH)
     print(f"growth: {r['growth']}", flush=True)
     if not args.skip_workload:
-        r["workload"] = bench_workload(args.calls, args.allocators)
+        seeds = ([None] if args.anchor else []) + list(args.seeds)
+        r["workload"] = bench_workload(args.calls, args.allocators, seeds)
     r["seconds"] = round(time.perf_counter() - t0, 1)
     md = table(r)
     print("\n" + md)

@@ -48,13 +48,23 @@ def setup(mode: str):
     return torch
 
 
-def build(torch):
+def build(torch, arch=None):
+    """The anchor's Llama-1.1B shape, or `arch` (a workloads.Arch of the seed family; every
+    shape is built as a Llama: same sizes, no Qwen attention bias)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
+    shape = dict(
         hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192,
+        num_key_value_heads=8, vocab_size=32000,
     )  # fmt: skip
+    if arch is not None:
+        shape = dict(
+            hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+            num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+            num_key_value_heads=arch.kv_heads, vocab_size=arch.vocab,
+            tie_word_embeddings=arch.tied,
+        )  # fmt: skip
+    cfg = LlamaConfig(**shape, max_position_embeddings=8192)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
@@ -64,15 +74,27 @@ def build(torch):
     return model, cfg
 
 
-def run(mode: str, calls: int) -> dict:
+def family_workload(seed: int):
+    """A seed's workload of benchmarks/workloads.py (imported from this file's folder)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import workloads
+
+    return workloads.family(seed)
+
+
+def run(mode: str, calls: int | None, seed: int | None = None) -> dict:
+    """seed None: the anchor workload (first `calls` calls); else the family's workload of that
+    seed (its model shape and calls, all of them when calls is None)."""
+    fam = family_workload(seed) if seed is not None else None
+    work = workload(calls if calls is not None else 14) if fam is None else fam.calls[:calls]
     torch = setup(mode)
-    model, cfg = build(torch)
+    model, cfg = build(torch, fam.arch if fam else None)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     toks = 0
     t0 = time.perf_counter()
-    for b, p, n in workload(calls):
+    for b, p, n in work:
         ids = torch.randint(0, cfg.vocab_size, (b, p), device="cuda")
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
@@ -85,7 +107,9 @@ def run(mode: str, calls: int) -> dict:
     time.sleep(0.1)  # oxygen: idle pages leave after the hysteresis (pool.hysteresis_ms, 20 ms)
     r = {
         "mode": mode,
-        "calls": calls,
+        "calls": len(work),
+        "seed": seed,
+        "arch": fam.arch.name if fam else "llama-1.1b (anchor)",
         "weights_GiB": round(base / 2**30, 3),
         "peak_alloc_GiB": round(pa / 2**30, 3),
         "peak_reserved_GiB": round(pr / 2**30, 3),

@@ -32,6 +32,8 @@ Allocator::Allocator(std::unique_ptr<PageRange> range, const AllocOptions& opt)
       slab_max_(std::min(kMaxSlabBlock, range_->page() / 2)),
       opt_(opt),
       streams_(range_->ctx().backend()),
+      small_(range_->page()),
+      small_live_(range_->pages(), 0),
       refcnt_(range_->pages(), 0),
       idle_since_(range_->pages(), 0),
       idle_(range_->pages()) {
@@ -141,22 +143,14 @@ Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
 
 void Allocator::free_block(const Block& b, StreamState* fs) {
   if (b.capture) return free_capture_block(b, fs);
-  if (!b.slab) return large_free(b, fs);
-  Heap* h = b.slab->heap;
-  if (fs != h->stream) {
-    // Freed on another stream than the slab's: the slot waits until that stream has passed the
-    // free, then returns to its slab (process_deferred).
-    deferred_.push_back({b.slab, b.slot, streams_.on_free(fs)});
-    try_record(fs);
-    return;
-  }
-  slab_put(b.slab, b.slot, streams_.on_free(fs));
+  if (b.small) return small_free(b, fs);
+  large_free(b, fs);  // slab blocks are a capture's (free_capture_block)
 }
 
 std::uintptr_t Allocator::place(std::size_t bytes, StreamState* st, CaptureState* cap, Block* b) {
   if (bytes <= slab_max_) {
-    int cls = size_class(bytes);
-    return slab_alloc(heap_for(st, cap ? cap->id : 0), cls, b);
+    if (!cap) return small_alloc(bytes, st, b);
+    return slab_alloc(heap_for(st, cap->id), size_class(bytes), b);
   }
   return large_alloc(bytes, st, cap, b);
 }
@@ -242,12 +236,42 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
   return true;
 }
 
+std::size_t Allocator::unmapped_pages(std::uintptr_t a, std::size_t bytes) const {
+  std::size_t need = 0;
+  for (std::size_t p = (a - base()) / page_; p <= (a + bytes - 1 - base()) / page_; ++p)
+    need += !range_->is_mapped(p);
+  return need;
+}
+
 bool Allocator::take_free(std::size_t bytes, std::size_t align, const StreamState* user,
                           std::uintptr_t* addr, Pieces* pieces) {
   if (place_on_idle(bytes, align, user, addr, pieces)) return true;
-  Tag t;
-  if (!extents_.take(bytes, align, user, addr, &t)) return false;
-  pieces->push_back({*addr, FreeExtents::Extent{bytes, t}});
+  // The few smallest holes that fit, the block at either end of each: the placement that maps
+  // the fewest new pages (ties: best fit, low end). A hole that starts or ends inside a page a
+  // live neighbour keeps mapped shares that page when the block is put against that neighbour;
+  // at the other end it would leave the page partly used and map one more. Best fit alone, at
+  // the low end: 5.4 % fragmentation for 8 threads x 200,000 random log-uniform malloc/free.
+  constexpr int kFits = 4;
+  fits_.clear();
+  extents_.fits(bytes, align, user, kFits, &fits_);
+  std::size_t best_need = SIZE_MAX;
+  std::uintptr_t best = 0;
+  for (const auto& f : fits_) {
+    const std::uintptr_t ends[2] = {round_up(f.first, align),
+                                    (f.first + f.second - bytes) / align * align};
+    for (std::uintptr_t c : ends) {
+      std::size_t need = unmapped_pages(c, bytes);
+      if (need < best_need) {
+        best_need = need;
+        best = c;
+      }
+    }
+    if (best_need == 0) break;
+  }
+  if (best_need == SIZE_MAX) return false;
+  auto usable = [user](const Tag& t) { return user ? usable_by(t, user) : is_safe(t); };
+  if (!extents_.take_range(best, best + bytes, usable, pieces)) return false;
+  *addr = best;
   return true;
 }
 

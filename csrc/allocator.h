@@ -1,7 +1,9 @@
 // The pool's sub-allocator: one reserved virtual range per pool, blocks placed in it, physical
 // pages mapped exactly while a live block (or a slab) touches them.
 //
-//   small (<= 1 MiB and <= half a page): size-classed slabs, one heap per (stream, capture);
+//   small (<= 1 MiB and <= half a page): best fit at 512 B granularity inside pages kept for
+//          small blocks only (allocator_small.cpp), shared by every size and stream; a capture's
+//          small blocks come from size-classed slabs private to it (slab.h);
 //   large: best fit over the free ranges at 512 B granularity, not rounded to pages, so the only
 //          waste is the unused part of boundary pages; a per-page reference count says when a page
 //          has nothing live (it then idles for a short hysteresis and is unmapped once safe).
@@ -41,7 +43,8 @@ struct Block {
   std::size_t bytes = 0;      // rounded to 512 B: what allocated_bytes counts, as in PyTorch
   std::size_t span = 0;       // virtual bytes held (slab: the class size)
   StreamState* stream = nullptr;
-  SlabPage* slab = nullptr;   // small blocks
+  SlabPage* slab = nullptr;   // small blocks of a capture
+  bool small = false;         // on a small-block page (allocator_small.cpp)
   std::uint32_t slot = 0;
   std::uint64_t capture = 0;  // capture sequence id that allocated it, 0 = general
 };
@@ -83,6 +86,12 @@ class Allocator {
   DeviceCtx& ctx() { return range_->ctx(); }
   std::uintptr_t base() const { return range_->base(); }
   std::size_t va_bytes() const { return range_->pages() * page_; }
+  // Physical bytes this pool maps (its share of the device context's mapped_bytes, which the KV
+  // arenas share): a page that lent its handle is mapped twice but counted once. Lock-free.
+  std::size_t mapped_bytes() const {
+    std::size_t m = range_->mapped_pages(), lent = get(stats_.lent_pending);
+    return (m > lent ? m - lent : 0) * page_;
+  }
   std::size_t free_va_bytes();
   std::size_t largest_free_va();
 
@@ -100,6 +109,13 @@ class Allocator {
   bool place_on_idle(std::size_t bytes, std::size_t align, const StreamState* user,
                      std::uintptr_t* addr, Pieces* pieces);
   void give_back(const Pieces& pieces);
+  std::size_t unmapped_pages(std::uintptr_t a, std::size_t bytes) const;
+  // small blocks (allocator_small.cpp)
+  std::uintptr_t small_alloc(std::size_t bytes, StreamState* st, Block* b);
+  bool new_small_page(StreamState* st);
+  void small_free(const Block& b, StreamState* fs);
+  void release_small_page(std::size_t p);
+  void release_cached_small(bool aged_only);
   std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
   SlabPage* new_slab_page(Heap* heap, int cls);
   void slab_put(SlabPage* sp, std::uint32_t slot, Tag tag);
@@ -123,7 +139,6 @@ class Allocator {
   void sweep_locked(bool force);
   void poll_events(bool sync);
   void try_record(StreamState* s);
-  void process_deferred();
 
   // captures (allocator_capture.cpp)
   CaptureState* capture_for(std::uint64_t id, void* stream);
@@ -141,6 +156,12 @@ class Allocator {
   AllocCounters stats_;
   Streams streams_;
   FreeExtents extents_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> fits_;  // take_free's scratch
+  FreeExtents small_;                      // free space on small-block pages (never joined
+                                           // across pages: a block stays on one page)
+  std::vector<std::uint32_t> small_live_;  // live small blocks on each small-block page
+  std::size_t small_empty_ = PageSet::npos;  // one empty small-block page kept for reuse
+  std::uint64_t small_empty_since_ = 0;
   std::vector<std::uint32_t> refcnt_;      // live blocks / slabs touching each page
   std::vector<std::uint64_t> idle_since_;  // when each idle page became idle
   PageSet idle_;                           // mapped pages with refcnt 0
@@ -153,12 +174,6 @@ class Allocator {
   std::unordered_map<std::size_t, std::unique_ptr<SlabPage>> slabs_;
   std::map<std::pair<StreamState*, std::uint64_t>, std::unique_ptr<Heap>> heaps_;
   Heap* last_heap_ = nullptr;
-  struct Deferred {
-    SlabPage* slab;
-    std::uint32_t slot;
-    Tag tag;
-  };
-  std::vector<Deferred> deferred_;  // slab slots freed on a stream other than their heap's
   std::map<std::uint64_t, std::unique_ptr<CaptureState>> captures_;
   std::vector<CaptureState*> active_captures_;
   std::vector<CaptureState*> pending_release_;

@@ -68,6 +68,7 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
       idle_.erase(q);
       drop(stats_.idle_pages);
       bump(stats_.pages_lent);
+      bump(stats_.lent_pending);
       q = down(q);
       lent_.push_back(std::move(l));
       break;
@@ -86,6 +87,7 @@ void Allocator::retire_lent(std::size_t max_pages) {
       continue;
     }
     for (auto& pc : l.pieces) extents_.insert(pc.first, pc.second.size, Tag{});
+    drop(stats_.lent_pending);
     lent_[i] = std::move(lent_.back());
     lent_.pop_back();
     ++n;
@@ -124,6 +126,7 @@ std::size_t Allocator::reclaim_idle(std::size_t max_pages, bool aged_only) {
 }
 
 void Allocator::release_empty_slabs(bool aged_only) {
+  release_cached_small(aged_only);
   std::uint64_t now = now_ns();
   for (auto& kv : heaps_) {
     Heap* h = kv.second.get();
@@ -150,27 +153,13 @@ void Allocator::try_record(StreamState* s) {
 void Allocator::poll_events(bool sync) {
   capture::QueryGuard q;
   if (!q.allowed()) return;  // a capture may be in progress: no event calls at all
-  if (sync && (streams_.any_unsafe() || !deferred_.empty())) {
+  if (sync && streams_.any_unsafe()) {
     if (ctx().backend().synchronize() == OK) streams_.all_complete();
   } else {
     streams_.poll();
   }
-  process_deferred();
   retire_lent(sync ? SIZE_MAX : kSweepUnmaps);
   process_pending_releases();  // may synchronize: allowed, we hold the query guard
-}
-
-void Allocator::process_deferred() {
-  for (std::size_t i = 0; i < deferred_.size();) {
-    if (!is_safe(deferred_[i].tag)) {
-      ++i;
-      continue;
-    }
-    Deferred d = deferred_[i];
-    deferred_[i] = deferred_.back();
-    deferred_.pop_back();
-    slab_put(d.slab, d.slot, d.tag);
-  }
 }
 
 void Allocator::sweep_locked(bool force) {

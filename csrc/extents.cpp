@@ -22,7 +22,8 @@ void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
   if (next != by_addr_.begin()) {
     auto prev = std::prev(next);
     Tag joined;
-    if (prev->first + prev->second.size == addr && merge_tags(prev->second.tag, tag, &joined)) {
+    if (prev->first + prev->second.size == addr && joinable_at(addr) &&
+        merge_tags(prev->second.tag, tag, &joined)) {
       addr = prev->first;
       size += prev->second.size;
       tag = joined;
@@ -31,7 +32,7 @@ void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
   }
   next = by_addr_.lower_bound(addr + size);
   Tag joined;
-  if (next != by_addr_.end() && next->first == addr + size &&
+  if (next != by_addr_.end() && next->first == addr + size && joinable_at(next->first) &&
       merge_tags(tag, next->second.tag, &joined)) {
     size += next->second.size;
     tag = joined;
@@ -61,6 +62,17 @@ bool FreeExtents::take(std::size_t size, std::size_t align, const StreamState* u
   return false;
 }
 
+void FreeExtents::fits(std::size_t size, std::size_t align, const StreamState* user, int k,
+                       std::vector<std::pair<std::uintptr_t, std::size_t>>* out) const {
+  for (auto it = by_size_.lower_bound({size, 0}); it != by_size_.end() && k > 0; ++it) {
+    const Extent& e = by_addr_.find(it->second)->second;
+    if (user ? !usable_by(e.tag, user) : !is_safe(e.tag)) continue;
+    if ((it->second + align - 1) / align * align + size > it->second + e.size) continue;
+    out->push_back({it->second, e.size});
+    --k;
+  }
+}
+
 bool FreeExtents::find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size,
                        Tag* tag) const {
   auto it = by_addr_.upper_bound(addr);
@@ -79,7 +91,7 @@ void FreeExtents::coalesce() {
     auto next = std::next(it);
     Tag joined;
     if (next != by_addr_.end() && it->first + it->second.size == next->first &&
-        merge_tags(it->second.tag, next->second.tag, &joined)) {
+        joinable_at(next->first) && merge_tags(it->second.tag, next->second.tag, &joined)) {
       std::uintptr_t addr = it->first;
       std::size_t size = it->second.size + next->second.size;
       erase(next);

@@ -17,6 +17,10 @@ namespace oxygen {
 
 class FreeExtents {
  public:
+  // boundary != 0: ranges never join across a multiple of it (the small-block pages: a block
+  // never straddles two of them, so each page goes back whole when its last block is freed).
+  explicit FreeExtents(std::size_t boundary = 0) : boundary_(boundary) {}
+
   struct Extent {
     std::size_t size;
     Tag tag;
@@ -31,6 +35,11 @@ class FreeExtents {
   // extent's tag; false if none.
   bool take(std::size_t size, std::size_t align, const StreamState* user, std::uintptr_t* addr,
             Tag* tag);
+
+  // Up to `k` free extents (start, size) that hold `size` bytes at an `align`-aligned address and
+  // that `user` may use (nullptr: safe ones only), smallest first: best fit and its runners-up.
+  void fits(std::size_t size, std::size_t align, const StreamState* user, int k,
+            std::vector<std::pair<std::uintptr_t, std::size_t>>* out) const;
 
   // The free extent holding `addr`, or false. Sets its start, size and tag.
   bool find(std::uintptr_t addr, std::uintptr_t* start, std::size_t* size, Tag* tag) const;
@@ -53,6 +62,9 @@ class FreeExtents {
  private:
   void erase(std::map<std::uintptr_t, Extent>::iterator it);
   void add(std::uintptr_t addr, std::size_t size, Tag tag);
+  bool joinable_at(std::uintptr_t addr) const { return boundary_ == 0 || addr % boundary_ != 0; }
+
+  std::size_t boundary_;
 
   std::map<std::uintptr_t, Extent> by_addr_;
   std::set<std::pair<std::size_t, std::uintptr_t>> by_size_;

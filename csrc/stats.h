@@ -72,10 +72,12 @@ struct AllocCounters {
   Counter capture_allocs{0};       // blocks handed out while their stream was capturing
   Counter quarantined_bytes{0};    // freed capture blocks held until their graph is released
   Counter idle_pages{0};           // mapped pages with nothing live, waiting for hysteresis
-  Counter slab_cached_pages{0};    // empty slab pages kept for reuse
+  Counter slab_cached_pages{0};    // empty small-block / slab pages kept for reuse
+  Counter small_pages{0};          // pages holding small blocks (<= 1 MiB), cached one included
   Counter events_recorded{0};
   Counter reclaims{0};             // idle pages unmapped to make room (OOM path)
   Counter pages_lent{0};           // idle pages whose handle backed a new block (see lend_idle)
+  Counter lent_pending{0};         // of those, still mapped at their old address (not retired)
 };
 
 }  // namespace oxygen

@@ -79,11 +79,15 @@ def test_every_size_class(pool, size):
         assert pool.free(p, size)
 
 
-def test_size_between_classes_rounds_up(pool):
+def test_small_blocks_of_any_size_share_a_page_at_512_byte_granularity(pool):
+    # no size classes outside a capture: 4097 B takes 4608, the next block follows it
     p = pool.malloc(4097)
     q = pool.malloc(5120)
-    assert q - p == 5120  # both from the 5 KiB class, adjacent slots
-    assert pool.stats()["allocated_bytes"] == round512(4097) + 5120
+    r = pool.malloc(700_000)
+    assert q - p == round512(4097) and r - q == 5120
+    s = pool.stats()
+    assert s["allocated_bytes"] == round512(4097) + 5120 + round512(700_000)
+    assert s["mapped_bytes"] == PAGE and s["small_pages"] == 1
 
 
 def test_slot_and_page_reuse_after_free(pool):

@@ -1,38 +1,18 @@
 """Concurrency: 8 threads of random malloc/free on one pool, every block filled with its own
 pattern and checked before it is freed, stats read concurrently, and mapped bytes back to zero."""
 
-import ctypes
 import random
+import sys
 import threading
+from pathlib import Path
 
 from oxygen_torch.pool import VirtualPool
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_random import stamp, verify  # noqa: E402
+
 MiB = 1 << 20
 SIZES = [0, 1, 512, 700, 4096, 5000, 65536, 300_000, 1 << 20, (1 << 20) + 1, 3 * MiB + 17, 9 * MiB]
-
-
-def stamp(ptr, n, tag):
-    """Fill the block with bytes derived from its tag (whole block when small, sampled when big)."""
-    if n == 0:
-        return
-    if n <= 8192:
-        ctypes.memset(ptr, tag & 0xFF, n)
-        return
-    for off in range(0, n, 4093):
-        ctypes.c_uint8.from_address(ptr + off).value = (tag + off) & 0xFF
-    ctypes.c_uint8.from_address(ptr + n - 1).value = (tag + n - 1) & 0xFF
-
-
-def verify(ptr, n, tag):
-    if n == 0:
-        return True
-    if n <= 8192:
-        return ctypes.string_at(ptr, n) == bytes([tag & 0xFF]) * n
-    ok = all(
-        ctypes.c_uint8.from_address(ptr + off).value == (tag + off) & 0xFF
-        for off in range(0, n, 4093)
-    )
-    return ok and ctypes.c_uint8.from_address(ptr + n - 1).value == (tag + n - 1) & 0xFF
 
 
 def worker(pool, seed, ops, errors):

@@ -17,6 +17,7 @@ import torch
 
 from ..config import check_page_size
 from . import native as _native
+from .figures import _derive
 from .native import INT64_MAX, INT_MAX, MAX_DEVICES, SIZE_MAX, fraction_arg, int_arg
 
 MiB = 1 << 20
@@ -58,24 +59,6 @@ def _check_page_size(owner: str, page_size: Any) -> int:
     page_size = int_arg(f"{owner} page_size", page_size, 0, SIZE_MAX)
     check_page_size(f"{owner} page_size", page_size)
     return page_size
-
-
-def _derive(raw: dict, backend: str, device: int) -> dict:
-    """The documented statistics (names like PyTorch's where it has one) from the raw counters."""
-    d = dict(raw)
-    peak_mapped = raw.get("peak_mapped_bytes", 0)
-    d["fragmentation"] = (
-        1.0 - raw.get("peak_allocated_bytes", 0) / peak_mapped if peak_mapped else 0.0
-    )
-    maps, unmaps = raw.get("num_maps", 0), raw.get("num_unmaps", 0)
-    d["mean_map_latency_us"] = raw.get("map_ns", 0) / maps / 1e3 if maps else 0.0
-    d["mean_unmap_latency_us"] = raw.get("unmap_ns", 0) / unmaps / 1e3 if unmaps else 0.0
-    d["physical_bytes"] = raw.get("mapped_bytes", 0) + raw.get("handle_cache_pages", 0) * raw.get(
-        "page_size", 0
-    )
-    d["backend"] = backend
-    d["device"] = device
-    return d
 
 
 def _oom(message: str) -> torch.OutOfMemoryError:

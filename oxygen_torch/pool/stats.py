@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from . import native as _native
-from .objects import _derive, _read, live_arenas
+from .figures import _derive
+from .objects import _read, live_arenas
 from .state import _route
 
 HIST_BOUNDS_US = [float(1 << i) for i in range(15)] + [float("inf")]  # map-latency buckets

@@ -1,0 +1,83 @@
+"""The pool on a family of workloads, not one trace (issue 18), on the host backend.
+
+- Mixed generate() workloads of several seeds (benchmarks/workloads.py: real architectures'
+  shapes, prefill- and decode-heavy mixes, non-KV buffers on two streams), cut to two layers and
+  eight new tokens a call, replayed with every block's content checked: fragmentation (the pool's
+  figure, 1 - peak allocated / peak mapped) <= 1.5 % on each seed, and below best fit without
+  unmapping on the same trace.
+- Random log-uniform 512 B - 45 MiB malloc/free from 4 threads (benchmarks/host_random.py, the
+  issue's 11.4 % case; 11-14 % before small blocks shared pages): <= 8 % on each seed, no
+  corruption, nothing mapped after empty_cache(). The 8 x 200,000 figure is the benchmark's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_pool_trace import enough_descriptors, replay_best_fit_no_unmap
+
+from oxygen_torch.pool import VirtualPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import host_random  # noqa: E402
+import workloads  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_family_is_deterministic_varied_and_balanced():
+    fams = [workloads.family(s) for s in range(16)]
+    assert [f.describe() for f in fams] == [workloads.family(s).describe() for s in range(16)]
+    assert len({f.arch.name for f in fams}) >= 4 and {f.mix for f in fams} == set(workloads.MIXES)
+    ops = workloads.trace(fams[0], layers=2, max_new=4)
+    live: dict[int, int] = {}
+    for op, size, i, _ in ops:  # every id freed once, with its own size
+        if op == "a":
+            assert i not in live
+            live[i] = size
+        else:
+            assert live.pop(i) == size
+    assert not live
+    with pytest.raises(ValueError, match="seed"):
+        workloads.family(-1)
+    with pytest.raises(ValueError, match="layers"):
+        workloads.trace(fams[0], layers=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_family_trace_fragments_little_and_keeps_contents(seed):
+    ops = workloads.trace(workloads.family(seed), layers=2, max_new=8)
+    base = replay_best_fit_no_unmap(ops)
+    if not enough_descriptors(base["peak_mapped_bytes"] // (2 * MiB) + 64):
+        pytest.skip("replay needs more open memfds than RLIMIT_NOFILE allows here")
+    s = host_random.replay(ops, capacity=base["peak_mapped_bytes"] + 64 * MiB)
+    assert s["overwritten"] == 0 and s["mapped_after_empty_cache"] == 0
+    assert s["peak_allocated_bytes"] == base["peak_allocated_bytes"]
+    assert s["num_ooms"] == 0 and s["num_bad_frees"] == 0
+    # 0.2-1.0 % here; 0.2-1.9 % with one slab page per size class (seed 0: 1.91 %)
+    assert s["fragmentation"] <= min(0.015, base["fragmentation"]), (s["fragmentation"], base)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_threads_fragment_little_without_corruption(seed):
+    r = host_random.run(threads=4, ops=3000, seed=seed)
+    assert not r["errors"], r["errors"][:5]
+    assert r["allocated_after"] == 0 and r["mapped_after_empty_cache"] == 0
+    assert r["num_bad_frees"] == 0
+    # 3.7-6.1 % over repeated runs (thread interleaving varies); 10.9-14 % before small blocks
+    # shared pages
+    assert r["fragmentation"] <= 0.08, r
+
+
+def test_content_check_sees_an_overlap():
+    """The check the tests rely on can fail: a block written over by an overlapping one."""
+    with VirtualPool(backend="host", capacity=64 * MiB) as pool:
+        a = pool.malloc(4 * MiB)
+        host_random.stamp(a, 4 * MiB, 7)
+        assert host_random.verify(a, 4 * MiB, 7)
+        host_random.stamp(a + 1 * MiB + 512, 128 << 10, 8)  # a block wrongly placed inside a
+        assert not host_random.verify(a, 4 * MiB, 7)
+        host_random.stamp(a + 100, 4096, 9)  # small: every byte
+        assert not host_random.verify(a, 4 * MiB, 7)
+        pool.free(a)
