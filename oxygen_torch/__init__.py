@@ -15,6 +15,7 @@ from .api import (
     enable,
     is_enabled,
     kv_stats,
+    clear_prefix_cache,
     memory_stats,
 )
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
@@ -40,6 +41,7 @@ __all__ = [
     "task",
     "memory_stats",
     "kv_stats",
+    "clear_prefix_cache",
     "decode_graph_stats",
     "empty_cache",
     "pool",

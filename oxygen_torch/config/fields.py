@@ -184,6 +184,13 @@ class KVConfig:
     decode_graph_fusion: bool = True
     # ... the whole forward compiled by backend "oxygen" (False: RMSNorm / MLP / rotary only)
     decode_graph_compile: bool = True
+    # generate() keeps the KV blocks of finished prompts (and of the tokens it generated, without
+    # beams), found again by token content, so a later call with the same prefix (a system
+    # prompt, a chat's earlier turns) skips that part of its prefill
+    prefix_cache: bool = False
+    # ... holding at most this many bytes of KV (all layers); cold blocks go first (LRU-K), and
+    # the cache gives blocks back at once when the pool runs short
+    prefix_cache_bytes: int = 256 * MiB
 
     def __post_init__(self):
         _check_types(self, "kv")
@@ -204,6 +211,13 @@ class KVConfig:
             0,
             MAX_VIRTUAL_BYTES,
             f"0 (auto) to {MAX_VIRTUAL_BYTES} bytes (128 TiB of address space)",
+        )
+        _check_int(
+            "kv.prefix_cache_bytes",
+            self.prefix_cache_bytes,
+            0,
+            MAX_VIRTUAL_BYTES,
+            f"0 to {MAX_VIRTUAL_BYTES} bytes (the KV arena's largest size)",
         )
         if self.prefill_chunk_tokens < 0:
             raise ValueError(

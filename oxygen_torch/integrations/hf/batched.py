@@ -137,7 +137,7 @@ class Merger:
 
     def free_blocks(self) -> int:
         pool = self._pool()
-        return pool.manager.num_free if pool is not None else 1 << 30
+        return pool.manager.num_available if pool is not None else 1 << 30
 
     def total_blocks(self) -> int:
         pool = self._pool()
@@ -173,7 +173,7 @@ class Merger:
         ]  # fmt: skip
         step = MergedStep(parts)
         with step.pool.lock:
-            if step.blocks_needed() > step.pool.manager.num_free:
+            if step.blocks_needed() > step.pool.manager.num_available:
                 return False
             step.reserve()
         try:
@@ -302,6 +302,7 @@ class _StepCache(PagedKVCache):
         self.cfg, self._config, self._core = None, model_config, step
         self._any_sliding = any(t != "full_attention" for t in types)
         self.max_cache_len_hint, self.compile_options, self.merge = 0, None, None
+        self.prefix_prompt = None
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super(PagedKVCache, self).__init__(layers=layers)
 
