@@ -9,13 +9,13 @@ from . import (
 from .api import (
     active_config,
     apply,
+    clear_prefix_cache,
     decode_graph_stats,
     disable,
     empty_cache,
     enable,
     is_enabled,
     kv_stats,
-    clear_prefix_cache,
     memory_stats,
 )
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
