@@ -122,10 +122,12 @@ class PoolConfig:
     """The VMM pool (csrc/page_pool)."""
 
     page_size: int = 2 * MiB  # a multiple of 2 MiB, at most 1 GiB
-    # CPU tier (a later issue; until it is built, a non-default value warns that it does nothing):
+    # CPU tier zones (not built yet: a non-default value warns that it does nothing):
     hot_zone_ratio: float = 0.6  # share of the GPU budget kept as hot zone (seed design)
     migration_threshold: float = 0.8  # GPU use above which cold blocks move to the CPU tier
-    cpu_tier_bytes: int = 0  # pinned host bytes for the CPU tier; 0 = none; at most host memory
+    # host bytes for the KV CPU tier (pinned on a GPU): the engine's preempted calls swap their
+    # KV there instead of being recomputed; 0 = no tier; at most host memory
+    cpu_tier_bytes: int = 0
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
     # auto: cuda when a driver and device exist, else host; cuda asked for on a machine without a
     # usable GPU is an error at enable(), never a quiet switch to host

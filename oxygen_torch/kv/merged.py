@@ -19,6 +19,7 @@ from .attention import kv_write, paged_attention
 from .core import PagedKVCore
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
+from .swap import swap_in
 
 
 @dataclass
@@ -56,13 +57,17 @@ class MergedStep:
 
     def blocks_needed(self) -> int:
         """Fresh blocks the step takes (each sequence's new tokens, copy-on-write included)."""
-        return sum(
+        swapped = sum(p.core._swapped.blocks_needed() for p in self.parts if p.core._swapped)
+        return swapped + sum(
             p.core.seqs.blocks_needed(b, n) for p in self.parts for b, n in enumerate(p.counts)
         )
 
     def reserve(self) -> None:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none
         taken here: call `blocks_needed` first), then builds the step's table and slots."""
+        for p in self.parts:
+            if p.core._swapped is not None:  # back from the CPU tier first (kv/swap.py)
+                swap_in(p.core)
         starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
             p.core._reserve(p.counts)
@@ -83,6 +88,8 @@ class MergedStep:
                 lens.append(n0 + n)
                 counts.append(n)
         decode = all(n == 1 for n in counts)
+        if self.pool.heat is not None:  # the step's attention reads every block in the table
+            self.pool.heat.touch(table)
         ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
         to_device = self.parts[0].core._to_device  # (the pool's device, pinned copies)
         buf = to_device(ints)

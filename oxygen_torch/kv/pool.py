@@ -15,8 +15,10 @@ import torch
 
 from ..triton_kernels._checks import is_fp8
 from .block_manager import BlockManager
+from .heat import Heat
 from .prefix import PrefixCache
 from .storage import GUARD_BLOCK, KVStorage, make_backing
+from .tier import CPUTier
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -70,6 +72,19 @@ class KVPool:
         # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
         self.lock = threading.RLock()
         self.prefix: PrefixCache | None = None  # made by the first call that asks for one
+        self.tier: CPUTier | None = None  # likewise (pool.cpu_tier_bytes)
+        self.heat: Heat | None = None  # block heat, kept while there is a tier
+
+    def cpu_tier(self, nbytes: int) -> CPUTier | None:
+        """The pool's CPU tier, made on first use with `nbytes` of host memory (later sizes
+        are ignored: the slots are allocated once); None when that holds no block."""
+        with self.lock:
+            if self.tier is None and nbytes > 0:
+                storages = [self.storage] + ([self.scales] if self.scales is not None else [])
+                tier = CPUTier(storages, nbytes, self.key.device)
+                if tier.num_slots > 0:
+                    self.tier, self.heat = tier, Heat(self.storage.num_blocks)
+            return self.tier
 
     def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:
         """The pool's prefix cache, its budget set from `budget_bytes` of KV (all layers); None
@@ -138,6 +153,7 @@ class KVPool:
             "reserved_bytes": s.backing.capacity
             + (self.scales.backing.capacity if self.scales is not None else 0),
             "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
+            "cpu_tier": self.tier.stats() if self.tier is not None else None,
         }
 
     def close(self) -> None:
