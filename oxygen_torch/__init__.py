@@ -9,6 +9,7 @@ from . import (
 from .api import (
     active_config,
     apply,
+    clear_prefix_cache,
     decode_graph_stats,
     disable,
     empty_cache,
@@ -40,6 +41,7 @@ __all__ = [
     "task",
     "memory_stats",
     "kv_stats",
+    "clear_prefix_cache",
     "decode_graph_stats",
     "empty_cache",
     "pool",

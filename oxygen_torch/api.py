@@ -126,10 +126,19 @@ def memory_stats(device: int | None = None) -> dict:
 
 def kv_stats() -> list[dict]:
     """One dict per KV pool (device, model geometry): blocks used / total, peak blocks, mapped
-    and reserved bytes, dtype."""
+    and reserved bytes, dtype, and the prefix cache's figures (hits, misses, hit tokens,
+    cached / reclaimable blocks, evictions; None while the pool has none)."""
     from .kv import pool_stats
 
     return pool_stats()
+
+
+def clear_prefix_cache() -> int:
+    """Drops the prefix cache of every KV pool (kv.prefix_cache), e.g. after a model's weights
+    changed; returns the blocks it held. Blocks a live call shares stay that call's."""
+    from .integrations.hf import prefix
+
+    return prefix.clear()
 
 
 def decode_graph_stats(model) -> dict:

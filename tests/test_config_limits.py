@@ -141,7 +141,6 @@ def test_backend_cuda_without_a_gpu_fails_clearly_auto_chooses_host():
 NOT_WIRED = [
     ("hot_zone_ratio", 0.5, "pool.hot_zone_ratio", "the CPU tier"),
     ("migration_threshold", 0.7, "pool.migration_threshold", "the CPU tier"),
-    ("cpu_tier_bytes", 1 << 20, "pool.cpu_tier_bytes", "the CPU tier"),
     ("prefetch_distance", 2, "kv.prefetch_distance", "the CPU tier"),
 ]
 

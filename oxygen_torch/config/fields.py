@@ -124,10 +124,12 @@ class PoolConfig:
     """The VMM pool (csrc/page_pool)."""
 
     page_size: int = 2 * MiB  # a multiple of 2 MiB, at most 1 GiB
-    # CPU tier (a later issue; until it is built, a non-default value warns that it does nothing):
+    # CPU tier zones (not built yet: a non-default value warns that it does nothing):
     hot_zone_ratio: float = 0.6  # share of the GPU budget kept as hot zone (seed design)
     migration_threshold: float = 0.8  # GPU use above which cold blocks move to the CPU tier
-    cpu_tier_bytes: int = 0  # pinned host bytes for the CPU tier; 0 = none; at most host memory
+    # host bytes for the KV CPU tier (pinned on a GPU): the engine's preempted calls swap their
+    # KV there instead of being recomputed; 0 = no tier; at most host memory
+    cpu_tier_bytes: int = 0
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
     # auto: cuda when a driver and device exist, else host; cuda asked for on a machine without a
     # usable GPU is an error at enable(), never a quiet switch to host
@@ -190,6 +192,13 @@ class KVConfig:
     decode_graph_fusion: bool = True
     # ... the whole forward compiled by backend "oxygen" (False: RMSNorm / MLP / rotary only)
     decode_graph_compile: bool = True
+    # generate() keeps the KV blocks of finished prompts (and of the tokens it generated, without
+    # beams), found again by token content, so a later call with the same prefix (a system
+    # prompt, a chat's earlier turns) skips that part of its prefill
+    prefix_cache: bool = False
+    # ... holding at most this many bytes of KV (all layers); cold blocks go first (LRU-K), and
+    # the cache gives blocks back at once when the pool runs short
+    prefix_cache_bytes: int = 256 * MiB
 
     def __post_init__(self):
         _check_types(self, "kv")
@@ -211,6 +220,13 @@ class KVConfig:
             0,
             MAX_VIRTUAL_BYTES,
             f"0 (auto) to {MAX_VIRTUAL_BYTES} bytes (128 TiB of address space)",
+        )
+        _check_int(
+            "kv.prefix_cache_bytes",
+            self.prefix_cache_bytes,
+            0,
+            MAX_VIRTUAL_BYTES,
+            f"0 to {MAX_VIRTUAL_BYTES} bytes (the KV arena's largest size)",
         )
         if self.prefill_chunk_tokens < 0:
             raise ValueError(

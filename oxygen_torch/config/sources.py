@@ -253,11 +253,11 @@ def load_config(**overrides: Any) -> OxygenConfig:
 
 
 # Fields whose feature comes in a later issue: validated and documented now, read by nothing yet.
-_TIERS = "the CPU tier (hot/cold zones, migration to host memory, prefetch), not built yet"
+# pool.cpu_tier_bytes is wired: the CPU tier holds preempted calls' KV (swap preemption).
+_TIERS = "the CPU tier's hot/cold zones (migration of cold blocks, prefetch), not built yet"
 NOT_WIRED: dict[str, str] = {
     "pool.hot_zone_ratio": _TIERS,
     "pool.migration_threshold": _TIERS,
-    "pool.cpu_tier_bytes": _TIERS,
     "kv.prefetch_distance": _TIERS,
 }
 _warned_not_wired: set[str] = set()

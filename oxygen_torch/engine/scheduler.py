@@ -42,6 +42,7 @@ class Call:
     queued: Request | None = None
     late: bool = False  # missed a step while in its own code: not waited for until it submits
     preempted: bool = False  # its KV was freed; its next step recomputes it
+    swapped: bool = False  # (set by the runner's preempt) its KV went to the CPU tier instead
     state: Any = None  # the runner's per-call data
     first_done: float | None = None  # when its first request (the prefill) completed
     last_done: float | None = None
@@ -85,6 +86,7 @@ class StepStats:
     steps: int = 0
     tokens: int = 0
     preemptions: int = 0
+    swaps: int = 0  # preemptions that moved the KV to the CPU tier (no recompute)
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step, the last 1024
 
 
@@ -305,9 +307,10 @@ class StepScheduler:
             step.drop(c)
             got = self.runner.preempt(c)
             if got:
-                c.preempted = True
+                c.preempted = not c.swapped  # a swapped call's KV comes back, no recompute
                 freed += got
                 self.stats.preemptions += 1
+                self.stats.swaps += c.swapped
                 for observe in self.observers:
                     observe("preempted", c, blocks=got)
         step.free += freed

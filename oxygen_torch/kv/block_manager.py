@@ -23,6 +23,8 @@ class BlockManager:
     Lowest-first keeps live blocks packed at the start of the arena, so whole pages at its end
     become free and can be unmapped. `on_alloc(ids)` runs before ids are handed out (map their
     pages); `on_free(ids)` runs after their last reference is dropped (unmap pages left empty).
+    `reclaimer` (set by the pool when it keeps a prefix cache) gives back blocks that only a
+    cache holds: `reclaimable()` counts them, `reclaim(n)` frees up to n of them.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class BlockManager:
         self._on_alloc = on_alloc
         self._on_free = on_free
         self.peak_used = 0
+        self.reclaimer = None  # has reclaimable() -> int and evict(n) -> int
 
     @property
     def num_free(self) -> int:
@@ -50,6 +53,12 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - self.first_id - len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Free blocks plus those a cache would give back on demand."""
+        extra = self.reclaimer.reclaimable() if self.reclaimer is not None else 0
+        return len(self._free) + extra
+
     def refcount(self, block: int) -> int:
         return self._ref[block]
 
@@ -57,6 +66,8 @@ class BlockManager:
         """n fresh blocks, each with one reference."""
         if n <= 0:
             return []
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
             raise KVCacheFull(
                 f"KV cache full: {n} block(s) asked, {len(self._free)} free of "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
+from . import swap
 from .attention import Tiles, kv_write
 from .block_manager import SequenceBlocks
 from .fresh import check_setting
@@ -25,6 +26,7 @@ from .plan import StepPlan
 from .pool import KVPool, PoolKey, get_pool
 from .step_attention import AttendMixin
 from .storage import GUARD_BLOCK, debug_checks_enabled
+from .swap import swap_in
 from .table import BlockTableMixin
 
 MiB = 1 << 20
@@ -74,6 +76,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         self.seq_lens: torch.Tensor | None = None  # [B] int32, device
         self._dirty: tuple[int, int] | None = None  # table columns not yet copied to the device
         self._lent = False  # table/seq_lens are a decode graph's buffers (see begin_graph_step)
+        self._swapped = None  # kv/swap.py's Swapped while the KV is in the CPU tier
 
     # --- binding to a pool ----------------------------------------------------------------
 
@@ -170,12 +173,16 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         return plan
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
+        if self._swapped is not None:
+            swap_in(self)
         if self._lent:
             self._reload()
         lens0 = list(self.seqs.lens)
         counts = [q] * len(lens0) if real is None else real.sum(1).tolist()
         self._reserve(counts)
         self._flush_table()
+        if self.pool.heat is not None:  # the step's attention reads every block in the table
+            self.pool.heat.touch(self._table_host)
         if real is not None:
             self._pad_frontier = self.length + q
         if q == 1:
@@ -258,7 +265,10 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         if self.seqs is None:
             return
         with self.pool.lock:
-            self.seqs.select(order)
+            if self._swapped is not None:
+                swap.select(self, order)
+            else:
+                self.seqs.select(order)
         if self.history is not None and not self.history.select(order):
             self.history = None  # a step went unrecorded: this core cannot be recomputed
         self._table_host = self._table_host[torch.tensor(order, dtype=torch.int64)]
@@ -268,6 +278,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         """Drops the last `remove` tokens of every sequence."""
         if remove <= 0 or self.seqs is None:
             return
+        if self._swapped is not None:
+            swap_in(self)
         new_len = self.length - remove
         if new_len < self._pad_frontier:
             raise NotImplementedError(
@@ -302,6 +314,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         )
         if self.seqs is None:
             return other
+        if self._swapped is not None:
+            swap_in(self)
         other.pool, other.model_dtype = self.pool, self.model_dtype
         other.seqs = SequenceBlocks(self.pool.manager, self.block_tokens)
         with self.pool.lock:
@@ -323,6 +337,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
             return
         batch = len(self.seqs)
         with self.pool.lock:
+            if self._swapped is not None:
+                swap.release(self)
             self.seqs.release()
             self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
         self._table_host.fill_(GUARD_BLOCK)
@@ -332,6 +348,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         """Gives every block back to the pool and forgets the sequences."""
         if self.seqs is not None:
             with self.pool.lock:
+                if self._swapped is not None:
+                    swap.release(self)
                 self.seqs.release()
         self.seqs = None
         self.pool = None

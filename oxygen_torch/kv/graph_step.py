@@ -8,6 +8,7 @@ import torch
 
 from .. import context
 from .plan import StepPlan
+from .swap import swap_in
 
 
 class GraphStepMixin:
@@ -32,6 +33,8 @@ class GraphStepMixin:
         marks them appended (replay)."""
         if self.seqs is None:
             raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
+        if self._swapped is not None:  # preempted to the CPU tier: back first (kv/swap.py)
+            swap_in(self)
         if not all(n == self.length for n in self._layer_len):
             raise RuntimeError("PagedKVCache: the previous step did not reach every layer")
         lens0 = list(self.seqs.lens)
@@ -42,6 +45,8 @@ class GraphStepMixin:
             )
         self._reserve_one_each()
         self._grow_table(width)
+        if self.pool.heat is not None:  # the step's attention reads every block in the table
+            self.pool.heat.touch(self._table_host)
         self.length += 1
         return self._table_host[:, :width], self.seqs.lens + self._decode_slots(lens0)
 

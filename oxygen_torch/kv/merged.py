@@ -20,6 +20,7 @@ from .core import PagedKVCore
 from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
+from .swap import swap_in
 
 
 @dataclass
@@ -58,7 +59,8 @@ class MergedStep:
 
     def blocks_needed(self) -> int:
         """Fresh blocks the step takes (each sequence's new tokens, copy-on-write included)."""
-        return sum(
+        swapped = sum(p.core._swapped.blocks_needed() for p in self.parts if p.core._swapped)
+        return swapped + sum(
             p.core.seqs.blocks_needed(b, n) for p in self.parts for b, n in enumerate(p.counts)
         )
 
@@ -66,6 +68,9 @@ class MergedStep:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none
         taken here: call `blocks_needed` first), then builds the step's table and slots on the
         device (`build`; a merged decode graph copies `host_plan()` into its own buffers)."""
+        for p in self.parts:
+            if p.core._swapped is not None:  # back from the CPU tier first (kv/swap.py)
+                swap_in(p.core)
         self._starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
             p.core._reserve(p.counts)
@@ -93,6 +98,8 @@ class MergedStep:
                 slots.extend(blocks[b][t // bt] * bt + t % bt for t in range(n0, n0 + n))
                 lens.append(n0 + n)
                 counts.append(n)
+        if self.pool.heat is not None:  # the step's attention reads every block in the table
+            self.pool.heat.touch(table)
         return table, slots, lens, counts
 
     def _build(self) -> StepPlan:

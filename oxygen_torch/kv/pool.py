@@ -15,7 +15,10 @@ import torch
 
 from ..triton_kernels._checks import is_fp8
 from .block_manager import BlockManager
+from .heat import Heat
+from .prefix import PrefixCache
 from .storage import GUARD_BLOCK, KVStorage, make_backing
+from .tier import CPUTier
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -68,6 +71,46 @@ class KVPool:
         )
         # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
         self.lock = threading.RLock()
+        self.prefix: PrefixCache | None = None  # made by the first call that asks for one
+        self.tier: CPUTier | None = None  # likewise (pool.cpu_tier_bytes)
+        self.heat: Heat | None = None  # block heat, kept while there is a tier
+
+    def cpu_tier(self, nbytes: int) -> CPUTier | None:
+        """The pool's CPU tier, made on first use with `nbytes` of host memory (later sizes
+        are ignored: the slots are allocated once); None when that holds no block."""
+        with self.lock:
+            if self.tier is None and nbytes > 0:
+                storages = [self.storage] + ([self.scales] if self.scales is not None else [])
+                tier = CPUTier(storages, nbytes, self.key.device)
+                if tier.num_slots > 0:
+                    self.tier, self.heat = tier, Heat(self.storage.num_blocks)
+            return self.tier
+
+    def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:
+        """The pool's prefix cache, its budget set from `budget_bytes` of KV (all layers); None
+        when that holds no block. The last caller's budget stands (one pool, one budget)."""
+        budget = budget_bytes // self.block_bytes()
+        with self.lock:
+            if budget <= 0:
+                return self.prefix  # an existing cache is left to the calls that use it
+            if self.prefix is None:
+                self.prefix = PrefixCache(self.manager, self.key.block_tokens, budget)
+                self.manager.reclaimer = self.prefix
+            elif budget < self.prefix.budget and len(self.prefix) > budget:
+                self.prefix.evict(len(self.prefix) - budget)
+            self.prefix.budget = budget
+            return self.prefix
+
+    def block_bytes(self) -> int:
+        """Bytes of one block id across every layer's K and V (fp8 scales included)."""
+        s = self.storage
+        extra = self.scales.block_bytes * 2 * s.num_layers if self.scales is not None else 0
+        return s.block_bytes * 2 * s.num_layers + extra
+
+    def drop_prefix_cache(self) -> int:
+        """Gives back every block the prefix cache holds; returns how many it held."""
+        with self.lock:
+            return self.prefix.clear() if self.prefix is not None else 0
 
     def _on_alloc(self, blocks: list[int]) -> None:
         self.storage.on_alloc(blocks)
@@ -109,6 +152,8 @@ class KVPool:
             "peak_mapped_bytes": self.mapped_bytes(peak=True),
             "reserved_bytes": s.backing.capacity
             + (self.scales.backing.capacity if self.scales is not None else 0),
+            "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
+            "cpu_tier": self.tier.stats() if self.tier is not None else None,
         }
 
     def close(self) -> None:
@@ -148,15 +193,25 @@ def get_pool(key: PoolKey) -> KVPool:
 
 
 def pool_stats() -> list[dict]:
-    """One dict per live pool: blocks used/total, mapped and reserved bytes."""
+    """One dict per live pool: blocks used/total, mapped and reserved bytes, prefix cache."""
     with _pools_lock:
-        return [p.stats() for p in _pools.values()]
+        pools = list(_pools.values())
+    out = []
+    for p in pools:
+        with p.lock:
+            out.append(p.stats())
+    return out
 
 
 def release_pools() -> None:
-    """Closes every pool that has no live block (tests, disable()). Busy pools are kept."""
+    """Closes every pool that has no live block (tests, disable()): the prefix cache's blocks
+    are given back first. Busy pools are kept (with their prefix cache)."""
     with _pools_lock:
         for key, pool in list(_pools.items()):
+            with pool.lock:
+                held = len(pool.prefix) if pool.prefix is not None else 0
+                if held and pool.manager.num_used == held and pool.prefix.reclaimable() == held:
+                    pool.drop_prefix_cache()
             if pool.manager.num_used == 0:
                 pool.close()
                 del _pools[key]

@@ -193,6 +193,28 @@ def _kv_pools_figures() -> dict:
     }
 
 
+def _kv_tier_figures() -> dict:
+    """Default tier source: the CPU tiers and prefix caches of oxygen_torch.kv's pools (summed):
+    migrated bytes per direction, bytes held per tier, prefix-cache hits / misses."""
+    kv_pool = sys.modules.get("oxygen_torch.kv.pool")
+    pools = kv_pool.pool_stats() if kv_pool is not None else []
+    moved = {"gpu_to_cpu": 0, "cpu_to_gpu": 0}
+    held = {"gpu": 0, "cpu": 0}
+    prefix = {"hits": 0, "misses": 0}
+    for p in pools:
+        dev = str(p.get("device", "cpu"))
+        held["cpu" if dev.startswith("cpu") else "gpu"] += int(p.get("blocks_used", 0)) * int(
+            p.get("block_bytes_all_layers", 0)
+        )
+        tier = p.get("cpu_tier") or {}
+        moved["gpu_to_cpu"] += int(tier.get("bytes_down", 0))
+        moved["cpu_to_gpu"] += int(tier.get("bytes_up", 0))
+        held["cpu"] += int(tier.get("used_bytes", 0))
+        for k in prefix:
+            prefix[k] += int((p.get("prefix_cache") or {}).get(k, 0))
+    return {"migration_bytes": moved, "tier_bytes": held, "prefix_cache": prefix}
+
+
 # ---------------------------------------------------------------------------------------------
 # Collector
 
@@ -267,7 +289,7 @@ def _kv_metrics() -> Iterator[Metric]:
 
 
 def _tier_and_scheduler_metrics() -> Iterator[Metric]:
-    tier = (_tier_source() if _tier_source else None) or {}
+    tier = (_tier_source() if _tier_source else None) or _kv_tier_figures()
     hot = GaugeMetricFamily(
         PREFIX + "hot_zone_hit_ratio",
         "Share of KV accesses served from the hot zone (>0.85).",
@@ -280,6 +302,19 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
     moved = {"gpu_to_cpu": 0, "cpu_to_gpu": 0, **tier.get("migration_bytes", {})}
     for direction, n in sorted(moved.items()):
         mig.add_metric([str(tier.get("device", 0)), direction], float(n))
+    held = GaugeMetricFamily(
+        PREFIX + "tier_bytes", "KV bytes held per tier.", labels=["device", "tier"]
+    )
+    for name, n in sorted({"gpu": 0, "cpu": 0, **tier.get("tier_bytes", {})}.items()):
+        held.add_metric([str(tier.get("device", 0)), name], float(n))
+    prefix = CounterMetricFamily(
+        PREFIX + "prefix_cache_lookups",
+        "Prompt rows looked up in the prefix cache, by result.",
+        labels=["device", "result"],
+    )
+    for result, key in (("hit", "hits"), ("miss", "misses")):
+        n = tier.get("prefix_cache", {}).get(key, 0)
+        prefix.add_metric([str(tier.get("device", 0)), result], float(n))
     sched = (_scheduler_source() if _scheduler_source else None) or {}
     if not sched:  # the multi-task engine's own figure
         _, counts, total = ENGINE.snapshot()["balance"]
@@ -291,7 +326,7 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
         ["device"],
         [([str(sched.get("device", 0))], (WEIGHT_VARIANCE_BUCKETS, counts, sched.get("sum", 0)))],
     )
-    yield from (hot, mig, var)
+    yield from (hot, mig, held, prefix, var)
 
 
 def _histogram(name: str, doc: str, labels: list[str], series) -> HistogramMetricFamily:

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import _patching
 from ...engine.scheduler import Chunk, Request, StepScheduler
 from ...engine.task import Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
+from ...kv.swap import swap_out
 from . import compat, graphs, merged_graphs
 from .attention import new_columns
 from .cache import PagedKVCache, PagedLayer
@@ -133,12 +135,14 @@ class Merger:
             blocks = sum(-(-n // bt) for n in counts)
         else:
             blocks = sum(core.seqs.blocks_needed(i, n) for i, n in enumerate(counts))
+        if core._swapped is not None:  # its KV comes back from the CPU tier first
+            blocks += core._swapped.blocks_needed()
         part = (cols, counts)
         return Chunk(req, sum(counts), len(counts), blocks, part)
 
     def free_blocks(self) -> int:
         pool = self._pool()
-        return pool.manager.num_free if pool is not None else 1 << 30
+        return pool.manager.num_available if pool is not None else 1 << 30
 
     def total_blocks(self) -> int:
         pool = self._pool()
@@ -152,8 +156,23 @@ class Merger:
         return None
 
     def preempt(self, call) -> int:
+        """Frees the call's KV: into the CPU tier when there is one with room (swap: it comes
+        back at the call's next step), else dropped to be recomputed from its record."""
         core = call.state.cache._core
-        if core.history is None or core.seqs is None or core.debug:
+        call.swapped = False
+        if core.seqs is None or core.debug or core._swapped is not None:
+            return 0
+        tier = core.pool.cpu_tier(call.state.cache.cfg.pool.cpu_tier_bytes)
+        if tier is not None:
+            freed = swap_out(core)
+            if freed is not None:
+                call.swapped = True
+                return freed
+            _patching.warn_once(
+                "oxygen_torch: the KV CPU tier is full (pool.cpu_tier_bytes); preempted calls "
+                "are recomputed instead of swapped"
+            )
+        if core.history is None:
             return 0  # no record of its tokens: it cannot be recomputed
         before = core.pool.manager.num_free
         core.drop_kv()
@@ -175,7 +194,7 @@ class Merger:
         step = MergedStep(parts)
         graph = self._graphs_for(chunks)
         with step.pool.lock:
-            if step.blocks_needed() > step.pool.manager.num_free:
+            if step.blocks_needed() > step.pool.manager.num_available:
                 return False
             step.reserve(build=graph is None)
         try:
@@ -291,7 +310,7 @@ class Merger:
             if history is not None:
                 c0, c1 = work.done, work.done + cols
                 history.add_later(work.ids[:, c0:c1], work.real[:, c0:c1], work.pos[:, c0:c1])
-            ch.request.call.preempted = False
+            ch.request.call.preempted = ch.request.call.swapped = False
 
     def _deliver(self, chunks: list[Chunk], logits: torch.Tensor, keeps) -> None:
         """Each finished request gets its logits [B, keep, V]; a prefill chunk that is not the
@@ -339,6 +358,7 @@ class _StepCache(PagedKVCache):
         self.cfg, self._config, self._core = None, model_config, step
         self._any_sliding = any(t != "full_attention" for t in types)
         self.max_cache_len_hint, self.compile_options, self.merge = 0, None, None
+        self.prefix_prompt = None
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super(PagedKVCache, self).__init__(layers=layers)
 

@@ -111,6 +111,7 @@ class PagedKVCache(Cache):
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
         self.merge = None  # (Merger, Call) while a generate() on this cache is registered
+        self.prefix_prompt = None  # the prompt the prefix cache saw (integrations/hf/prefix.py)
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super().__init__(layers=layers)
         self._finalizer = weakref.finalize(self, self._core.release)
@@ -243,7 +244,7 @@ class PagedKVCache(Cache):
             {
                 k: v
                 for k, v in self.__dict__.items()
-                if k not in ("_core", "layers", "_finalizer", "merge")
+                if k not in ("_core", "layers", "_finalizer", "merge", "prefix_prompt")
             }
         )
         other._core = self._core.fork()
@@ -252,6 +253,7 @@ class PagedKVCache(Cache):
         ]
         other._finalizer = weakref.finalize(other, other._core.release)
         other.merge = None  # a copy is not the registered call's cache
+        other.prefix_prompt = None
         return other
 
     def stats(self) -> SimpleNamespace:

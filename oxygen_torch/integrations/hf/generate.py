@@ -17,6 +17,8 @@ from ... import _patching
 from ...config import OxygenConfig
 from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
+from . import prefix as prefix_cache
+from .batched import _geometry
 from .cache import PagedKVCache
 
 log = logging.getLogger("oxygen_torch")
@@ -156,24 +158,52 @@ def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, Pag
         out["cache_implementation"] = None
     if call.opt("compile_config") is not None:  # taken here: transformers would only skip it
         out["compile_config"] = None
-    chunk = _chunk(call, cfg)
+    cached = _start_on_prefix(model, call, cfg, cache)
+    chunk = _chunk(call, cfg, cached)
     if chunk is not None:
         log.info("oxygen_torch: prefill of %s tokens in chunks of %d", call.prompt_shape(), chunk)
         out["prefill_chunk_size"] = chunk
     return out, cache
 
 
-def _chunk(call: _Call, cfg: OxygenConfig) -> int | None:
+def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache) -> int:
+    """The prompt columns the prefix cache gives this call (kv.prefix_cache; 0: none). A
+    suffix still long enough to be chunked runs whole: transformers' chunked prefill starts
+    from column 0, whatever the cache holds."""
+    if not cfg.kv.prefix_cache:
+        return 0
+    geometry = _geometry(model)
+    prompt = prefix_cache.prompt_of(model, call, cache, geometry)
+    if prompt is None:
+        return 0
+    cols = prefix_cache.cached_columns(prompt)
+    if cols and _chunk(call, cfg, cols) is not None:
+        cols = 0
+    cache.prefix_prompt = prompt
+    return prefix_cache.start_on_cache(
+        prompt, cache, geometry, limit=cols, record=cfg.scheduler.merge
+    )
+
+
+def _chunk(call: _Call, cfg: OxygenConfig, cached: int = 0) -> int | None:
     """A long prompt on the paged cache is prefilled in chunks: the MLP activations of a
     64 x 4096-token prompt alone are 2.75 GiB each, which decided how large a batch fits. A
-    prefill_chunk_size the caller set is kept."""
+    prefill_chunk_size the caller set is kept. `cached`: prompt columns the prefix cache gave
+    (not computed)."""
     shape = call.prompt_shape()
     if call.opt("prefill_chunk_size") is not None or call.inputs is None or shape is None:
         return None
     expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
     return prefill_chunk(
-        shape[0] * expand, shape[1], cfg.kv.block_tokens, cfg.kv.prefill_chunk_tokens
+        shape[0] * expand, shape[1] - cached, cfg.kv.block_tokens, cfg.kv.prefill_chunk_tokens
     )
+
+
+def finish(cache: PagedKVCache | None, out) -> None:
+    """After a call that returned: its blocks join the prefix cache (when it uses one)."""
+    prompt = getattr(cache, "prefix_prompt", None)
+    if prompt is not None:
+        prefix_cache.keep(prompt, cache, out)
 
 
 def check_used(model, cache: PagedKVCache | None) -> None:

@@ -117,6 +117,7 @@ def _generate(self, *args, **kwargs):
     else:
         out = _state.generate(self, *args, **kwargs)
     gen.check_used(self, cache)
+    gen.finish(cache, out)
     return out
 
 

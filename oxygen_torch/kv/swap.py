@@ -1,0 +1,103 @@
+"""Swap preemption: a core's KV moves to its pool's CPU tier and back, instead of being dropped
+and recomputed (the multi-task engine's preempted calls, when pool.cpu_tier_bytes > 0).
+
+While swapped out, the core holds no sequence (as after `drop_kv`) and keeps `Swapped`: each
+row's block list where a block only this core held is a tier slot (written -1 - slot) and a
+block someone else also holds (a prefix-cache block, a fork's) stays a device block, still
+referenced. `swap_in` (from the core's next `_reserve`, or the merged step's) gives every slot a
+fresh device block, copies them up in one transfer, and puts the rows back as they were; a beam
+reorder while swapped out reorders the rows in place (`select`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .block_manager import SequenceBlocks
+from .storage import GUARD_BLOCK
+
+
+@dataclass
+class Swapped:
+    rows: list[list[int]]  # per row: device block (>= 0) or -1 - tier slot
+    lens: list[int]
+    slots: set[int]  # every slot taken (some may no longer be referenced after a select)
+
+    def device_blocks(self) -> list[int]:
+        return [b for row in self.rows for b in row if b >= 0]
+
+    def blocks_needed(self) -> int:
+        """Fresh device blocks `swap_in` takes."""
+        return len({b for row in self.rows for b in row if b < 0})
+
+
+def swap_out(core) -> int | None:
+    """Moves the core's own blocks to the tier; returns the device blocks freed, or None (the
+    tier lacks room: nothing changed)."""
+    pool, seqs = core.pool, core.seqs
+    tier = pool.tier
+    if tier is None or seqs is None or core._swapped is not None:
+        return None
+    with pool.lock:
+        uses = Counter(b for row in seqs.blocks for b in row)
+        own = sorted(b for b, n in uses.items() if pool.manager.refcount(b) == n)
+        if len(own) > tier.num_free:
+            return None
+        where = dict(zip(own, tier.down(own)))
+        rows = [[-1 - where[b] if b in where else b for b in row] for row in seqs.blocks]
+        before = pool.manager.num_free
+        pool.manager.decref([b for row in seqs.blocks for b in row if b in where])
+        if pool.heat is not None:
+            pool.heat.forget(own)
+        core._swapped = Swapped(rows, list(seqs.lens), set(where.values()))
+        core.seqs = SequenceBlocks(pool.manager, core.block_tokens, len(rows))
+        freed = pool.manager.num_free - before
+    core._table_host.fill_(GUARD_BLOCK)
+    core._lent = True  # the device table is reloaded from the host at the next step
+    return freed
+
+
+def swap_in(core) -> None:
+    """Brings a swapped-out core's blocks back (KVCacheFull: nothing changed, still swapped)."""
+    sw, pool = core._swapped, core.pool
+    with pool.lock:
+        live = sorted({-1 - b for row in sw.rows for b in row if b < 0})
+        new = pool.manager.allocate(len(live))
+        try:
+            pool.tier.up(live, new)
+        except BaseException:
+            pool.manager.decref(new)
+            raise
+        to_block = dict(zip(live, new))
+        rows = [[to_block[-1 - b] if b < 0 else b for b in row] for row in sw.rows]
+        uses = Counter(b for row in sw.rows for b in row if b < 0)
+        pool.manager.incref([to_block[-1 - s] for s, n in uses.items() for _ in range(n - 1)])
+        pool.tier.release(sorted(sw.slots))
+        core.seqs.blocks, core.seqs.lens = rows, list(sw.lens)
+        core._swapped = None
+    core._grow_table(max((len(r) for r in rows), default=1))
+    for r, row in enumerate(rows):
+        core._table_host[r, : len(row)] = core._table_host.new_tensor(row)
+    core._reload()
+
+
+def select(core, order: list[int]) -> None:
+    """A beam reorder while swapped out: row i becomes old row order[i]."""
+    sw, pool = core._swapped, core.pool
+    with pool.lock:
+        old = sw.device_blocks()
+        sw.rows = [list(sw.rows[j]) for j in order]
+        sw.lens = [sw.lens[j] for j in order]
+        pool.manager.incref(sw.device_blocks())
+        pool.manager.decref(old)
+    core.seqs = SequenceBlocks(pool.manager, core.block_tokens, len(order))
+
+
+def release(core) -> None:
+    """The core ends while swapped out: its slots and device references go back."""
+    sw, pool = core._swapped, core.pool
+    with pool.lock:
+        pool.manager.decref(sw.device_blocks())
+        pool.tier.release(sorted(sw.slots))
+    core._swapped = None

@@ -1,0 +1,130 @@
+"""The CPU tier (kv/tier.py), block heat (kv/heat.py) and swap preemption (kv/swap.py).
+
+Migration is checked byte for byte on the host backend (both sides in host memory: the arena and
+the tier); swap preemption against the same calls run alone (float32, greedy: the same tokens)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_engine import llama, prompt, schedulers, together_as_alone
+
+from oxygen_torch import _patching
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.heat import HOT, Heat
+from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
+from oxygen_torch.tools import metrics
+
+MiB = 1 << 20
+
+
+def test_heat_counters_saturate_decay_and_order_lru_k():
+    heat = Heat(8, sweep_every=0)
+    for _ in range(5):  # block 1: read every step, saturates at 3
+        heat.touch(torch.tensor([[1, 1, 0]]))  # a repeat in one step counts once; 0 is the guard
+    assert heat.key(1)[0] == HOT and heat.key(0)[0] == 0
+    heat.touch(torch.tensor([2, 3]))  # 2, 3: once each, at clock 6
+    heat.touch(torch.tensor([3, 4]))  # 3 twice; 4 once, later
+    heat.touch(torch.tensor([5]))
+    assert heat.coldest([1, 2, 3, 4, 5], 5) == [2, 4, 5, 3, 1]
+    # counters tie at 1 for 2, 4, 5; 3 has 2; LRU-K: 2, 4, 5 have no second access (oldest last
+    # access first), then 3
+    heat.sweep()  # halves: 1 -> 0, 2 -> 1, 3 -> 1
+    assert [heat.key(b)[0] for b in (1, 2, 3)] == [1, 0, 1]
+    heat.sweep()
+    assert heat.key(1)[0] == 0
+    # all cold now: LRU-K alone decides; 1 was read five times (its 2nd-last read at clock 4)
+    assert heat.coldest([1, 2, 3, 4, 5], 5) == [2, 4, 5, 1, 3]
+    heat.forget([3])
+    assert heat.coldest([1, 3], 1) == [3]
+
+
+@pytest.fixture
+def host_pool():
+    key = PoolKey(torch.device("cpu"), 3, 2, 64, torch.float32, 16, "auto", 16 * MiB, 2 * MiB)
+    pool = get_pool(key)
+    yield pool
+    release_pools()
+
+
+def test_migration_down_and_up_preserves_every_byte(host_pool):
+    pool = host_pool
+    tier = pool.cpu_tier(2 * MiB)
+    assert pool.storage.backing.name == "arena"  # the host backend's arena, pages mapped on use
+    assert tier.num_slots == 2 * MiB // (16 * 2 * 64 * 4 * 2 * 3)
+    with pool.lock:
+        blocks = pool.manager.allocate(7)
+    st = pool.storage
+    idx = torch.tensor(blocks)
+    want = []
+    for cache in (*st.k, *st.v):
+        data = torch.randn(len(blocks), *cache.shape[1:])
+        cache.index_copy_(0, idx, data)
+        want.append(data)
+    slots = tier.down(blocks)
+    with pool.lock:
+        pool.manager.decref(blocks)  # freed: their pages may go
+        again = pool.manager.allocate(7)
+    for cache in (*st.k, *st.v):  # whatever is there now is overwritten
+        cache.index_copy_(0, torch.tensor(again), torch.randn(7, *cache.shape[1:]))
+    order = list(reversed(again))  # back into other blocks, in another order
+    tier.up(slots, order)
+    for cache, data in zip((*st.k, *st.v), want):
+        got = cache.index_select(0, torch.tensor(order))
+        assert torch.equal(got.view(torch.int32), data.view(torch.int32))
+    tier.release(slots)
+    stats = tier.stats()
+    assert stats["slots_used"] == 0
+    assert stats["bytes_down"] == stats["bytes_up"] == 7 * tier.block_bytes
+    with pool.lock:
+        pool.manager.decref(again)
+
+
+@pytest.fixture
+def oxygen():
+    _patching.forget_warnings()
+    yield
+    hf.disable_hf()
+
+
+def _burst(tier_bytes: int):
+    """31 KV blocks of 128 tokens; ten calls of two rows that each end at 2 blocks a row need
+    40: younger calls are preempted."""
+    cfg = load_config(
+        kv={"block_tokens": 128, "arena_bytes": 8 << 20}, pool={"cpu_tier_bytes": tier_bytes}
+    )
+    model = hf.apply(llama(), cfg)
+    kws = []
+    for s in range(8):
+        ids, mask = prompt(s, rows=2, length=100 + s)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
+    return model, kws
+
+
+def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen):
+    model, kws = _burst(64 * MiB)
+    together_as_alone(model, kws)
+    (sched,) = schedulers(model)
+    assert sched.stats.swaps > 0 and sched.stats.swaps == sched.stats.preemptions
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
+    tier = pool["cpu_tier"]
+    assert tier["migrations_down"] > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
+    assert tier["slots_used"] == 0 and pool["blocks_used"] == 0  # nothing left behind
+    text = metrics.scrape()
+    series = 'oxygen:migration_bytes_total{device="0",direction="gpu_to_cpu"}'
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(series)]
+    assert float(line.split()[-1]) == tier["bytes_down"]
+
+
+def test_a_full_cpu_tier_degrades_to_recompute_with_one_warning(oxygen, caplog):
+    model, kws = _burst(256 * 1024)  # one slot: no call's KV fits
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        together_as_alone(model, kws)
+    (sched,) = schedulers(model)
+    assert sched.stats.preemptions > 0 and sched.stats.swaps == 0
+    full = [r for r in caplog.records if "CPU tier is full" in r.getMessage()]
+    assert len(full) == 1
