@@ -13,10 +13,13 @@ from test_engine import llama, prompt, schedulers, together_as_alone
 
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.attention import gather_blocks
 from oxygen_torch.kv.heat import HOT, Heat
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
+from oxygen_torch.kv.swap import swap_out
 from oxygen_torch.tools import metrics
 
 MiB = 1 << 20
@@ -91,11 +94,13 @@ def oxygen():
     hf.disable_hf()
 
 
-def _burst(tier_bytes: int):
+def _burst(tier_bytes: int, graphs: bool = False):
     """31 KV blocks of 128 tokens; ten calls of two rows that each end at 2 blocks a row need
-    40: younger calls are preempted."""
+    40: younger calls are preempted. `graphs`: merged decode steps through graphs too."""
     cfg = load_config(
-        kv={"block_tokens": 128, "arena_bytes": 8 << 20}, pool={"cpu_tier_bytes": tier_bytes}
+        kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+        pool={"cpu_tier_bytes": tier_bytes},
+        scheduler={"decode_graphs": graphs},
     )
     model = hf.apply(llama(), cfg)
     kws = []
@@ -105,9 +110,17 @@ def _burst(tier_bytes: int):
     return model, kws
 
 
-def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen):
-    model, kws = _burst(64 * MiB)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, graphs):
+    """With `graphs`, decode steps (alone and merged) go through the decode graphs' bookkeeping
+    (the CPU stand-in): a swapped-out call comes back before its graph step plans it."""
+    if graphs:
+        monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    model, kws = _burst(64 * MiB, graphs)
     together_as_alone(model, kws)
+    if graphs:
+        st = hf_graphs.stats(model)
+        assert st["replays"] + st["merged"]["replays"] > 0, st
     (sched,) = schedulers(model)
     assert sched.stats.swaps > 0 and sched.stats.swaps == sched.stats.preemptions
     (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
@@ -128,3 +141,32 @@ def test_a_full_cpu_tier_degrades_to_recompute_with_one_warning(oxygen, caplog):
     assert sched.stats.preemptions > 0 and sched.stats.swaps == 0
     full = [r for r in caplog.records if "CPU tier is full" in r.getMessage()]
     assert len(full) == 1
+
+
+def test_a_swapped_out_cache_comes_back_before_a_decode_graph_step_plans_it(oxygen):
+    """A call preempted to the CPU tier whose next step is a single call's decode graph: the
+    graph's plan (block table, slots) must name its blocks back on the device, holding its K/V,
+    not the freed ids it had before the swap."""
+    model = hf.apply(llama(seed=2))
+    ids = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    core = out.past_key_values._core
+    want = [core.dense(layer) for layer in range(core.num_layers)]
+    core.pool.cpu_tier(16 * MiB)  # (the engine attaches it at its first preemption)
+    assert swap_out(core) > 0 and core._swapped is not None
+    with core.pool.lock:  # the freed blocks are overwritten by someone else meanwhile
+        taken = core.pool.manager.allocate(core.pool.manager.num_free)
+    st = core.pool.storage
+    for cache in (*st.k, *st.v):
+        cache.index_fill_(0, torch.tensor(taken), 7.0)
+    with core.pool.lock:
+        core.pool.manager.decref(taken)
+    table, _ = core.begin_graph_step(16)
+    assert core._swapped is None
+    n = core.length - 1  # the step begun counts its token already
+    blocks = table[:, : -(-n // core.block_tokens)].to(torch.int64)
+    for layer, (k, _) in enumerate(want):
+        got = gather_blocks(st.k[layer], core.pool.k_scale(layer), blocks, n, k.dtype)
+        assert torch.equal(got, k), layer
+    core.end_graph_step()
