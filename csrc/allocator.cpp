@@ -1,6 +1,7 @@
 // See allocator.h. Public entry points and block placement.
 #include "allocator.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 
@@ -136,9 +137,53 @@ Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
   bump(stats_.num_frees);
   if (!active_captures_.empty()) refresh_captures();
   StreamState* fs = stream == b.stream->stream ? b.stream : streams_.get(stream);
+  if (!b.used_on.empty()) {
+    Deferred d{b, fs, {}};
+    for (StreamState* s : b.used_on) {
+      if (s == fs) continue;
+      d.after.push_back(streams_.on_free(s));
+      try_record(s);
+    }
+    if (!d.after.empty()) {
+      bump(stats_.deferred_bytes, b.bytes);
+      deferred_.push_back(std::move(d));
+      return OK;
+    }
+  }
   free_block(b, fs);
   if (now_ns() - last_sweep_ > 4 * opt_.hysteresis_ns) sweep_locked(false);
   return OK;
+}
+
+Status Allocator::record_stream(void* ptr, void* stream) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = live_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == live_.end()) {
+    set_last_error("record_stream: not the start of a live block of this pool");
+    return ERR_INVALID;
+  }
+  Block& b = it->second;
+  StreamState* s = streams_.get(stream);
+  if (s != b.stream && std::find(b.used_on.begin(), b.used_on.end(), s) == b.used_on.end())
+    b.used_on.push_back(s);
+  return OK;
+}
+
+void Allocator::free_deferred() {
+  // Caller holds mu_, after polling events.
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < deferred_.size(); ++i) {
+    Deferred& d = deferred_[i];
+    bool done = std::all_of(d.after.begin(), d.after.end(), is_safe);
+    if (!done) {
+      if (kept != i) deferred_[kept] = std::move(d);
+      ++kept;
+      continue;
+    }
+    drop(stats_.deferred_bytes, d.block.bytes);
+    free_block(d.block, d.stream);
+  }
+  deferred_.resize(kept);
 }
 
 void Allocator::free_block(const Block& b, StreamState* fs) {

@@ -47,6 +47,7 @@ struct Block {
   bool small = false;         // on a small-block page (allocator_small.cpp)
   std::uint32_t slot = 0;
   std::uint64_t capture = 0;  // capture sequence id that allocated it, 0 = general
+  std::vector<StreamState*> used_on;  // other streams recorded on it (record_stream)
 };
 
 struct CaptureState {
@@ -74,6 +75,9 @@ class Allocator {
   void* malloc(std::int64_t size, void* stream, Status* status);
   // ERR_INVALID for an unknown pointer or a double free (reported once, counted, ignored).
   Status free(void* ptr, std::int64_t size, void* stream);
+  // The live block starting at ptr is used on `stream` too (torch's record_stream): when it is
+  // freed, no one reuses it before `stream` has passed the free. ERR_INVALID: not a live block.
+  Status record_stream(void* ptr, void* stream);
   // Waits for the device, then unmaps every idle page, drops cached slabs and cached handles.
   void empty_cache();
   void reset_peak();
@@ -170,6 +174,13 @@ class Allocator {
     Pieces pieces;     // its free ranges, out of extents_ meanwhile
   };
   std::vector<Lent> lent_;
+  struct Deferred {  // a freed block recorded on other streams: freed once each has passed
+    Block block;
+    StreamState* stream;     // the stream it was freed on
+    std::vector<Tag> after;  // a ticket on each recorded stream, taken at the free
+  };
+  std::vector<Deferred> deferred_;
+  void free_deferred();  // those whose streams have passed (caller polled events)
   std::unordered_map<std::uintptr_t, Block> live_;
   std::unordered_map<std::size_t, std::unique_ptr<SlabPage>> slabs_;
   std::map<std::pair<StreamState*, std::uint64_t>, std::unique_ptr<Heap>> heaps_;

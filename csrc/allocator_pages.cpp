@@ -151,15 +151,24 @@ void Allocator::try_record(StreamState* s) {
 }
 
 void Allocator::poll_events(bool sync) {
-  capture::QueryGuard q;
-  if (!q.allowed()) return;  // a capture may be in progress: no event calls at all
-  if (sync && streams_.any_unsafe()) {
-    if (ctx().backend().synchronize() == OK) streams_.all_complete();
-  } else {
-    streams_.poll();
+  bool complete = false;  // the device has finished everything issued so far
+  {
+    capture::QueryGuard q;
+    if (!q.allowed()) return;  // a capture may be in progress: no event calls at all
+    if (sync && streams_.any_unsafe()) {
+      if ((complete = ctx().backend().synchronize() == OK)) streams_.all_complete();
+    } else {
+      complete = sync;
+      streams_.poll();
+    }
+    retire_lent(sync ? SIZE_MAX : kSweepUnmaps);
+    process_pending_releases();  // may synchronize: allowed, we hold the query guard
   }
-  retire_lent(sync ? SIZE_MAX : kSweepUnmaps);
-  process_pending_releases();  // may synchronize: allowed, we hold the query guard
+  // Outside the guard (not reentrant): freeing a block records an event through its own guard.
+  if (!deferred_.empty()) {
+    free_deferred();
+    if (complete) streams_.all_complete();  // those frees were issued before the synchronize
+  }
 }
 
 void Allocator::sweep_locked(bool force) {

@@ -264,6 +264,11 @@ OXY_API int oxygen_pool_free(void* pool, void* ptr, int64_t size, void* stream) 
   return on_pool(pool, "free", [&](Allocator* a) -> int { return a->free(ptr, size, stream); });
 }
 
+OXY_API int oxygen_pool_record_stream(void* pool, void* ptr, void* stream) {
+  return on_pool(pool, "record_stream",
+                 [&](Allocator* a) -> int { return a->record_stream(ptr, stream); });
+}
+
 OXY_API int oxygen_pool_empty_cache(void* pool) {
   return on_pool(pool, "empty_cache", [](Allocator* a) -> int {
     a->empty_cache();

@@ -78,6 +78,7 @@ struct AllocCounters {
   Counter reclaims{0};             // idle pages unmapped to make room (OOM path)
   Counter pages_lent{0};           // idle pages whose handle backed a new block (see lend_idle)
   Counter lent_pending{0};         // of those, still mapped at their old address (not retired)
+  Counter deferred_bytes{0};       // freed blocks held until the streams recorded on them pass
 };
 
 }  // namespace oxygen

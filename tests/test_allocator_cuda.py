@@ -273,3 +273,28 @@ def test_mempool_route_after_cuda_init():
     y = x * 2
     assert torch.equal(y / 2, x)
     assert torch.cuda.memory_allocated() >= 0  # PyTorch's own stats keep working
+
+
+def test_record_stream_under_global_route_delays_reuse_until_the_side_stream_passes():
+    out = run_py(
+        ENABLE.format(frac=0.05)
+        + """
+side = torch.cuda.Stream()
+x = torch.ones(8 << 20, device="cuda")  # 32 MiB
+ptr = x.data_ptr()
+with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)  # the side stream is busy well past the free below
+    y = x * 2
+x.record_stream(side)
+del x
+held = allocator.memory_stats()["deferred_bytes"]
+z = torch.empty(8 << 20, device="cuda")  # same size, same stream: must not take x's block
+reused = z.data_ptr() == ptr
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print(json.dumps({"held": held, "reused": reused, "sum": float(y.sum()),
+                  "after": allocator.memory_stats()["deferred_bytes"]}))
+"""
+    )
+    assert out["held"] >= 32 * MiB and not out["reused"]
+    assert out["sum"] == 2.0 * (8 << 20) and out["after"] == 0

@@ -13,6 +13,7 @@ import torch
 from test_engine import call_kw, generate, in_threads, llama, prompt, schedulers, together_as_alone
 from test_hf_generate import tiny
 
+import oxygen_torch
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import graphs as hf_graphs
@@ -56,7 +57,7 @@ def test_merged_decode_steps_replay_graphs_and_give_the_logits_of_each_call_alon
     model = hf.apply(llama(seed=4, arch=arch), load_config(**ON))
     calls = [call_kw(s) for s in (0, 1, 2, 5, 6, 7)]  # 1-3 rows, beams, an early stop
     logits_as_alone(model, calls)
-    st = hf_graphs.stats(model)["merged"]
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["captures"] >= 1 and st["replays"] >= 1, st
     assert st["failed"] == 0
     assert max(schedulers(model)[0].stats.batch_sizes) > 3
@@ -69,13 +70,15 @@ def test_sliding_window_calls_replay_merged_graphs(rerun):
         ids, mask = prompt(60 + s, rows=2, length=11 + 3 * s)
         kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
     together_as_alone(model, kws, "mistral")
-    assert hf_graphs.stats(model)["merged"]["replays"] >= 1
+    assert oxygen_torch.decode_graph_stats(model)["merged"]["replays"] >= 1
 
 
 def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun, monkeypatch):
     model = hf.apply(llama(seed=5))
     together_as_alone(model, [call_kw(s) for s in range(3)])
-    assert hf_graphs.stats(model)["merged"]["captures"] == 0  # scheduler.decode_graphs is off
+    assert (
+        oxygen_torch.decode_graph_stats(model)["merged"]["captures"] == 0
+    )  # scheduler.decode_graphs is off
 
     model = hf.apply(llama(seed=6), load_config(**ON))
     real = merged_graphs.GraphRunner
@@ -96,7 +99,7 @@ def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun
     seen = []
     monkeypatch.setattr(_patching, "warn_once", lambda msg: seen.append(msg))
     together_as_alone(model, [call_kw(s) for s in range(3)])
-    st = hf_graphs.stats(model)["merged"]
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["failed"] >= 1 and st["replays"] == 0
     assert sum("merged decode CUDA-graph capture failed" in m for m in seen) >= 1
     assert torch.is_grad_enabled()

@@ -48,7 +48,6 @@ def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
     first = _generate(model, n=19)
     st = hf_graphs.stats(model)
     want = {"graphs": 1, "captures": 1, "replays": 17, "failed": 0, "compiled": 0, "fused": 0}
-    want["merged"] = {"graphs": 0, "captures": 0, "replays": 0, "failed": 0}  # one call: alone
     assert st == want, st
     assert torch.equal(_generate(model, n=19), first)
     assert hf_graphs.stats(model)["captures"] == 1

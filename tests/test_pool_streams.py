@@ -180,3 +180,49 @@ def test_unannounced_capture_memory_returns_when_it_ends(lib):
         p.empty_cache()
         assert p.stats()["quarantined_bytes"] == 0
         assert p.malloc(4 * MiB, stream=CAP) == seg
+
+
+def test_record_stream_holds_a_freed_block_until_the_recorded_stream_has_passed(lib):
+    """torch's record_stream: a block used on S2 too and freed on S1 is reused by no one, S1
+    included (stream order protects S1's own uses only), before S2 has passed the free."""
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=1000) as p:
+        a = p.malloc(3 * MiB, stream=S1)
+        plain = p.malloc(3 * MiB, stream=S1)
+        p.record_stream(a, S2)
+        p.record_stream(a, S2)  # twice: one entry
+        p.record_stream(a, S1)  # its own stream: nothing to wait for
+        p.free(plain, stream=S1)
+        assert p.malloc(3 * MiB, stream=S1) == plain  # no record: S1 reuses it at once
+        p.free(a, stream=S1)
+        s = p.stats()
+        assert s["deferred_bytes"] == 3 * MiB and s["allocated_bytes"] == 3 * MiB
+        held = [p.malloc(3 * MiB, stream=S1) for _ in range(3)]
+        assert all(not overlaps(h, 3 * MiB, a, 3 * MiB) for h in held)
+        for h in held:
+            p.free(h, stream=S1)
+        lib.oxygen_host_hold_events(0)  # S2 has passed the free
+        assert wait_until(lambda: p.stats()["deferred_bytes"] == 0)
+        assert p.malloc(3 * MiB, stream=S1) in (a, *held)
+        with pytest.raises(_native.NativeError, match="not the start of a live block"):
+            p.record_stream(a + 512, S2)
+        with pytest.raises(ValueError):
+            p.record_stream(-1, S2)
+
+
+def test_record_stream_blocks_are_freed_by_empty_cache_and_teardown(lib):
+    lib.oxygen_host_hold_events(1)
+    p = VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=1000)
+    blocks = [p.malloc(n, stream=S1) for n in (700, 5 * MiB, 12 * MiB)]
+    for b in blocks:
+        p.record_stream(b, S2)
+        p.free(b, stream=S1)
+    assert p.stats()["deferred_bytes"] > 0
+    lib.oxygen_host_hold_events(0)
+    p.empty_cache()  # waits for the device: every recorded stream has passed
+    s = p.stats()
+    assert s["deferred_bytes"] == 0 and s["mapped_bytes"] == 0
+    keep = p.malloc(1 * MiB, stream=S1)
+    p.record_stream(keep, S2)
+    p.free(keep, stream=S1)
+    p.close()  # a deferred block at teardown: no crash, nothing left

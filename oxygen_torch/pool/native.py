@@ -113,6 +113,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_pool_destroy": (c.c_int, [vp]),
         "oxygen_pool_malloc": (c.c_int, [vp, i64, vp, c.POINTER(vp)]),
         "oxygen_pool_free": (c.c_int, [vp, vp, i64, vp]),
+        "oxygen_pool_record_stream": (c.c_int, [vp, vp, vp]),
         "oxygen_pool_empty_cache": (c.c_int, [vp]),
         "oxygen_pool_reset_peak": (c.c_int, [vp]),
         "oxygen_pool_prepare": (c.c_int, [vp, sz]),

@@ -183,6 +183,14 @@ class VirtualPool(_NativeObject):
             _native.check(st, "free")
         return st == _native.OK
 
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """The live block at `ptr` is used on `stream` too (as torch.Tensor.record_stream): once
+        freed, it is reused by no one before `stream` has passed the free (held meanwhile,
+        counted in ``stats()['deferred_bytes']``). NativeError: not the start of a live block."""
+        ptr = int_arg("record_stream pointer", ptr, 0, SIZE_MAX)
+        st = _native.lib().oxygen_pool_record_stream(self._handle(), ptr, _stream_handle(stream))
+        _native.check(st, "record_stream")
+
     def empty_cache(self) -> None:
         """Wait for the device, then unmap every page with nothing live and drop cached handles."""
         _native.check(_native.lib().oxygen_pool_empty_cache(self._handle()), "empty_cache")

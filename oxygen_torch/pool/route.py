@@ -144,7 +144,27 @@ def _patch_torch() -> None:
         _patch(owner, "reset_peak_memory_stats", reset_peak, stats)
         _patch(owner, "reset_accumulated_memory_stats", lambda device=None: None, stats)
         _patch(owner, "empty_cache", empty, "also unmaps the pool's empty pages")
+    _patch_record_stream()
     _patch_graphs()
+
+
+def _patch_record_stream() -> None:
+    """torch.Tensor.record_stream also tells the pool: CUDAPluggableAllocator has a C++ hook for
+    it but no Python way to set one, so without this a block used on a side stream and freed on
+    its own would be reused while the side stream may still read it."""
+    original = torch.Tensor.record_stream
+    lib = _native.lib()
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        original(self, stream)
+        if not self.is_cuda:
+            return
+        handle = lib.oxygen_global_pool(self.device.index or 0)
+        if handle:  # a block of another allocator (a MemPool's, say) is not the pool's: ignored
+            ptr = self.untyped_storage().data_ptr()
+            lib.oxygen_pool_record_stream(handle, ptr, stream.cuda_stream)
+
+    _patch(torch.Tensor, "record_stream", record_stream, "the pool honours record_stream too")
 
 
 def _patch_graphs() -> None:

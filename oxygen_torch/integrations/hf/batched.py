@@ -403,6 +403,14 @@ def merger_for(model, cache: PagedKVCache) -> Merger:
         return group[key]
 
 
+def clear_graphs() -> None:
+    """Drops every merged decode graph (disable(): they read the pools' memory)."""
+    with _mergers_lock:
+        for group in list(_mergers.values()):
+            for m in group.values():
+                m.graphs.clear()
+
+
 def merged_graph_stats(model) -> dict:
     """The merged decode graphs of `model`'s mergers, summed."""
     with _mergers_lock:

@@ -311,14 +311,10 @@ def stats(model) -> dict:
     """Decode graphs of `model`: held now, captured so far, replays of those held, input
     signatures that failed to capture (they run eagerly), and of those held, how many were
     captured from the forward compiled whole by backend "oxygen" (compiled) or with only its
-    RMSNorm / MLP / rotary modules compiled (fused); under "merged", the same figures of the
-    multi-task engine's merged decode graphs (merged_graphs.py)."""
-    from .batched import merged_graph_stats
-
+    RMSNorm / MLP / rotary modules compiled (fused)."""
     mg = _graphs.get(model)
     held = list(mg.graphs.values()) if mg is not None else []
     return {
-        "merged": merged_graph_stats(model),
         "graphs": len(held),
         "captures": mg.captures if mg is not None else 0,
         "replays": sum(g.replays for g in held),

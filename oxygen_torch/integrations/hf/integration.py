@@ -237,4 +237,5 @@ def disable_hf() -> None:
         _state.installed = _state.defaulting = False
         _state.cfg = _state.generate = _state.get_correct = None
         graphs.clear()  # graphs read the pools' memory
+        batched.clear_graphs()
         release_pools()  # pools still holding a live cache's blocks stay

@@ -24,6 +24,7 @@ a signature whose capture fails runs eagerly, with one warning.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -58,10 +59,18 @@ class _GraphStep:
     attend = MergedStep.attend
 
     def __init__(self, graph: MergedDecodeGraph, pool, precision, tiles):
-        self.pool, self.precision, self.tiles = pool, precision, tiles
+        self._pool = weakref.ref(pool)  # a graph must not keep a released pool's memory alive
+        self.precision, self.tiles = precision, tiles
         self.tokens = graph.rows
         self.table, self.seq_lens = graph.table, graph.seq_lens
         self._plan = StepPlan(1, graph.slots, None, None)
+
+    @property
+    def pool(self):
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError("oxygen_torch: a merged decode graph outlived its KV pool")
+        return pool
 
 
 class MergedDecodeGraph:
@@ -153,6 +162,8 @@ class MergedGraphs:
             if key in self.failed:
                 return None
             g = self.graphs.get(key)
+            if g is not None and g.core._pool() is not step.pool:  # a new pool at the same id
+                g = None
             if g is None:
                 g = self.graphs[key] = MergedDecodeGraph(
                     rows, width, step, step.parts[0].core.device
@@ -177,6 +188,11 @@ class MergedGraphs:
             self.captures += fresh
             self.out_type = g.out_type
             return logits[:r]
+
+    def clear(self) -> None:
+        with self._lock:
+            self.graphs.clear()
+            self.failed.clear()
 
     def stats(self) -> dict:
         held = list(self.graphs.values())
