@@ -77,10 +77,6 @@ class MergedStep:
         if build:
             self.build()
 
-    def build(self) -> None:
-        """The reserved step's table, lengths and slots on the device (what attend reads)."""
-        self._plan = self._build()
-
     def host_plan(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         """The reserved step on the host: block table [R, W] (int32, every row's blocks side by
         side, GUARD_BLOCK beyond), then per new token its slot, and per row its length after the
@@ -102,7 +98,8 @@ class MergedStep:
             self.pool.heat.touch(table)
         return table, slots, lens, counts
 
-    def _build(self) -> StepPlan:
+    def build(self) -> None:
+        """The reserved step's table, lengths and slots on the device (what attend reads)."""
         table, slots, lens, counts = self.host_plan()
         decode = all(n == 1 for n in counts)
         ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
@@ -112,7 +109,7 @@ class MergedStep:
         self.table = to_device(table.contiguous())
         self.seq_lens = buf[t : t + r]
         cu = None if decode else buf[t + r :].cumsum(0, dtype=torch.int32)
-        return StepPlan(1 if decode else 0, buf[:t], cu, None)
+        self._plan = StepPlan(1 if decode else 0, buf[:t], cu, None)
 
     # --- what the attention path calls ---------------------------------------------------------
 

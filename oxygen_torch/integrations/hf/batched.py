@@ -192,15 +192,15 @@ class Merger:
             for ch in chunks
         ]  # fmt: skip
         step = MergedStep(parts)
-        graph = self._graphs_for(chunks)
+        replayable = self._replayable(chunks)
         with step.pool.lock:
             if step.blocks_needed() > step.pool.manager.num_available:
                 return False
-            step.reserve(build=graph is None)
+            step.reserve(build=not replayable)
         try:
-            logits = None if graph is None else self._replay(model, step, chunks)
+            logits = self._replay(model, step, chunks) if replayable else None
             if logits is None:
-                if graph is not None:
+                if replayable:  # its capture failed before: eager after all
                     step.build()
                 ids, pos, keeps = self._pack(chunks)
                 keep_idx = torch.tensor([i for k in keeps for i in k if i >= 0], dtype=torch.int64)
@@ -218,20 +218,21 @@ class Merger:
 
     # --- merged decode steps through CUDA graphs (merged_graphs.py) ----------------------------
 
-    def _graphs_for(self, chunks: list[Chunk]):
-        """The graphs that may replay this step: every row of every call decodes one token
-        (nothing recomputed), on CUDA, with scheduler.decode_graphs and kv.decode_graphs on."""
+    def _replayable(self, chunks: list[Chunk]) -> bool:
+        """Whether a merged decode graph may replay this step: every row of every call decodes
+        one token (nothing recomputed), on CUDA, with scheduler.decode_graphs and
+        kv.decode_graphs on."""
         work = chunks[0].request.payload
         cfg = work.cache.cfg
         if not (cfg.scheduler.decode_graphs and graphs.usable(work.ids.device, work.cache)):
-            return None
+            return False
         for ch in chunks:
             w = ch.request.payload
             if ch.request.call.preempted or w.real.shape[1] != 1 or w.keep != 1:
-                return None
+                return False
             if w.cache._core.debug or not bool(w.real.all()):
-                return None
-        return self.graphs
+                return False
+        return True
 
     def _replay(self, model, step: MergedStep, chunks: list[Chunk]):
         """The step's logits [R, V] from its graph, or None: run it eagerly."""
