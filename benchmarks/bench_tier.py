@@ -1,0 +1,571 @@
+"""The CPU tier on the H200 (issue 19), each figure beside its anchor measured in the same run.
+
+Parts (each mode in its own subprocess: enable() comes before the first CUDA allocation, and a
+mode's memory cap is its own):
+
+- migration: the tier's gathered moves (CPUTier.down / up) of 64 to 2,048 blocks of the
+  Llama-1.1B geometry (512 KiB a block: 16 layers x K, V x 16 tokens x 8 heads x 64, bf16)
+  against one contiguous pinned copy of the same bytes (the peak) and 256 KiB copies one by one;
+  then generate()'s time per output token (B=16, P=512) with and without a thread moving blocks
+  down and up meanwhile. Goals: >= 44 GB/s each way; TPOT rises < 10 % while migrating.
+- capacity: prompts of 4,096 + 256 new tokens under a 24 GiB cap: stock dynamic at B=48 and
+  OffloadedCache at B=64 (the largest batches the anchors fit), oxygen on the GPU alone at
+  B=128 (its KV arena capped at what 128 sequences need) and oxygen at B=512 with the same arena
+  and the CPU tier. Goal: 512 complete at >= 0.75x the tok/s of oxygen's 128.
+- prefix: a shared 2,000-token system prompt and 64 requests of 100-token user turns, TTFT
+  (generate(max_new_tokens=1)) on a miss (prefix cache off), a GPU hit and a CPU-tier hit (every
+  cached block moved down before each request); then an 8-turn chat. Goals: GPU hit >= 10x
+  lower TTFT than a miss, CPU-tier hit >= 3x lower; hot-zone hit ratio >= 0.85 (GPU-hit run).
+- long: one 131,072-token prompt, 32 new tokens, under the 24 GiB cap: stock dynamic (does it
+  fit?) and oxygen (chunked prefill): TTFT and time per output token.
+
+    python benchmarks/bench_tier.py [--parts migration capacity prefix long] [--modes ...]
+    python benchmarks/bench_tier.py --smoke     # tiny model on CPU: the plumbing only
+With $OUT set, bench_tier.json and bench_tier.md are written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+GIB, MIB = 1 << 30, 1 << 20
+CAP_BYTES = 24 * GIB
+PARTS = {
+    "migration": ("migration",),
+    "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
+    "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu"),
+    "long": ("long_hf", "long_oxygen"),
+}
+TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240}
+SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
+DEVICE = "cpu" if SMOKE else "cuda"
+# (batch, prompt, new) per capacity mode; smoke: tiny
+CAP = {"hf_dynamic": 48, "hf_offloaded": 64, "oxygen_gpu": 128, "oxygen_tier": 512}
+CAP_P, CAP_N, GPU_BATCH = (4096, 256, 128) if not SMOKE else (40, 8, 4)
+SYSTEM, USER, REQUESTS, TURNS = (2000, 100, 64, 8) if not SMOKE else (64, 8, 4, 3)
+LONG_P, LONG_N = (131072, 32) if not SMOKE else (256, 4)
+
+
+def say(msg: str) -> None:
+    print(f"# {msg}", flush=True)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def build_model(max_pos: int = 8192):
+    from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
+
+    shape = TINY_LLAMA if SMOKE else LLAMA_1B
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    return random_llama(
+        shape, dtype=dtype, device=DEVICE, init_on_device=not SMOKE, max_position_embeddings=max_pos
+    )
+
+
+def geometry(model) -> tuple[int, int, int]:
+    c = model.config
+    return c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+
+
+def kv_arena_bytes(model, seqs: int, tokens: int, bt: int = 16, page: int = 2 * MIB) -> int:
+    """Arena bytes holding `seqs` sequences of `tokens` tokens (+ the guard block), bf16."""
+    layers, heads, dim = geometry(model)
+    elem = 4 if SMOKE else 2
+    blocks = seqs * -(-tokens // bt) + 1
+    region = -(-blocks * bt * heads * dim * elem // page) * page
+    return 2 * layers * region
+
+
+def cap_torch(reserved_for_kv: int) -> None:
+    """torch's allocator gets what is left of the 24 GiB once the KV arena is set aside."""
+    if DEVICE == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((CAP_BYTES - reserved_for_kv) / total)
+
+
+def prompts(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    vocab = 1024 if SMOKE else 32000
+    return torch.randint(1, vocab, (batch, length), generator=g).to(DEVICE)
+
+
+def tier_stats() -> dict:
+    from oxygen_torch.kv import pool_stats
+
+    tiers = [p["cpu_tier"] for p in pool_stats() if p.get("cpu_tier")]
+    return tiers[0] if tiers else {}
+
+
+# --- migration ------------------------------------------------------------------------------
+
+
+def _bench(fn, iters: int = 5) -> float:
+    fn()
+    ts = []
+    for _ in range(iters):
+        ts.append(timed(fn)[1])
+    return statistics.median(ts)
+
+
+def migration() -> dict:
+    import oxygen_torch
+    from oxygen_torch.kv.pool import PoolKey, get_pool
+
+    oxygen_torch.enable()  # before the first CUDA allocation
+
+    dev = torch.device(DEVICE)
+    sizes = (64, 512, 2048) if not SMOKE else (8, 32)
+    key = PoolKey(dev, 16, 8, 64, torch.bfloat16, 16, "auto", 4 * GIB, 2 * MIB)
+    pool = get_pool(key)
+    tier = pool.cpu_tier((max(sizes) + 8) * pool.block_bytes())
+    bb = tier.block_bytes
+    res = {"block_bytes": bb, "rows": []}
+    with pool.lock:
+        blocks = pool.manager.allocate(max(sizes))
+    for cache in (*pool.storage.k, *pool.storage.v):
+        cache.index_fill_(0, torch.tensor(blocks, device=dev), 1.0)
+    for n in sizes:
+        mine = blocks[:n]
+        slots: list = []
+
+        def down(mine=mine, slots=slots):
+            tier.release(slots)
+            slots[:] = tier.down(mine)
+
+        t_down = _bench(down)
+        t_up = _bench(lambda mine=mine, slots=slots: tier.up(slots, mine))
+        tier.release(slots)
+        nbytes = n * bb
+        dense = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+        t_pin_d2h = _bench(lambda h=host, d=dense: h.copy_(d, non_blocking=True))
+        t_pin_h2d = _bench(lambda h=host, d=dense: d.copy_(h, non_blocking=True))
+        chunk = 256 * 1024
+        k = nbytes // chunk
+        src, dst = dense[: k * chunk].view(k, chunk), host[: k * chunk].view(k, chunk)
+
+        def one_by_one(src=src, dst=dst, k=k):
+            for i in range(k):
+                dst[i].copy_(src[i], non_blocking=True)
+
+        t_each = _bench(one_by_one, 3)
+        row = dict(
+            blocks=n,
+            MiB=nbytes / MIB,
+            down_GBps=nbytes / t_down / 1e9,
+            up_GBps=nbytes / t_up / 1e9,
+            pinned_d2h_GBps=nbytes / t_pin_d2h / 1e9,
+            pinned_h2d_GBps=nbytes / t_pin_h2d / 1e9,
+            per_256KiB_d2h_GBps=k * chunk / t_each / 1e9,
+        )
+        say(
+            " ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items())
+        )
+        res["rows"].append(row)
+        del dense, host
+    res["tpot"] = _tpot_while_migrating(pool, tier, blocks)
+    with pool.lock:
+        pool.manager.decref(blocks)
+    return res
+
+
+def _tpot_while_migrating(pool, tier, blocks) -> dict:
+    """generate()'s time per output token alone, then with a thread moving 256 blocks down and
+    up without pause (another pool on the same GPU: the copy engines and HBM are shared)."""
+    model = build_model()
+    b, p, n = (16, 512, 128) if not SMOKE else (2, 16, 8)
+    ids = prompts(b, p)
+
+    def gen(new):
+        with torch.no_grad():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+            )
+
+    def tpot():
+        gen(n)  # warm
+        t1 = statistics.median(timed(lambda: gen(1))[1] for _ in range(3))
+        tn = statistics.median(timed(lambda: gen(n))[1] for _ in range(3))
+        return (tn - t1) / (n - 1)
+
+    alone = tpot()
+    stop, moved = threading.Event(), [0]
+    mine = blocks[:256]
+
+    def churn():
+        while not stop.is_set():
+            slots = tier.down(mine)
+            tier.up(slots, mine)
+            tier.release(slots)
+            moved[0] += 2 * len(mine) * tier.block_bytes
+
+    th = threading.Thread(target=churn, daemon=True)
+    t0 = time.perf_counter()
+    th.start()
+    busy = tpot()
+    stop.set()
+    th.join()
+    rate = moved[0] / (time.perf_counter() - t0) / 1e9
+    out = dict(
+        batch=b,
+        prompt=p,
+        new=n,
+        tpot_ms=alone * 1e3,
+        tpot_migrating_ms=busy * 1e3,
+        rise=busy / alone - 1,
+        migrated_GBps_meanwhile=rate,
+    )
+    say(
+        f"TPOT {alone * 1e3:.2f} ms alone, {busy * 1e3:.2f} ms while migrating "
+        f"({rate:.1f} GB/s moved meanwhile): {100 * (busy / alone - 1):+.1f} %"
+    )
+    return out
+
+
+# --- capacity -------------------------------------------------------------------------------
+
+
+def capacity(mode: str) -> dict:
+    batch = CAP[mode] if not SMOKE else {"oxygen_tier": 4 * GPU_BATCH}.get(mode, GPU_BATCH)
+    model = build_model()
+    kw: dict = {}
+    reserved = 0
+    if mode.startswith("oxygen"):
+        import oxygen_torch
+
+        arena = kv_arena_bytes(model, GPU_BATCH, CAP_P + CAP_N)
+        reserved = arena
+        tier = 0
+        if mode == "oxygen_tier":
+            tier = kv_arena_bytes(model, batch - GPU_BATCH + 8, CAP_P + CAP_N)
+        oxygen_torch.enable(kv={"arena_bytes": arena}, pool={"cpu_tier_bytes": tier})
+    elif mode == "hf_offloaded":
+        kw["cache_implementation"] = "offloaded"
+    cap_torch(reserved)
+    ids = prompts(batch, CAP_P)
+    res = dict(mode=mode, batch=batch, prompt=CAP_P, new=CAP_N)
+    try:
+        with torch.no_grad():
+            out, dt = timed(
+                lambda: model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=CAP_N,
+                    min_new_tokens=CAP_N,
+                    do_sample=False,
+                    **kw,
+                )
+            )
+        res.update(
+            ok=True,
+            seconds=dt,
+            tok_per_s=batch * CAP_N / dt,
+            first_tokens=out[:4, CAP_P : CAP_P + 8].tolist(),
+        )
+        if mode.startswith("oxygen"):
+            res["tier"] = tier_stats()
+            res["oversubscribed"] = _oversub_stats()
+    except torch.OutOfMemoryError as exc:
+        res.update(ok=False, error="OOM: " + str(exc).splitlines()[0][:160])
+    say(f"{mode} B={batch}: {res.get('tok_per_s', 0):.0f} tok/s {res.get('error', '')}")
+    return res
+
+
+def _oversub_stats() -> dict:
+    try:
+        import oxygen_torch
+
+        return oxygen_torch.kv_stats().get("oversubscribe", {})  # (if the library exposes it)
+    except Exception:  # noqa: BLE001 - a figure missing from the table, not a failure
+        return {}
+
+
+# --- prefix cache -------------------------------------------------------------------------------
+
+
+def _demote_all() -> int:
+    """Moves every cached block only the prefix cache holds down to the CPU tier."""
+    from oxygen_torch.kv.pool import _pools, _pools_lock
+
+    with _pools_lock:
+        pools = list(_pools.values())
+    return sum(p.demote_prefix_cache() for p in pools if p.prefix is not None)
+
+
+def prefix(mode: str) -> dict:
+    import oxygen_torch
+
+    on = mode != "prefix_miss"
+    tier = 4 * GIB if mode == "prefix_cpu" else 0
+    oxygen_torch.enable(
+        kv={"prefix_cache": on, "prefix_cache_bytes": 4 * GIB}, pool={"cpu_tier_bytes": tier}
+    )
+    model = build_model()
+    system = prompts(1, SYSTEM, seed=7)
+    users = [prompts(1, USER, seed=100 + i) for i in range(REQUESTS)]
+
+    def ttft(ids):
+        with torch.no_grad():
+            return timed(
+                lambda: model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False
+                )
+            )
+
+    ttft(torch.cat([system, prompts(1, USER, seed=99)], 1))  # warm; fills the cache (on)
+    times, tokens = [], []
+    for u in users:
+        if mode == "prefix_cpu":
+            _demote_all()
+        out, dt = ttft(torch.cat([system, u], 1))
+        times.append(dt)
+        tokens.append(int(out[0, -1]))
+    res = dict(
+        mode=mode,
+        requests=REQUESTS,
+        ttft_ms=statistics.median(times) * 1e3,
+        ttft_ms_worst=max(times) * 1e3,
+        tokens=tokens,
+    )
+    # the chat: each turn's prompt is the whole conversation so far plus a new user turn
+    conv, chat = system, []
+    for t in range(TURNS):
+        conv = torch.cat([conv, prompts(1, USER, seed=500 + t)], 1)
+        if mode == "prefix_cpu":
+            _demote_all()
+        with torch.no_grad():
+            out, dt = timed(
+                lambda c=conv: model.generate(
+                    c, attention_mask=torch.ones_like(c), max_new_tokens=32, do_sample=False
+                )
+            )
+        chat.append(dt)
+        conv = out
+    res["chat_turn_ms"] = [c * 1e3 for c in chat]
+    from oxygen_torch.kv import pool_stats
+
+    res["prefix_cache"] = next((p["prefix_cache"] for p in pool_stats() if p["prefix_cache"]), None)
+    res["tier"] = tier_stats()
+    say(
+        f"{mode}: TTFT median {res['ttft_ms']:.1f} ms, worst {res['ttft_ms_worst']:.1f} ms; "
+        f"chat turns {', '.join(f'{c:.0f}' for c in res['chat_turn_ms'])} ms"
+    )
+    return res
+
+
+# --- 128k context ---------------------------------------------------------------------------
+
+
+def long(mode: str) -> dict:
+    reserved = 0
+    if mode == "long_oxygen":
+        import oxygen_torch
+
+        model = build_model(max_pos=LONG_P + 64)
+        reserved = kv_arena_bytes(model, 1, LONG_P + LONG_N + 16)
+        oxygen_torch.enable(kv={"arena_bytes": reserved})
+    else:
+        model = build_model(max_pos=LONG_P + 64)
+    cap_torch(reserved)
+    ids = prompts(1, LONG_P, seed=3)
+    res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
+
+    def gen(n):
+        with torch.no_grad():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
+
+    try:
+        gen(1)  # warm-up: kernels compiled, pages mapped (and a first OOM shows here)
+        _, t1 = timed(lambda: gen(1))
+        out, tn = timed(lambda: gen(LONG_N))
+        res.update(
+            ok=True,
+            ttft_s=t1,
+            tpot_ms=(tn - t1) / (LONG_N - 1) * 1e3,
+            tokens=out[0, LONG_P:].tolist(),
+        )
+        if DEVICE == "cuda":
+            res["peak_torch_GiB"] = torch.cuda.max_memory_allocated() / GIB
+    except torch.OutOfMemoryError as exc:
+        res.update(ok=False, error="OOM: " + str(exc).splitlines()[0][:160])
+    say(f"{mode}: {res}")
+    return res
+
+
+# --- driver -------------------------------------------------------------------------------
+
+
+def run_mode(mode: str) -> dict:
+    try:
+        if mode == "migration":
+            return {"mode": mode, **migration()}
+        if mode in PARTS["capacity"]:
+            return capacity(mode)
+        if mode in PARTS["prefix"]:
+            return prefix(mode)
+        return long(mode)
+    except Exception:
+        return {"mode": mode, "error": traceback.format_exc()[-2000:]}
+
+
+def spawn(mode: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--run", mode]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    limit = TIMEOUT_S.get(mode, 180)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        sys.stdout.write("".join(ln + "\n" for ln in out.splitlines() if ln.startswith("#")))
+        return {"mode": mode, "error": f"timed out after {limit} s"}
+    sys.stdout.write("".join(ln + "\n" for ln in proc.stdout.splitlines() if ln.startswith("#")))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        return {"mode": mode, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def table(r: dict) -> str:
+    out = []
+    m = r.get("migration")
+    if m and "rows" in m:
+        out += [
+            "| blocks | MiB | down GB/s | up GB/s | pinned d2h | pinned h2d | 256 KiB one by one |"
+            " down / peak | up / peak |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for x in m["rows"]:
+            out.append(
+                f"| {x['blocks']} | {x['MiB']:.0f} | {x['down_GBps']:.1f} | {x['up_GBps']:.1f}"
+                f" | {x['pinned_d2h_GBps']:.1f} | {x['pinned_h2d_GBps']:.1f} | "
+                f"{x['per_256KiB_d2h_GBps']:.1f} | {x['down_GBps'] / x['pinned_d2h_GBps']:.2f}"
+                f" | {x['up_GBps'] / x['pinned_h2d_GBps']:.2f} |"
+            )
+        t = m.get("tpot")
+        if t:
+            out += [
+                "",
+                f"TPOT (B={t['batch']}, P={t['prompt']}): {t['tpot_ms']:.2f} ms alone, "
+                f"{t['tpot_migrating_ms']:.2f} ms while migrating "
+                f"({t['migrated_GBps_meanwhile']:.1f} GB/s): {100 * t['rise']:+.1f} %",
+            ]
+    elif m:
+        out.append(f"migration: error {m.get('error', '')[-300:]}")
+    cap = [r[k] for k in PARTS["capacity"] if k in r]
+    if cap:
+        base = r.get("oxygen_gpu", {}).get("tok_per_s")
+        out += [
+            "",
+            "| capacity (P=4096, N=256, 24 GiB) | batch | completes | tok/s | vs oxygen GPU-only |",
+            "|---|---|---|---|---|",
+        ]
+        for x in cap:
+            ok = x.get("ok")
+            tps = x.get("tok_per_s")
+            ratio = f"{tps / base:.2f}x" if tps and base else "-"
+            err = x.get("error", "").strip().splitlines()[-1][:80] if not ok else ""
+            out.append(
+                f"| {x['mode']} | {x.get('batch', '')} | {'yes' if ok else 'no: ' + err} | "
+                f"{tps or 0:.0f} | {ratio} |"
+            )
+    pre = [r[k] for k in PARTS["prefix"] if k in r]
+    if pre:
+        miss = r.get("prefix_miss", {}).get("ttft_ms")
+        out += [
+            "",
+            "| prefix (2,000-token system + 100-token turn) | TTFT median ms | worst | "
+            "miss / this | chat turns ms |",
+            "|---|---|---|---|---|",
+        ]
+        for x in pre:
+            if "error" in x:
+                out.append(
+                    f"| {x['mode']} | error: {x['error'].strip().splitlines()[-1][:80]} ||||"
+                )
+                continue
+            ratio = f"{miss / x['ttft_ms']:.1f}x" if miss else "-"
+            turns = ", ".join(f"{c:.0f}" for c in x["chat_turn_ms"])
+            out.append(
+                f"| {x['mode']} | {x['ttft_ms']:.1f} | {x['ttft_ms_worst']:.1f} | {ratio} | "
+                f"{turns} |"
+            )
+    lg = [r[k] for k in PARTS["long"] if k in r]
+    if lg:
+        out += [
+            "",
+            "| 131,072-token prompt, 24 GiB | fits | TTFT s | TPOT ms |",
+            "|---|---|---|---|",
+        ]
+        for x in lg:
+            if x.get("ok"):
+                out.append(f"| {x['mode']} | yes | {x['ttft_s']:.2f} | {x['tpot_ms']:.2f} |")
+            else:
+                err = x.get("error", "").strip().splitlines()[-1][:100]
+                out.append(f"| {x['mode']} | no: {err} | | |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="*", default=list(PARTS))
+    ap.add_argument("--modes", nargs="*", help="modes to run (default: every mode of the parts)")
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: the plumbing only")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["BENCH_TIER_SMOKE"] = "1"
+        if not SMOKE:  # re-exec so the module-level sizes follow
+            os.execv(sys.executable, [sys.executable, *sys.argv])
+    if args.run:
+        print(json.dumps(run_mode(args.run), default=str), flush=True)
+        return
+    modes = args.modes or [m for p in args.parts for m in PARTS[p]]
+    results = {}
+    for mode in modes:
+        say(f"--- {mode}")
+        results[mode] = spawn(mode)
+        if "error" in results[mode]:
+            say(f"{mode}: {results[mode]['error'][-600:]}")
+    md = table(results)
+    print(md)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_tier.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(os.environ["OUT"], "bench_tier.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The seventh session's GPU paths: the CPU tier's pinned, side-stream migration, swap preemption,
+prefix-cache hits and merged decode graphs, on a CUDA device (float32: the paged kernels; merged
+and alone runs use different kernel shapes, so tokens are compared as an agreement rate, as in
+test_engine_cuda.py, and the bytes of migration exactly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import call_kw, in_threads, llama, prompt, schedulers
+
+import oxygen_torch
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
+
+pytestmark = pytest.mark.cuda
+MiB = 1 << 20
+
+
+@pytest.fixture
+def oxygen():
+    yield
+    hf.disable_hf()
+    release_pools()
+
+
+def _cuda(kw: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def _agreement(out: dict, ref: list) -> float:
+    return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
+
+
+def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(oxygen):
+    dev = torch.device("cuda")
+    key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
+    pool = get_pool(key)
+    tier = pool.cpu_tier(64 * MiB)
+    st = pool.storage
+    with pool.lock:
+        blocks = pool.manager.allocate(37)
+    idx = torch.tensor(blocks, device=dev)
+    big = torch.randn(4096, 4096, device=dev)
+    want = []
+    for cache in (*st.k, *st.v):
+        _ = big @ big  # queued work ahead of the writes: the side stream must wait for it
+        data = torch.randn(len(blocks), *cache.shape[1:], device=dev).to(cache.dtype)
+        cache.index_copy_(0, idx, data)
+        want.append(data)
+    slots = tier.down(blocks)
+    with pool.lock:
+        pool.manager.decref(blocks)
+        again = pool.manager.allocate(37)
+    for cache in (*st.k, *st.v):
+        cache.index_fill_(0, torch.tensor(again, device=dev), 3.0)
+    order = list(reversed(again))
+    tier.up(slots, order)
+    _ = big @ big
+    for cache, data in zip((*st.k, *st.v), want):
+        got = cache.index_select(0, torch.tensor(order, device=dev))
+        assert torch.equal(got, data)
+    tier.release(slots)
+    s = tier.stats()
+    assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
+    with pool.lock:
+        pool.manager.decref(again)
+
+
+def test_swap_preemption_on_the_gpu(oxygen):
+    cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+                      pool={"cpu_tier_bytes": 64 * MiB})  # fmt: skip
+    model = hf.apply(llama().cuda(), cfg)
+    kws = []
+    for s in range(6):
+        ids, mask = prompt(s, rows=6, length=100 + s)
+        kws.append(_cuda(dict(input_ids=ids, attention_mask=mask, max_new_tokens=40,
+                              do_sample=False)))  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+        out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    agree = _agreement(out, ref)
+    (sched,) = schedulers(model)
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
+    tier = pool["cpu_tier"]
+    print(f"\nswap on the GPU: agreement {agree:.4f}, swaps {sched.stats.swaps}, tier {tier}")
+    assert agree >= 0.9
+    assert sched.stats.swaps > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
+    assert tier["slots_used"] == 0 and pool["blocks_used"] == 0
+
+
+def test_prefix_cache_hits_on_the_gpu(oxygen):
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(1, 128, (1, 70), generator=g)
+    turns = [torch.cat([system, torch.randint(1, 128, (1, 9), generator=g)], 1) for _ in range(3)]
+    model = llama(seed=3).cuda()
+    with torch.no_grad():
+        ref = [model.generate(t.cuda(), max_new_tokens=12, do_sample=False) for t in turns]
+    hf.apply(model, load_config(kv={"prefix_cache": True}))
+    with torch.no_grad():
+        out = {i: model.generate(t.cuda(), max_new_tokens=12, do_sample=False)
+               for i, t in enumerate(turns)}  # fmt: skip
+    (pc,) = [p["prefix_cache"] for p in pool_stats() if p["prefix_cache"]]
+    agree = _agreement(out, ref)
+    print(f"\nprefix cache on the GPU: agreement with stock {agree:.4f}, {pc}")
+    assert pc["hits"] >= 2 and pc["hit_tokens"] >= 2 * 64
+    assert agree >= 0.95
+
+
+def test_merged_decode_graphs_on_the_gpu(oxygen):
+    model = hf.apply(llama(seed=4).cuda(), load_config(scheduler={"decode_graphs": True}))
+    kws = [_cuda(call_kw(s)) for s in range(8)]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+        out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
+    agree = _agreement(out, ref)
+    print(f"\nmerged decode graphs on the GPU: agreement {agree:.4f}, {st}")
+    assert st["replays"] >= 1 and st["failed"] == 0, st
+    assert agree >= 0.9
+    assert max(schedulers(model)[0].stats.batch_sizes) > 3
