@@ -83,14 +83,18 @@ def build_model(max_pos: int = 8192):
     )
 
 
-def geometry(model) -> tuple[int, int, int]:
-    c = model.config
-    return c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+def shape() -> dict:
+    from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA
+
+    return TINY_LLAMA if SMOKE else LLAMA_1B
 
 
-def kv_arena_bytes(model, seqs: int, tokens: int, bt: int = 16, page: int = 2 * MIB) -> int:
-    """Arena bytes holding `seqs` sequences of `tokens` tokens (+ the guard block), bf16."""
-    layers, heads, dim = geometry(model)
+def kv_arena_bytes(seqs: int, tokens: int, bt: int = 16, page: int = 2 * MIB) -> int:
+    """Arena bytes holding `seqs` sequences of `tokens` tokens (+ the guard block), bf16; known
+    before the model is built (enable() comes before the first CUDA allocation)."""
+    c = shape()
+    layers, heads = c["num_hidden_layers"], c["num_key_value_heads"]
+    dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
     elem = 4 if SMOKE else 2
     blocks = seqs * -(-tokens // bt) + 1
     region = -(-blocks * bt * heads * dim * elem // page) * page
@@ -252,20 +256,20 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
 
 def capacity(mode: str) -> dict:
     batch = CAP[mode] if not SMOKE else {"oxygen_tier": 4 * GPU_BATCH}.get(mode, GPU_BATCH)
-    model = build_model()
     kw: dict = {}
     reserved = 0
     if mode.startswith("oxygen"):
         import oxygen_torch
 
-        arena = kv_arena_bytes(model, GPU_BATCH, CAP_P + CAP_N)
+        arena = kv_arena_bytes(GPU_BATCH, CAP_P + CAP_N)
         reserved = arena
         tier = 0
         if mode == "oxygen_tier":
-            tier = kv_arena_bytes(model, batch - GPU_BATCH + 8, CAP_P + CAP_N)
+            tier = kv_arena_bytes(batch - GPU_BATCH + 8, CAP_P + CAP_N)
         oxygen_torch.enable(kv={"arena_bytes": arena}, pool={"cpu_tier_bytes": tier})
     elif mode == "hf_offloaded":
         kw["cache_implementation"] = "offloaded"
+    model = build_model()
     cap_torch(reserved)
     ids = prompts(batch, CAP_P)
     res = dict(mode=mode, batch=batch, prompt=CAP_P, new=CAP_N)
@@ -386,11 +390,9 @@ def long(mode: str) -> dict:
     if mode == "long_oxygen":
         import oxygen_torch
 
-        model = build_model(max_pos=LONG_P + 64)
-        reserved = kv_arena_bytes(model, 1, LONG_P + LONG_N + 16)
+        reserved = kv_arena_bytes(1, LONG_P + LONG_N + 16)
         oxygen_torch.enable(kv={"arena_bytes": reserved})
-    else:
-        model = build_model(max_pos=LONG_P + 64)
+    model = build_model(max_pos=LONG_P + 64)
     cap_torch(reserved)
     ids = prompts(1, LONG_P, seed=3)
     res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
@@ -451,6 +453,9 @@ def spawn(mode: str) -> dict:
         sys.stdout.write("".join(ln + "\n" for ln in out.splitlines() if ln.startswith("#")))
         return {"mode": mode, "error": f"timed out after {limit} s"}
     sys.stdout.write("".join(ln + "\n" for ln in proc.stdout.splitlines() if ln.startswith("#")))
+    if os.environ.get("OUT") and proc.returncode:
+        with open(os.path.join(os.environ["OUT"], f"bench_tier_{mode}.stderr.txt"), "w") as f:
+            f.write(proc.stderr[-200_000:])
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         return {"mode": mode, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
