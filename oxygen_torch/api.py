@@ -120,8 +120,24 @@ def memory_stats(device: int | None = None) -> dict:
     """The pool's figures: allocated / mapped / reserved / peaks / fragmentation / maps / latency.
 
     With enable() on a GPU these are the global pool's (the allocator PyTorch uses); on a CPU
-    machine, the host backend's."""
-    return pool.memory_stats(device)
+    machine, the host backend's. The KV tiers below the GPU are added, summed over the KV pools
+    (pool.cpu_tier_bytes): `tier_cpu_used_bytes`, `tier_cpu_capacity_bytes`, and the bytes
+    migrated each way, `migrated_to_cpu_bytes` / `migrated_to_gpu_bytes`."""
+    out = dict(pool.memory_stats(device))
+    out.update(_tier_figures())
+    return out
+
+
+def _tier_figures() -> dict:
+    from .kv import pool_stats
+
+    tiers = [p["cpu_tier"] for p in pool_stats() if p.get("cpu_tier")]
+    return {
+        "tier_cpu_used_bytes": sum(t["used_bytes"] for t in tiers),
+        "tier_cpu_capacity_bytes": sum(t["capacity_bytes"] for t in tiers),
+        "migrated_to_cpu_bytes": sum(t["bytes_down"] for t in tiers),
+        "migrated_to_gpu_bytes": sum(t["bytes_up"] for t in tiers),
+    }
 
 
 def kv_stats() -> list[dict]:

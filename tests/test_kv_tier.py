@@ -130,6 +130,10 @@ def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, 
     tier = pool["cpu_tier"]
     assert tier["migrations_down"] > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
     assert tier["slots_used"] == 0 and pool["blocks_used"] == 0  # nothing left behind
+    mem = oxygen_torch.memory_stats()
+    assert mem["migrated_to_cpu_bytes"] == mem["migrated_to_gpu_bytes"] == tier["bytes_down"]
+    assert mem["tier_cpu_capacity_bytes"] == tier["capacity_bytes"] > 0
+    assert mem["tier_cpu_used_bytes"] == 0
     text = metrics.scrape()
     series = 'oxygen:migration_bytes_total{device="0",direction="gpu_to_cpu"}'
     (line,) = [ln for ln in text.splitlines() if ln.startswith(series)]
