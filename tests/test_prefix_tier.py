@@ -346,21 +346,40 @@ def test_a_pool_without_a_tier_drops_as_before(host_pool):
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_cpu_tier_hit_gives_the_tokens_of_a_gpu_hit(arch, oxygen):
-    """The pinned tier, its side stream and the device gather/scatter: a hit on blocks that
-    went down and came back gives the tokens a hit on the same blocks on the device gave."""
+    """The pinned tier, its side stream and the device gather/scatter: cached blocks that went
+    down and came back hold the same bytes, and a hit on them gives the tokens a hit on the
+    device gave (debug_checks: every block id a kernel gets is checked against mapped pages)."""
     system = [t % 127 + 1 for t in _tokens(80, 3 * BT)]
     ids, mask = _prompts(81, system, users=[9, 20], pads=[4, 0])
     kw = dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8,
               do_sample=False)  # fmt: skip
-    cfg = load_config(prefix_cache=True, pool={"cpu_tier_bytes": 64 * MiB})
+    cfg = load_config(
+        prefix_cache=True,
+        pool={"cpu_tier_bytes": 64 * MiB},
+        kv={"debug_checks": True},
+        kernel={"precision": "fp32_safe"},
+    )
     model = hf.apply(tiny(arch).cuda(), cfg)
     with torch.no_grad():
-        model.generate(**kw)
+        miss = model.generate(**kw)
         gpu = model.generate(**kw)
         pool = _pool_obj()
         torch.cuda.synchronize()
+        gc.collect()
+        chains = [row[p:].tolist() for row, p in zip(ids, (mask == 0).sum(1).tolist())]
+        ns = next(iter(pool.prefix._roots))
+        with pool.lock:
+            blocks = pool.prefix.peek(ns, chains[1])
+        idx = torch.tensor(blocks, device="cuda")
+        before = [c.index_select(0, idx).cpu() for c in (*pool.storage.k, *pool.storage.v)]
         _all_down(pool)
         cpu = model.generate(**kw)
+        with pool.lock:
+            back = torch.tensor(pool.prefix.peek(ns, chains[1]), device="cuda")
+        after = [c.index_select(0, back).cpu() for c in (*pool.storage.k, *pool.storage.v)]
     assert pool.tier.host.is_pinned()
-    assert pool.prefix.stats()["cpu_hit_blocks"] > 0
+    assert pool.prefix.stats()["cpu_hit_blocks"] > 0 and len(back) == len(blocks) > 0
+    for b, a in zip(before, after):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert torch.equal(cpu, gpu)
+    print(f"\n{arch}: CPU-tier hit == miss: {torch.equal(cpu, miss)}")
