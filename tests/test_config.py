@@ -212,10 +212,16 @@ def test_parser_never_crashes_on_garbage(text):
 def test_ratio_validator(x):
     ok = 0.0 < x <= 1.0 and not math.isnan(x)
     try:
-        PoolConfig(hot_zone_ratio=x)
+        PoolConfig(hot_zone_ratio=x, migration_threshold=1.0)  # (the ratio may not pass it)
         assert ok
     except ValueError as exc:
         assert not ok and "pool.hot_zone_ratio" in str(exc)
+
+
+def test_hot_zone_ratio_may_not_pass_the_migration_threshold():
+    assert PoolConfig(hot_zone_ratio=0.8, migration_threshold=0.8).hot_zone_ratio == 0.8
+    with pytest.raises(ValueError, match=r"pool.hot_zone_ratio: 0.9 is above pool.migration_thr"):
+        PoolConfig(hot_zone_ratio=0.9)
 
 
 @settings(max_examples=200, deadline=None)

@@ -139,8 +139,6 @@ def test_backend_cuda_without_a_gpu_fails_clearly_auto_chooses_host():
 
 
 NOT_WIRED = [
-    ("hot_zone_ratio", 0.5, "pool.hot_zone_ratio", "the CPU tier"),
-    ("migration_threshold", 0.7, "pool.migration_threshold", "the CPU tier"),
     ("prefetch_distance", 2, "kv.prefetch_distance", "the CPU tier"),
 ]
 
@@ -169,13 +167,21 @@ def test_scheduler_weights_are_wired_and_say_nothing(caplog):
 
 def test_not_wired_warning_comes_from_every_source(caplog, monkeypatch, tmp_path):
     caplog.set_level(logging.WARNING, logger="oxygen_torch")
-    monkeypatch.setenv(ENV_CONF, "pool.hot_zone_ratio:0.2")
+    monkeypatch.setenv(ENV_CONF, "pool.hot_zone_ratio:0.2")  # wired (the zones): silent
     f = tmp_path / "c.yaml"
     f.write_text("kv:\n  prefetch_distance: 9\n")
     monkeypatch.setenv(ENV_FILE, str(f))
     load_config()
     warned = {r.getMessage().split(" = ")[0] for r in caplog.records}
-    assert warned == {"oxygen_torch: pool.hot_zone_ratio", "oxygen_torch: kv.prefetch_distance"}
+    assert warned == {"oxygen_torch: kv.prefetch_distance"}
+    monkeypatch.setattr(config.sources, "_warned_not_wired", set())
+    monkeypatch.delenv(ENV_FILE)
+    monkeypatch.setenv(ENV_CONF, "kv.prefetch_distance:3")
+    caplog.clear()
+    load_config()
+    assert [r.getMessage().split(" = ")[0] for r in caplog.records] == [
+        "oxygen_torch: kv.prefetch_distance"
+    ]
     assert KVConfig().prefetch_distance == 4  # the documented default is unchanged
 
 

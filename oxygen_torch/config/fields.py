@@ -124,9 +124,11 @@ class PoolConfig:
     """The VMM pool (csrc/page_pool)."""
 
     page_size: int = 2 * MiB  # a multiple of 2 MiB, at most 1 GiB
-    # CPU tier zones (not built yet: a non-default value warns that it does nothing):
-    hot_zone_ratio: float = 0.6  # share of the GPU budget kept as hot zone (seed design)
-    migration_threshold: float = 0.8  # GPU use above which cold blocks move to the CPU tier
+    # The zones of a pool with a CPU tier and a prefix cache: when its device KV use (blocks
+    # used / blocks) passes migration_threshold, the coldest blocks only the prefix cache holds
+    # move to the tier until use is at most hot_zone_ratio (seed design's 0.6 / 0.8)
+    hot_zone_ratio: float = 0.6
+    migration_threshold: float = 0.8
     # host bytes for the KV CPU tier (pinned on a GPU): the engine's preempted calls swap their
     # KV there instead of being recomputed; 0 = no tier; at most host memory
     cpu_tier_bytes: int = 0
@@ -151,6 +153,12 @@ class PoolConfig:
         check_page_size("pool.page_size", self.page_size)
         _check_ratio("pool", "hot_zone_ratio", self.hot_zone_ratio)
         _check_ratio("pool", "migration_threshold", self.migration_threshold)
+        if self.hot_zone_ratio > self.migration_threshold:
+            raise ValueError(
+                f"pool.hot_zone_ratio: {describe(self.hot_zone_ratio)} is above "
+                f"pool.migration_threshold {describe(self.migration_threshold)}; allowed: at most "
+                "the threshold (the sweep moves blocks down from the threshold to the ratio)"
+            )
         _check_ratio("pool", "reserve_fraction", self.reserve_fraction)
         if self.cpu_tier_bytes < 0:
             raise ValueError(
@@ -173,7 +181,8 @@ class KVConfig:
 
     block_tokens: int = 16  # tokens per KV block; a power of two in [16, 256] (kernel tiles)
     kv_dtype: str = "auto"  # auto: the model's dtype
-    # blocks fetched back from the CPU tier ahead of use (the CPU-tier issue: not wired yet)
+    # blocks fetched back from the CPU tier ahead of use (not wired: no running call reads a
+    # cold block yet; a non-default value warns that it does nothing)
     prefetch_distance: int = 4
     # virtual size of the KV arena; 0 = sized from device memory; at most 128 TiB (address space)
     arena_bytes: int = 0

@@ -253,11 +253,12 @@ def load_config(**overrides: Any) -> OxygenConfig:
 
 
 # Fields whose feature comes in a later issue: validated and documented now, read by nothing yet.
-# pool.cpu_tier_bytes is wired: the CPU tier holds preempted calls' KV (swap preemption).
-_TIERS = "the CPU tier's hot/cold zones (migration of cold blocks, prefetch), not built yet"
+# pool.cpu_tier_bytes is wired: the CPU tier holds preempted calls' KV (swap preemption), and
+# pool.hot_zone_ratio / migration_threshold its prefix-cache zones (kv/prefix.py sweep). A
+# prefetch has nothing to fetch yet: a running call's blocks are all on the device, and a hit
+# brings up every cold block it reads in its one transfer.
+_TIERS = "the CPU tier's prefetch of blocks ahead of use (no running call reads a cold block yet)"
 NOT_WIRED: dict[str, str] = {
-    "pool.hot_zone_ratio": _TIERS,
-    "pool.migration_threshold": _TIERS,
     "kv.prefetch_distance": _TIERS,
 }
 _warned_not_wired: set[str] = set()

@@ -84,6 +84,8 @@ class KVPool:
                 tier = CPUTier(storages, nbytes, self.key.device)
                 if tier.num_slots > 0:
                     self.tier, self.heat = tier, Heat(self.storage.num_blocks)
+                    if self.prefix is not None:  # its blocks given back go cold from now on
+                        self.prefix.attach(self.tier, self.heat)
             return self.tier
 
     def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:
@@ -96,8 +98,10 @@ class KVPool:
             if self.prefix is None:
                 self.prefix = PrefixCache(self.manager, self.key.block_tokens, budget)
                 self.manager.reclaimer = self.prefix
-            elif budget < self.prefix.budget and len(self.prefix) > budget:
-                self.prefix.evict(len(self.prefix) - budget)
+                if self.tier is not None:
+                    self.prefix.attach(self.tier, self.heat)
+            elif budget < self.prefix.budget and self.prefix.num_hot > budget:
+                self.prefix.evict(self.prefix.num_hot - budget)
             self.prefix.budget = budget
             return self.prefix
 
@@ -209,7 +213,7 @@ def release_pools() -> None:
     with _pools_lock:
         for key, pool in list(_pools.items()):
             with pool.lock:
-                held = len(pool.prefix) if pool.prefix is not None else 0
+                held = pool.prefix.num_hot if pool.prefix is not None else 0
                 if held and pool.manager.num_used == held and pool.prefix.reclaimable() == held:
                     pool.drop_prefix_cache()
             if pool.manager.num_used == 0:

@@ -7,9 +7,17 @@ kept (block-aligned); the node holds one reference on its block, so a cached blo
 sequence that found it shares it (copy-on-write, as forks do: `SequenceBlocks.reserve`).
 
 Namespaces keep apart K/V that equal tokens do not make equal: another model's weights, another
-precision. The cache is bounded by `budget` blocks; when full, and when the pool runs out of free
-blocks, blocks held by the cache alone are dropped in LRU-K order (kv/lruk.py), leaves first
-(a node's children are unreachable without it).
+precision. The cache is bounded by `budget` device blocks; when full, and when the pool runs out
+of free blocks, blocks held by the cache alone are given back in LRU-K order (kv/lruk.py).
+
+Hot and cold (with a CPU tier attached, `attach`): a node is hot (its K/V in a device block) or
+cold (in a tier slot, no device block). Giving a block back moves it down to the tier, many in
+one transfer; without a tier, or when the tier holds no more, it is dropped, leaves first (a
+node's children are unreachable without it). A full tier drops its cold nodes in LRU-K order to
+take newer ones, and gives them up at once to a swap-out (kv/swap.py), which comes first. A
+lookup only ever returns device blocks: `promote` brings a chain's cold nodes up first. The zone
+sweep (`sweep`) moves the coldest down when the pool's device use passes `threshold`, until it is
+at most `hot_ratio`; a chain's first block goes down last.
 
 Not thread-safe by itself: every method runs under the owning pool's lock.
 """
@@ -19,15 +27,20 @@ from __future__ import annotations
 import bisect
 from collections.abc import Hashable, Sequence
 
-from .block_manager import BlockManager
+from .. import _patching
+from .block_manager import BlockManager, KVCacheFull
 from .lruk import AccessHistory
+
+COLD = -1  # node.block of a node whose K/V is in a tier slot
 
 
 class _Node:
-    __slots__ = ("id", "key", "parent", "block", "children", "hist")
+    __slots__ = ("id", "key", "parent", "block", "slot", "promoted", "children", "hist")
 
     def __init__(self, id: int, key: tuple, parent: int, block: int, now: int):
         self.id, self.key, self.parent, self.block = id, key, parent, block
+        self.slot: int | None = None  # the tier slot of a cold node
+        self.promoted = False  # came up from the tier since its last lookup (a CPU-tier hit)
         self.children: set[int] = set()
         self.hist = AccessHistory(now)
 
@@ -39,8 +52,20 @@ class PrefixCache:
         self._by_id: dict[int, _Node] = {}
         self._roots: dict[Hashable, int] = {}  # namespace -> root id (a node with no block)
         self._next_id = 0
+        self._pinned: set[int] = set()  # nodes a promotion is bringing up: not given back
+        self._cold = 0  # nodes in a tier slot
         self.clock = 0
-        self.counts = dict(lookups=0, hits=0, misses=0, hit_tokens=0, inserted=0, evicted=0)
+        self.tier = None  # kv/tier.py CPUTier: cold nodes live there (None: no cold zone)
+        self.heat = None  # kv/heat.py Heat of the pool's blocks (with the tier)
+        self.threshold, self.hot_ratio = 0.8, 0.6  # pool.migration_threshold, .hot_zone_ratio
+        self.counts = dict(
+            lookups=0, hits=0, misses=0, hit_tokens=0, inserted=0, evicted=0,
+            gpu_hit_blocks=0, cpu_hit_blocks=0, demoted=0, promoted=0,
+        )  # fmt: skip
+
+    def attach(self, tier, heat) -> None:
+        """The pool's CPU tier (and its blocks' heat): from now on, blocks given back go cold."""
+        self.tier, self.heat = tier, heat
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -53,6 +78,16 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    @property
+    def num_hot(self) -> int:
+        """Nodes holding a device block (the budget counts these)."""
+        return len(self._nodes) - self._cold
+
+    @property
+    def num_cold(self) -> int:
+        """Nodes in a tier slot."""
+        return self._cold
 
     def tick(self) -> int:
         self.clock += 1
@@ -72,30 +107,40 @@ class PrefixCache:
                 return
             parent = node.id
 
+    def _hot(self, ns: Hashable, tokens: Sequence[int]) -> list[_Node]:
+        """The chain's nodes up to its first miss or cold node."""
+        out = []
+        for _, node in self._chain(ns, tokens):
+            if node is None or node.slot is not None:
+                break
+            out.append(node)
+        return out
+
     def peek(self, ns: Hashable, tokens: Sequence[int]) -> list[int]:
-        """Blocks of the longest cached block-aligned prefix of `tokens` (no stats, no touch)."""
-        return [n.block for _, n in self._chain(ns, tokens) if n is not None]
+        """Device blocks of the longest cached block-aligned prefix of `tokens` (no stats, no
+        touch); it ends at a cold node."""
+        return [n.block for n in self._hot(ns, tokens)]
 
     def lookup(self, ns: Hashable, tokens: Sequence[int], use: int | None = None) -> list[int]:
         """Like peek, counted as one lookup and touching the blocks; `use` (tokens) is how many
         of the found tokens the caller will really take (the stats count those)."""
-        now, found = self.tick(), []
-        for _, node in self._chain(ns, tokens):
-            if node is None:
-                break
+        now, nodes = self.tick(), self._hot(ns, tokens)
+        took = len(nodes) * self.block_tokens if use is None else min(use, len(tokens))
+        for i, node in enumerate(nodes):
             node.hist.touch(now)
-            found.append(node.block)
-        took = len(found) * self.block_tokens if use is None else min(use, len(tokens))
+            if i < -(-max(took, 0) // self.block_tokens):
+                self.counts["cpu_hit_blocks" if node.promoted else "gpu_hit_blocks"] += 1
+            node.promoted = False
         self.counts["lookups"] += 1
         self.counts["hits" if took > 0 else "misses"] += 1
         self.counts["hit_tokens"] += max(took, 0)
-        return found
+        return [n.block for n in nodes]
 
     def insert(self, ns: Hashable, tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Keeps the whole blocks of a sequence holding `tokens` in `blocks` (a reference each);
         returns how many nodes were added. A block already cached under the same key stays (the
-        new copy is freed with its sequence); past the budget, cold blocks make room or the
-        rest is not kept."""
+        new copy is freed with its sequence) -- a cold one takes the new copy as its device
+        block instead; past the budget, cold blocks make room or the rest is not kept."""
         if self.budget <= 0:
             return 0
         now, added, path = self.tick(), 0, set()
@@ -103,69 +148,217 @@ class PrefixCache:
         for i, (key, node) in enumerate(self._chain(ns, tokens)):
             if i >= len(blocks):
                 break
-            if node is None:
-                if len(self._nodes) >= self.budget and not self.evict(1, protect=path):
+            if node is None or node.slot is not None:
+                if self.num_hot >= self.budget and not self.evict(1, protect=path):
                     break
+            if node is None:
                 node = _Node(self._new_id(), key, parent, blocks[i], now)
                 self.manager.incref([node.block])
                 self._nodes[key], self._by_id[node.id] = node, node
                 if parent in self._by_id:
                     self._by_id[parent].children.add(node.id)
                 added += 1
+            elif node.slot is not None:  # warm again for free: the sequence computed it
+                self.manager.incref([blocks[i]])
+                self.tier.release([node.slot])
+                node.block, node.slot = blocks[i], None
+                self._cold -= 1
             node.hist.touch(now)
             path.add(node.id)
             parent = node.id
         self.counts["inserted"] += added
         return added
 
+    # --- the cold zone ---------------------------------------------------------------------
+
+    def promote(self, ns: Hashable, rows: Sequence[Sequence[int]]) -> int:
+        """Brings the cold nodes of each row's chain up to fresh device blocks (one transfer),
+        shallowest first; where the pool has no room, the rest stays cold (a chain is cut at
+        its first cold node). Returns the blocks brought up."""
+        if self.tier is None:
+            return 0
+        depth: dict[int, int] = {}
+        for tokens in rows:
+            for d, (_, node) in enumerate(self._chain(ns, tokens)):
+                if node is None:
+                    break
+                depth[node.id] = d
+        cold = sorted((d, i) for i, d in depth.items() if self._by_id[i].slot is not None)
+        if not cold:
+            return 0
+        self._pinned = set(depth)
+        try:
+            try:
+                blocks = self.manager.allocate(len(cold))
+            except KVCacheFull:  # (it made what room it could first)
+                blocks = self.manager.allocate(self.manager.num_free)
+        finally:
+            self._pinned = set()
+        nodes = [self._by_id[i] for _, i in cold[: len(blocks)]]
+        slots = [n.slot for n in nodes]
+        try:
+            self.tier.up(slots, blocks)
+        except BaseException:
+            self.manager.decref(blocks)
+            raise
+        self.tier.release(slots)
+        for node, block in zip(nodes, blocks):
+            node.block, node.slot, node.promoted = block, None, True
+        self._cold -= len(nodes)
+        self.counts["promoted"] += len(nodes)
+        return len(nodes)
+
+    def _order(self, nodes: list[_Node]) -> list[_Node]:
+        """Hot nodes coldest first (heat counter, then LRU-K); chain heads after all others."""
+        heat = self.heat
+
+        def key(n: _Node):
+            counter = int(heat.counter[n.block]) if heat is not None else 0
+            return n.parent not in self._by_id, counter, n.hist.key()
+
+        return sorted(nodes, key=key)
+
+    def demote(self, n: int, protect: set[int] = frozenset()) -> int:
+        """Moves up to n hot blocks only the cache holds down to the tier, coldest first (cold
+        nodes dropped, LRU-K, where the tier lacks room); returns the device blocks freed."""
+        if self.tier is None or n <= 0:
+            return 0
+        skip = set(protect) | self._pinned
+        free = [
+            nd for nd in self._by_id.values()
+            if nd.slot is None and nd.id not in skip and self.manager.refcount(nd.block) == 1
+        ]  # fmt: skip
+        nodes = self._order(free)[:n]
+        if len(nodes) > self.tier.num_free:
+            self.drop_cold(len(nodes) - self.tier.num_free)
+        if len(nodes) > self.tier.num_free:
+            _patching.warn_once(
+                "oxygen_torch: the KV CPU tier is full (pool.cpu_tier_bytes); prefix-cache "
+                "blocks are dropped instead of kept cold"
+            )
+            nodes = nodes[: self.tier.num_free]
+        if not nodes:
+            return 0
+        blocks = [nd.block for nd in nodes]
+        for nd, slot in zip(nodes, self.tier.down(blocks)):
+            nd.block, nd.slot, nd.promoted = COLD, slot, False
+        self.manager.decref(blocks)
+        if self.heat is not None:
+            self.heat.forget(blocks)
+        self._cold += len(nodes)
+        self.counts["demoted"] += len(nodes)
+        return len(nodes)
+
+    def drop_cold(self, n: int) -> int:
+        """Frees up to n tier slots: cold nodes with no children go, LRU-K order (a parent left
+        childless may follow); returns the slots freed."""
+        order = sorted(
+            (nd.hist.key(), nd.id) for nd in self._by_id.values()
+            if nd.slot is not None and not nd.children and nd.id not in self._pinned
+        )  # fmt: skip
+        gone = 0
+        while order and gone < n:
+            _, nid = order.pop(0)
+            node = self._remove(nid)
+            parent = self._by_id.get(node.parent)
+            if parent is not None and parent.slot is not None and not parent.children:
+                if parent.id not in self._pinned:
+                    bisect.insort(order, (parent.hist.key(), parent.id))
+            gone += 1
+        self.counts["evicted"] += gone
+        return gone
+
+    def sweep(self) -> int:
+        """The zones: when the pool's device use is above `threshold` of its blocks, the
+        coldest cached blocks go down until it is at most `hot_ratio`; returns how many."""
+        if self.tier is None:
+            return 0
+        m = self.manager
+        total = m.num_blocks - m.first_id
+        if m.num_used <= self.threshold * total:
+            return 0
+        return self.demote(m.num_used - int(self.hot_ratio * total))
+
     # --- giving blocks back ------------------------------------------------------------------
+
+    def _remove(self, nid: int) -> _Node:
+        """Takes node nid out (a leaf): its device reference or tier slot goes back."""
+        node = self._by_id.pop(nid)
+        del self._nodes[node.key]
+        parent = self._by_id.get(node.parent)
+        if parent is not None:
+            parent.children.discard(nid)
+        if node.slot is not None:
+            self.tier.release([node.slot])
+            self._cold -= 1
+        else:
+            self.manager.decref([node.block])
+        return node
 
     def _free_subtrees(self) -> set[int]:
         """Ids of nodes whose block and every descendant's block only the cache holds."""
         busy: set[int] = set()
         for node in sorted(self._by_id.values(), key=lambda n: -n.id):  # children first
-            if node.id in busy or self.manager.refcount(node.block) > 1:
+            shared = node.slot is None and self.manager.refcount(node.block) > 1
+            if node.id in busy or shared:
                 busy.add(node.id)
                 if node.parent in self._by_id:
                     busy.add(node.parent)
         return set(self._by_id) - busy
 
     def reclaimable(self) -> int:
-        """Blocks the cache would give back if the pool needed them."""
-        return len(self._free_subtrees())
+        """Device blocks the cache would give back if the pool needed them."""
+        drop = sum(self._by_id[i].slot is None for i in self._free_subtrees())
+        if self.tier is None:
+            return drop
+        single = sum(
+            n.slot is None and self.manager.refcount(n.block) == 1 for n in self._by_id.values()
+        )
+        leaves = sum(n.slot is not None and not n.children for n in self._by_id.values())
+        return max(drop, min(single, self.tier.num_free + leaves))
 
     def evict(self, n: int, protect: set[int] = frozenset()) -> int:
-        """Drops up to n blocks only the cache holds, leaves first, in LRU-K order."""
-        free = self._free_subtrees() - set(protect)
+        """Gives back up to n device blocks only the cache holds: down to the tier when there
+        is one with room, else dropped, leaves first, in LRU-K order."""
+        down = self.demote(n, protect)
+        if down >= n:
+            return down
+        free = self._free_subtrees() - set(protect) - self._pinned
         order = sorted((self._by_id[i].hist.key(), i) for i in free if not self._by_id[i].children)
         gone = 0
-        while order and gone < n:
+        while order and gone < n - down:
             _, nid = order.pop(0)
-            node = self._by_id.pop(nid)
-            del self._nodes[node.key]
+            node = self._remove(nid)
             parent = self._by_id.get(node.parent)
-            if parent is not None:
-                parent.children.discard(nid)
-                if not parent.children and parent.id in free:
-                    bisect.insort(order, (parent.hist.key(), parent.id))
-            self.manager.decref([node.block])
-            gone += 1
-        self.counts["evicted"] += gone
-        return gone
+            if parent is not None and not parent.children and parent.id in free:
+                bisect.insort(order, (parent.hist.key(), parent.id))
+            gone += node.slot is None
+            self.counts["evicted"] += 1
+        return down + gone
 
     def clear(self) -> int:
         """Drops every node (blocks still shared by sequences stay theirs)."""
-        blocks = [n.block for n in self._by_id.values()]
+        blocks = [nd.block for nd in self._by_id.values() if nd.slot is None]
+        slots = [nd.slot for nd in self._by_id.values() if nd.slot is not None]
+        n, self._cold = len(self._by_id), 0
         self._nodes.clear()
         self._by_id.clear()
+        if slots:
+            self.tier.release(slots)
         if blocks:
             self.manager.decref(blocks)
-        return len(blocks)
+        return n
 
     def stats(self) -> dict:
+        c = self.counts
+        hit = c["gpu_hit_blocks"] + c["cpu_hit_blocks"]
+        hot = self.num_hot
         return {
-            **self.counts,
+            **c,
             "cached_blocks": len(self._nodes),
+            "hot_blocks": hot,
+            "cold_blocks": len(self._nodes) - hot,
             "budget_blocks": self.budget,
             "reclaimable_blocks": self.reclaimable(),
+            "hot_zone_hit_ratio": c["gpu_hit_blocks"] / hit if hit else None,
         }

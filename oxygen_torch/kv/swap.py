@@ -6,7 +6,8 @@ row's block list where a block only this core held is a tier slot (written -1 - 
 block someone else also holds (a prefix-cache block, a fork's) stays a device block, still
 referenced. `swap_in` (from the core's next `_reserve`, or the merged step's) gives every slot a
 fresh device block, copies them up in one transfer, and puts the rows back as they were; a beam
-reorder while swapped out reorders the rows in place (`select`).
+reorder while swapped out reorders the rows in place (`select`). A swap-out takes precedence
+over the prefix cache's cold blocks: those are dropped (LRU-K) when the tier lacks its room.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def swap_out(core) -> int | None:
     with pool.lock:
         uses = Counter(b for row in seqs.blocks for b in row)
         own = sorted(b for b, n in uses.items() if pool.manager.refcount(b) == n)
+        pc = pool.prefix
+        if pc is not None and tier.num_free < len(own) <= tier.num_free + pc.num_cold:
+            pc.drop_cold(len(own) - tier.num_free)  # a swap comes before cold cached blocks
         if len(own) > tier.num_free:
             return None
         where = dict(zip(own, tier.down(own)))

@@ -195,12 +195,14 @@ def _kv_pools_figures() -> dict:
 
 def _kv_tier_figures() -> dict:
     """Default tier source: the CPU tiers and prefix caches of oxygen_torch.kv's pools (summed):
-    migrated bytes per direction, bytes held per tier, prefix-cache hits / misses."""
+    migrated bytes per direction, bytes held per tier, prefix-cache hits / misses, and the
+    hot-zone hit ratio (prefix-cache hit blocks found on the device / all hit blocks; 0 before
+    any hit)."""
     kv_pool = sys.modules.get("oxygen_torch.kv.pool")
     pools = kv_pool.pool_stats() if kv_pool is not None else []
     moved = {"gpu_to_cpu": 0, "cpu_to_gpu": 0}
     held = {"gpu": 0, "cpu": 0}
-    prefix = {"hits": 0, "misses": 0}
+    prefix = {"hits": 0, "misses": 0, "gpu_hit_blocks": 0, "cpu_hit_blocks": 0}
     for p in pools:
         dev = str(p.get("device", "cpu"))
         held["cpu" if dev.startswith("cpu") else "gpu"] += int(p.get("blocks_used", 0)) * int(
@@ -212,7 +214,13 @@ def _kv_tier_figures() -> dict:
         held["cpu"] += int(tier.get("used_bytes", 0))
         for k in prefix:
             prefix[k] += int((p.get("prefix_cache") or {}).get(k, 0))
-    return {"migration_bytes": moved, "tier_bytes": held, "prefix_cache": prefix}
+    hit = prefix["gpu_hit_blocks"] + prefix["cpu_hit_blocks"]
+    return {
+        "migration_bytes": moved,
+        "tier_bytes": held,
+        "prefix_cache": prefix,
+        "hot_zone_hit_ratio": prefix["gpu_hit_blocks"] / hit if hit else 0.0,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +323,14 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
     for result, key in (("hit", "hits"), ("miss", "misses")):
         n = tier.get("prefix_cache", {}).get(key, 0)
         prefix.add_metric([str(tier.get("device", 0)), result], float(n))
+    hit_blocks = CounterMetricFamily(
+        PREFIX + "prefix_cache_hit_blocks",
+        "Prefix-cache blocks a hit took, by where they were found (gpu: hot, cpu: the CPU tier).",
+        labels=["device", "zone"],
+    )
+    for zone in ("gpu", "cpu"):
+        n = tier.get("prefix_cache", {}).get(zone + "_hit_blocks", 0)
+        hit_blocks.add_metric([str(tier.get("device", 0)), zone], float(n))
     sched = (_scheduler_source() if _scheduler_source else None) or {}
     if not sched:  # the multi-task engine's own figure
         _, counts, total = ENGINE.snapshot()["balance"]
@@ -326,7 +342,7 @@ def _tier_and_scheduler_metrics() -> Iterator[Metric]:
         ["device"],
         [([str(sched.get("device", 0))], (WEIGHT_VARIANCE_BUCKETS, counts, sched.get("sum", 0)))],
     )
-    yield from (hot, mig, held, prefix, var)
+    yield from (hot, mig, held, prefix, hit_blocks, var)
 
 
 def _histogram(name: str, doc: str, labels: list[str], series) -> HistogramMetricFamily:

@@ -80,8 +80,13 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
     if bool((mask.to(torch.int8).diff(dim=1) < 0).any()) or not bool(mask[:, -1].all()):
         return None  # padding that is not on the left, or a row of padding only
     pool = get_pool(cache._core.pool_key(*geometry))
-    if pool.prefix_cache(kv.prefix_cache_bytes) is None:
+    pc = pool.prefix_cache(kv.prefix_cache_bytes)
+    if pc is None:
         return None
+    zones = cache.cfg.pool
+    with pool.lock:  # the cold zone (pool.cpu_tier_bytes; the last call's zones stand)
+        pool.cpu_tier(zones.cpu_tier_bytes)
+        pc.threshold, pc.hot_ratio = zones.migration_threshold, zones.hot_zone_ratio
     core = cache._core
     beams = (call.opt("num_beams") or 1) > 1
     expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
@@ -92,8 +97,10 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
 
 
 def _columns(prompt: Prompt) -> tuple[int, list[int]]:
-    """(L, the block-aligned tokens the cache holds of each row), under the pool lock."""
+    """(L, the block-aligned tokens the cache holds of each row), under the pool lock; the
+    rows' cold cached blocks come up from the CPU tier first, as far as the pool has room."""
     pc, bt = prompt.pool.prefix, prompt.pool.key.block_tokens
+    pc.promote(prompt.ns, prompt.rows)
     found = [len(pc.peek(prompt.ns, row)) * bt for row in prompt.rows]
     cols = min(p + h for p, h in zip(prompt.pads, found))
     return max(0, min(cols, prompt.width - 1)), found
@@ -118,6 +125,7 @@ def start_on_cache(
         takes = [max(0, cols - p) for p in prompt.pads]
         blocks = [pc.lookup(prompt.ns, row, use=m) for row, m in zip(prompt.rows, takes)]
         if cols == 0:
+            pc.sweep()
             return 0
         rows = len(prompt.rows) * prompt.expand
         core.bind(rows, *geometry)
@@ -130,6 +138,7 @@ def start_on_cache(
             seqs.blocks[r], seqs.lens[r] = list(mine), takes[b]
             core._table_host[r, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
             core._table_host[r, len(mine) :] = GUARD_BLOCK
+        pc.sweep()  # (the blocks it took are the call's now: not moved)
     core.length = cols
     core._layer_len = [cols] * core.num_layers
     core._pad_frontier = cols if any(m != cols for m in takes) else 0
@@ -167,6 +176,7 @@ def keep(prompt: Prompt, cache: PagedKVCache, out) -> None:
             tokens = prompt.rows[b] + (gen[r] if gen is not None else [])
             n = min(len(tokens), seqs.lens[r])
             pc.insert(prompt.ns, tokens[:n], seqs.blocks[r])
+        pc.sweep()
 
 
 def clear() -> int:
