@@ -318,7 +318,12 @@ def _demote_all() -> int:
 
     with _pools_lock:
         pools = list(_pools.values())
-    return sum(p.demote_prefix_cache() for p in pools if p.prefix is not None)
+    moved = 0
+    for p in pools:
+        with p.lock:
+            if p.prefix is not None:
+                moved += p.prefix.demote(p.prefix.num_hot)
+    return moved
 
 
 def prefix(mode: str) -> dict:
@@ -511,20 +516,29 @@ def table(r: dict) -> str:
         out += [
             "",
             "| prefix (2,000-token system + 100-token turn) | TTFT median ms | worst | "
-            "miss / this | chat turns ms |",
-            "|---|---|---|---|---|",
+            "miss / this | chat turns ms | hit blocks GPU / CPU tier | hot-zone hit ratio | "
+            "last tokens = miss |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        want = r.get("prefix_miss", {}).get("tokens")
         for x in pre:
             if "error" in x:
                 out.append(
-                    f"| {x['mode']} | error: {x['error'].strip().splitlines()[-1][:80]} ||||"
+                    f"| {x['mode']} | error: {x['error'].strip().splitlines()[-1][:80]} |||||||"
                 )
                 continue
             ratio = f"{miss / x['ttft_ms']:.1f}x" if miss else "-"
             turns = ", ".join(f"{c:.0f}" for c in x["chat_turn_ms"])
+            pc = x.get("prefix_cache") or {}
+            hits = f"{pc.get('gpu_hit_blocks', 0)} / {pc.get('cpu_hit_blocks', 0)}" if pc else "-"
+            hot = pc.get("hot_zone_hit_ratio")
+            hot = f"{hot:.3f}" if hot is not None else "-"
+            same = "-"
+            if want:
+                same = f"{sum(a == b for a, b in zip(x['tokens'], want))}/{len(want)}"
             out.append(
                 f"| {x['mode']} | {x['ttft_ms']:.1f} | {x['ttft_ms_worst']:.1f} | {ratio} | "
-                f"{turns} |"
+                f"{turns} | {hits} | {hot} | {same} |"
             )
     lg = [r[k] for k in PARTS["long"] if k in r]
     if lg:
