@@ -161,7 +161,9 @@ def _why_whole(cfg, call, kwargs: dict, batch: int, needs: list[int], budget: in
 
 
 def _refuse_outputs(call, v: Verdict) -> None:
-    asked = [n for n in _NOT_ASSEMBLED if call.opt(n)] if call.opt("return_dict_in_generate") else []
+    asked = [n for n in _NOT_ASSEMBLED if call.opt(n)]
+    if not call.opt("return_dict_in_generate"):
+        asked = []  # generate() returns the sequences only: nothing else to put together
     if call.kwargs.get("streamer") is not None:
         asked.append("streamer")
     if asked:
