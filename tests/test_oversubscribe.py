@@ -9,12 +9,14 @@ one (64 MiB) holds 127."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
 import transformers as T
 from test_engine import in_threads, llama, schedulers
 
+import oxygen_torch
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
@@ -140,20 +142,40 @@ def test_beams_with_return_dict_reassemble_sequences_and_beam_indices(oxygen, me
 
 
 def test_concurrent_calls_with_one_oversubscribed(oxygen):
-    """One call of 20 rows and three of two rows from threads on 15 blocks, with a CPU tier for
-    preempted calls: every call gets the tokens it gets alone on the large pool."""
+    """A low-priority call of 20 rows runs as groups of 7, 7 and 6 rows, two at a time (14 of
+    the 15 blocks); two high-priority calls of 4 rows arrive once those two hold their blocks:
+    a group is preempted and swaps to the CPU tier. Every call gets the tokens it gets alone on
+    the large pool, and the tier gives back what it took."""
     small, big = pair("llama", cpu_tier_bytes=64 << 20)
-    kws = []
-    for s, rows in enumerate([20, 2, 2, 2]):
-        ids, mask = batch(10 + s, rows=rows, length=8 + s)
+    ids, mask = batch(10, rows=20, length=8)
+    kws = [dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)]
+    for s in range(2):
+        ids, mask = batch(11 + s, rows=4, length=9 + s)
         kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
     refs = [generate(big, kw) for kw in kws]
-    out, errors = in_threads(lambda kw: generate(small, kw), [(kw,) for kw in kws])
+
+    def call(i):
+        if i == 0:
+            with oxygen_torch.task(priority="low"):
+                return generate(small, kws[0])
+        deadline = time.monotonic() + 60
+        while pool_of(15)["blocks_used"] < 14:  # the first two groups have their KV
+            assert time.monotonic() < deadline, "the oversubscribed call's groups never ran"
+            time.sleep(0.005)
+        with oxygen_torch.task(priority="high"):
+            return generate(small, kws[i])
+
+    generate(small, dict(kws[1], max_new_tokens=1))  # makes the small pool the threads poll
+    out, errors = in_threads(call, [(i,) for i in range(3)])
     assert not errors, errors
     for i, ref in enumerate(refs):
         assert torch.equal(out[i], ref), f"call {i}"
     p = pool_of(15)
-    assert p["oversubscribed"]["calls_split"] == 1 and p["blocks_used"] == 0
+    assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3}
+    (sched,) = schedulers(small)
+    assert sched.stats.swaps > 0  # a group swapped out and back, not recomputed
+    assert p["cpu_tier"]["bytes_up"] == p["cpu_tier"]["bytes_down"] > 0
+    assert p["cpu_tier"]["slots_used"] == 0 and p["blocks_used"] == 0
     assert p["peak_blocks_used"] <= 15
 
 
