@@ -20,6 +20,7 @@ import oxygen_torch
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.integrations.hf import oversubscribe
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.block_manager import KVCacheFull
 
@@ -95,19 +96,19 @@ def test_an_oversubscribed_batch_gives_the_tokens_of_a_batch_that_fits(oxygen, c
         out = generate(small, kw)
     assert torch.equal(out, ref)
     p = pool_of(15)
-    # with the engine: groups of at most half the pool (7 rows), two at a time; without it,
-    # groups as large as the pool, one after the other
+    # with the engine: groups of at most half the pool (7 rows), two at a time (merged by the
+    # engine: see the concurrent test); without it, as large as the pool, one after the other
     groups = 3 if merge else 2
     assert p["oversubscribed"] == {"calls_split": 1, "groups_run": groups}
     assert p["peak_blocks_used"] <= 15 and p["blocks_used"] == 0
     assert pool_of(127)["oversubscribed"]["calls_split"] == 0
     (line,) = [r for r in caplog.records if "row groups" in r.getMessage()]
     assert line.levelno == logging.INFO and f"{groups} row groups" in line.getMessage()
-    if merge:  # two groups' rows in one forward: the next group's prefill beside a decode
-        (sched,) = schedulers(small)
-        assert max(sched.stats.batch_sizes) > 7
-    else:
-        assert not schedulers(small)
+    v = oversubscribe.judge(small, hf.config_of(small), (), kw, merge)
+    assert [len(g) for g in v.groups] == ([7, 7, 6] if merge else [15, 5])
+    assert v.concurrent == (2 if merge else 1) and (v.need, v.budget) == (20, 15)
+    if not merge:
+        assert not schedulers(small)  # one after the other, never through the engine
 
 
 def test_num_return_sequences_families_stay_together(oxygen):
@@ -159,7 +160,7 @@ def test_concurrent_calls_with_one_oversubscribed(oxygen):
             with oxygen_torch.task(priority="low"):
                 return generate(small, kws[0])
         deadline = time.monotonic() + 60
-        while pool_of(15)["blocks_used"] < 14:  # the first two groups have their KV
+        while pool_of(15)["blocks_used"] < 14:  # the first two groups hold their KV at once
             assert time.monotonic() < deadline, "the oversubscribed call's groups never ran"
             time.sleep(0.005)
         with oxygen_torch.task(priority="high"):
@@ -173,6 +174,7 @@ def test_concurrent_calls_with_one_oversubscribed(oxygen):
     p = pool_of(15)
     assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3}
     (sched,) = schedulers(small)
+    assert max(sched.stats.batch_sizes) >= 11  # a group's 7 rows with another call's 4 or more
     assert sched.stats.swaps > 0  # a group swapped out and back, not recomputed
     assert p["cpu_tier"]["bytes_up"] == p["cpu_tier"]["bytes_down"] > 0
     assert p["cpu_tier"]["slots_used"] == 0 and p["blocks_used"] == 0
