@@ -111,6 +111,24 @@ def test_an_oversubscribed_batch_gives_the_tokens_of_a_batch_that_fits(oxygen, c
         assert not schedulers(small)  # one after the other, never through the engine
 
 
+def test_return_dict_groups_give_their_blocks_back_as_they_end(oxygen):
+    """return_dict_in_generate: each group's output holds its cache. Groups of 7, 7 and 6 rows,
+    two at a time: the third starts on the blocks the first gave back, so a finished group's
+    cache must not keep them (it would wait for them forever: run in a thread, with a time
+    limit)."""
+    small, big = pair("qwen3")
+    ids, mask = batch(9, rows=20, length=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+              return_dict_in_generate=True)  # fmt: skip
+    ref = generate(big, kw)
+    out, errors = in_threads(lambda: generate(small, kw), [()], timeout=120)
+    assert not errors, errors
+    assert type(out[0]) is type(ref) and torch.equal(out[0].sequences, ref.sequences)
+    assert out[0].past_key_values is None
+    p = pool_of(15)
+    assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3} and p["blocks_used"] == 0
+
+
 def test_num_return_sequences_families_stay_together(oxygen):
     """8 prompts x 3 return sequences (top_k=1 sampling: the greedy tokens whatever the random
     stream) need 24 blocks: groups of two prompts, each with its three rows."""
@@ -183,8 +201,9 @@ def test_concurrent_calls_with_one_oversubscribed(oxygen):
 
 def test_the_rule_is_exact_at_the_pool_size(oxygen):
     """Rows of 250 real tokens store 250 + max_new_tokens - 1: 256 (one block) with 7 new
-    tokens, 257 (two) with 8; rows of 251 take two with 7. Seven one-block rows and four two-block rows need exactly the 15 blocks:
-    not split, and the pool's peak is 15; one more new token makes every row two blocks, 22: split."""
+    tokens, 257 (two) with 8; rows of 251 take two with 7. Seven one-block rows and four
+    two-block rows need exactly the 15 blocks: not split, and the pool's peak is 15. One more
+    new token makes every row two blocks, 22: split."""
     small, big = pair("llama")
     ids = torch.randint(1, 128, (11, 252), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)

@@ -49,6 +49,7 @@ from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
 from . import generate as gen
 from .batched import _geometry
+from .cache import PagedKVCache
 
 log = logging.getLogger("oxygen_torch")
 
@@ -202,7 +203,7 @@ def run(model, v: Verdict, args: tuple, kwargs: dict, generate_fn):
     subs = [_sub_call(args, kwargs, g) for g in v.groups]
 
     def one(sub):
-        out = generate_fn(model, *sub[0], **sub[1])
+        out = _drop_cache(generate_fn(model, *sub[0], **sub[1]))
         with v.pool.lock:
             v.pool.oversubscribed["groups_run"] += 1
         return out
@@ -212,6 +213,17 @@ def run(model, v: Verdict, args: tuple, kwargs: dict, generate_fn):
     else:
         outs = _in_threads(one, subs, v.concurrent, model.device)
     return _assemble(call, outs, v)
+
+
+def _drop_cache(out):
+    """A group's output without its cache, whose blocks go back now: a finished group's KV
+    held by its output (return_dict_in_generate) would leave the next group waiting for blocks
+    that no live call will free."""
+    for name in compat.CACHE_ARGS:
+        cache = out.get(name) if not isinstance(out, torch.Tensor) else None
+        if isinstance(cache, PagedKVCache):
+            cache.reset()
+    return out
 
 
 def _sub_call(args: tuple, kwargs: dict, rows: range) -> tuple[tuple, dict]:
@@ -260,11 +272,11 @@ def _assemble(call, outs: list, v: Verdict):
     sequences = torch.cat(seqs, 0)
     if isinstance(outs[0], torch.Tensor):
         return sequences
-    fields = {"sequences": sequences, "past_key_values": None}
+    fields = {"sequences": sequences}  # the cache is left None: the groups' are not one
     for name in outs[0].keys():
         if name == "beam_indices":
             fields[name] = _beam_indices(outs, v, call.opt("num_beams") or 1)
-        elif name not in fields:
+        elif name not in fields and name not in compat.CACHE_ARGS:
             raise NotImplementedError(
                 f"oxygen_torch: generate() output field {name!r} of a call run in row groups "
                 "(kv.oversubscribe) cannot be put together: lower the batch or raise "
