@@ -101,6 +101,8 @@ def judge(model, cfg, args: tuple, kwargs: dict, merged: bool) -> Verdict | None
     bt = pool.key.block_tokens
     budget = pool.manager.num_blocks - pool.manager.first_id
     expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
+    if batch * expand * -(-(width + new - 1) // bt) <= budget:
+        return None  # fits even counting padding: no look at the mask (a device sync)
     real = _real_tokens(call, batch, width)
     needs = [expand * -(-(n + new - 1) // bt) for n in real]
     if sum(needs) <= budget:
