@@ -272,17 +272,23 @@ def test_outputs_groups_cannot_give_are_refused_only_when_oversubscribed(oxygen,
 
 @pytest.mark.cuda
 def test_oversubscribed_groups_on_the_callers_cuda_stream(oxygen):
-    """On a GPU, the groups' threads run on the stream the caller generates on (its inputs
-    were written there)."""
+    """On a GPU, the groups' threads run on the stream the caller generates on (its inputs were
+    written there). float32; the GPU kernels' reductions depend on the batch, so tokens are
+    compared by agreement, as tests/test_engine_cuda.py does."""
     small, big = pair("qwen3")
-    small.cuda(), big.cuda()
+    small.cuda()
+    big.cuda()
     ids, mask = batch(8, rows=20)
     kw = dict(max_new_tokens=8, do_sample=False)
     ref = generate(big, dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), **kw))
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        ids_s = ids.cuda(non_blocking=True)  # written on the side stream only
-        out = generate(small, dict(input_ids=ids_s, attention_mask=mask.cuda(), **kw))
+        ids_s, mask_s = ids.pin_memory().cuda(non_blocking=True), mask.cuda()  # on `side` only
+        out = generate(small, dict(input_ids=ids_s, attention_mask=mask_s, **kw))
     side.synchronize()
-    assert torch.equal(out, ref)
-    assert pool_of(15)["oversubscribed"]["calls_split"] == 1
+    assert out.shape == ref.shape
+    agree = (out == ref).float().mean().item()
+    print(f"\noversubscribed vs whole on the GPU: token agreement {agree:.4f}")
+    assert agree >= 0.9
+    p = pool_of(15)
+    assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3} and p["blocks_used"] == 0
