@@ -160,10 +160,24 @@ def test_beams_with_return_dict_reassemble_sequences_and_beam_indices(oxygen, me
     assert pool_of(15)["oversubscribed"]["calls_split"] == 1
 
 
+def test_prefix_allowed_tokens_fn_sees_the_full_batchs_row_index(oxygen):
+    """Row b may only generate token b + 3: each group asks for its rows by the full batch's
+    index, not its own."""
+    small, _ = pair("llama")
+    ids, mask = batch(12, rows=20, length=8)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+              prefix_allowed_tokens_fn=lambda b, _ids: [b + 3])  # fmt: skip
+    out = generate(small, kw)
+    want = (torch.arange(20) + 3).view(20, 1).expand(20, 3)
+    assert torch.equal(out[:, 8:], want)
+    assert pool_of(15)["oversubscribed"]["calls_split"] == 1
+
+
 def test_concurrent_calls_with_one_oversubscribed(oxygen):
     """A low-priority call of 20 rows runs as groups of 7, 7 and 6 rows, two at a time (14 of
-    the 15 blocks); two high-priority calls of 4 rows arrive once those two hold their blocks:
-    a group is preempted and swaps to the CPU tier. Every call gets the tokens it gets alone on
+    the 15 blocks); two calls of 4 rows (normal priority) arrive once those two hold their
+    blocks: a group, tagged low as its caller (the groups' threads carry its context), is
+    preempted and swaps to the CPU tier. Every call gets the tokens it gets alone on
     the large pool, and the tier gives back what it took."""
     small, big = pair("llama", cpu_tier_bytes=64 << 20)
     ids, mask = batch(10, rows=20, length=8)
@@ -181,8 +195,7 @@ def test_concurrent_calls_with_one_oversubscribed(oxygen):
         while pool_of(15)["blocks_used"] < 14:  # the first two groups hold their KV at once
             assert time.monotonic() < deadline, "the oversubscribed call's groups never ran"
             time.sleep(0.005)
-        with oxygen_torch.task(priority="high"):
-            return generate(small, kws[i])
+        return generate(small, kws[i])  # normal priority: above the groups only if tagged low
 
     generate(small, dict(kws[1], max_new_tokens=1))  # makes the small pool the threads poll
     out, errors = in_threads(call, [(i,) for i in range(3)])
