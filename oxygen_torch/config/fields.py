@@ -208,6 +208,10 @@ class KVConfig:
     # ... holding at most this many bytes of KV (all layers); cold blocks go first (LRU-K), and
     # the cache gives blocks back at once when the pool runs short
     prefix_cache_bytes: int = 256 * MiB
+    # a generate() whose rows need more KV than the pool holds (prompt + max_new_tokens per row)
+    # runs as groups of rows that fit, merged by the engine, and returns what one call would;
+    # False: it runs whole and fails as the pool fills (integrations/hf/oversubscribe.py)
+    oversubscribe: bool = True
 
     def __post_init__(self):
         _check_types(self, "kv")

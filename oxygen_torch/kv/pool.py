@@ -74,6 +74,8 @@ class KVPool:
         self.prefix: PrefixCache | None = None  # made by the first call that asks for one
         self.tier: CPUTier | None = None  # likewise (pool.cpu_tier_bytes)
         self.heat: Heat | None = None  # block heat, kept while there is a tier
+        # generate() calls too large for this pool run as row groups (kv.oversubscribe)
+        self.oversubscribed = {"calls_split": 0, "groups_run": 0}
 
     def cpu_tier(self, nbytes: int) -> CPUTier | None:
         """The pool's CPU tier, made on first use with `nbytes` of host memory (later sizes
@@ -158,6 +160,7 @@ class KVPool:
             + (self.scales.backing.capacity if self.scales is not None else 0),
             "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
             "cpu_tier": self.tier.stats() if self.tier is not None else None,
+            "oversubscribed": dict(self.oversubscribed),
         }
 
     def close(self) -> None:

@@ -144,14 +144,7 @@ def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, Pag
             f"oxygen_torch: head_dim {compat.head_dim(text)} has no kernel; stock attention is used"
         )
         return kwargs, None
-    opts, given = _paged_compile_options(call)
-    cache = PagedKVCache(
-        config=text,
-        cfg=cfg,
-        kv_dtype=opts.kv_dtype if "kv_dtype" in given else None,
-        precision=opts.precision if "precision" in given else None,
-    )
-    cache.compile_options = opts
+    cache = new_cache(model, cfg, call)
     cache.max_cache_len_hint = max(call.max_length() - 1, 0)
     out = {**kwargs, name: cache}
     if call.opt("cache_implementation") == "dynamic":  # ours is the dynamic cache
@@ -164,6 +157,20 @@ def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, Pag
         log.info("oxygen_torch: prefill of %s tokens in chunks of %d", call.prompt_shape(), chunk)
         out["prefill_chunk_size"] = chunk
     return out, cache
+
+
+def new_cache(model, cfg: OxygenConfig, call: _Call) -> PagedKVCache:
+    """The (empty) PagedKVCache this call runs on: kv_dtype and precision from its
+    compile_config's options when given."""
+    opts, given = _paged_compile_options(call)
+    cache = PagedKVCache(
+        config=model.config.get_text_config(decoder=True),
+        cfg=cfg,
+        kv_dtype=opts.kv_dtype if "kv_dtype" in given else None,
+        precision=opts.precision if "precision" in given else None,
+    )
+    cache.compile_options = opts
+    return cache
 
 
 def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache) -> int:

@@ -23,7 +23,7 @@ from ... import _patching
 from ...config import OxygenConfig, load_config
 from ...engine.task import current as current_task
 from ...kv.pool import release_pools
-from . import batched, graphs, router
+from . import batched, graphs, oversubscribe, router
 from . import generate as gen
 from .attention import oxygen_attention_forward, oxygen_mask
 
@@ -110,12 +110,21 @@ def _generate(self, *args, **kwargs):
         return _state.generate(self, *args, **kwargs)
     router.ensure(self)
     cfg = config_of(self)
+    merged = cfg.scheduler.merge and not _tensor_parallel(self)
+    verdict = oversubscribe.judge(self, cfg, args, kwargs, merged)  # None: its rows fit
+    if verdict is not None and verdict.groups is not None:
+        return oversubscribe.run(self, verdict, args, kwargs, _generate)
     kwargs, cache = gen.plan(self, cfg, args, kwargs)
-    if cache is not None and cfg.scheduler.merge and not _tensor_parallel(self):
-        with batched.session(self, cache, current_task()):  # concurrent calls' steps merged
+    try:
+        if cache is not None and merged:
+            with batched.session(self, cache, current_task()):  # concurrent calls' steps merged
+                out = _state.generate(self, *args, **kwargs)
+        else:
             out = _state.generate(self, *args, **kwargs)
-    else:
-        out = _state.generate(self, *args, **kwargs)
+    except oversubscribe.KV_ERRORS as err:
+        if verdict is None:
+            raise
+        raise verdict.explain(err) from err
     gen.check_used(self, cache)
     gen.finish(cache, out)
     return out
