@@ -300,13 +300,11 @@ def capacity(mode: str) -> dict:
     return res
 
 
-def _oversub_stats() -> dict:
-    try:
-        import oxygen_torch
+def _oversub_stats() -> list:
+    """Per KV pool: calls split into row groups and groups run (kv.oversubscribe)."""
+    from oxygen_torch.kv import pool_stats
 
-        return oxygen_torch.kv_stats().get("oversubscribe", {})  # (if the library exposes it)
-    except Exception:  # noqa: BLE001 - a figure missing from the table, not a failure
-        return {}
+    return [p.get("oversubscribed") for p in pool_stats()]
 
 
 # --- prefix cache -------------------------------------------------------------------------------
