@@ -75,15 +75,23 @@ class KVPool:
         self.tier: CPUTier | None = None  # likewise (pool.cpu_tier_bytes)
         self.heat: Heat | None = None  # block heat, kept while there is a tier
 
-    def cpu_tier(self, nbytes: int) -> CPUTier | None:
-        """The pool's CPU tier, made on first use with `nbytes` of host memory (later sizes
-        are ignored: the slots are allocated once); None when that holds no block."""
+    def cpu_tier(
+        self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
+    ) -> CPUTier | None:
+        """The pool's CPU tier, made on first use with `nbytes` of host memory, a disk tier of
+        `disk_bytes` in directory `disk_path` behind it ("": none) and fp8 lowering or not
+        (later arguments are ignored: the slots are allocated once); None when that holds no
+        block."""
         with self.lock:
             if self.tier is None and nbytes > 0:
                 storages = [self.storage] + ([self.scales] if self.scales is not None else [])
-                tier = CPUTier(storages, nbytes, self.key.device)
+                tier = CPUTier(
+                    storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering
+                )
                 if tier.num_slots > 0:
                     self.tier, self.heat = tier, Heat(self.storage.num_blocks)
+                else:
+                    tier.close()
             return self.tier
 
     def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:
@@ -162,6 +170,8 @@ class KVPool:
         self.storage.backing.close()
         if self.scales is not None:
             self.scales.backing.close()
+        if self.tier is not None:
+            self.tier.close()  # the disk tier's file goes
 
 
 def default_arena_bytes(device: torch.device) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .block_manager import SequenceBlocks
 from .storage import GUARD_BLOCK
+from .tier import TierFull
 
 
 @dataclass
@@ -32,9 +33,10 @@ class Swapped:
         return len({b for row in self.rows for b in row if b < 0})
 
 
-def swap_out(core) -> int | None:
+def swap_out(core, low_priority: bool = False) -> int | None:
     """Moves the core's own blocks to the tier; returns the device blocks freed, or None (the
-    tier lacks room: nothing changed)."""
+    tier lacks room, or its disk failed: nothing changed). `low_priority`: the tier may store
+    them as fp8 (pool.tier_fp8_lowering)."""
     pool, seqs = core.pool, core.seqs
     tier = pool.tier
     if tier is None or seqs is None or core._swapped is not None:
@@ -44,7 +46,10 @@ def swap_out(core) -> int | None:
         own = sorted(b for b, n in uses.items() if pool.manager.refcount(b) == n)
         if len(own) > tier.num_free:
             return None
-        where = dict(zip(own, tier.down(own)))
+        try:
+            where = dict(zip(own, tier.down(own, low_priority)))
+        except TierFull:
+            return None
         rows = [[-1 - where[b] if b in where else b for b in row] for row in seqs.blocks]
         before = pool.manager.num_free
         pool.manager.decref([b for row in seqs.blocks for b in row if b in where])
