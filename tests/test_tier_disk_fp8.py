@@ -130,9 +130,12 @@ def test_bytes_exact_through_the_disk_tier_with_one_read_per_run(pool, tmp_path)
     tier = tier_of(pool, 3, 16, str(tmp_path))
     m = Model(pool, tier)
     first = m.down(2, gen)
-    second = m.down(2, gen)  # one row of `first` spills (the least recently used)
+    mid = m.down(1, gen)
+    m.up_and_check(first, gen)  # `first` is now used more recently than `mid`
+    second = m.down(1, gen)  # `mid` spills: the least recently used row
     assert tier.stats()["bytes_to_disk"] == tier.row_bytes
-    m.up_and_check(second, gen)  # `second` is now the most recent
+    assert [tier._where[x] < 0 for x in first + mid + second] == [False, False, True, False]
+    first += mid
     third = m.down(6, gen)  # more than the CPU tier holds in one down
     s = tier.stats()
     assert s["slots_used"] == 3 and s["disk_used_bytes"] == 7 * tier.row_bytes
@@ -152,7 +155,9 @@ def test_bytes_exact_through_the_disk_tier_with_one_read_per_run(pool, tmp_path)
     tier.close()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     ops=st.lists(st.tuples(st.sampled_from("dur"), st.integers(1, 5), st.booleans()), max_size=14),
     lowering=st.booleans(),
@@ -178,23 +183,27 @@ def test_random_downs_ups_and_releases_keep_every_block(pool, tmp_path, ops, low
     tier.close()
 
 
-def test_a_failed_disk_write_is_a_full_tier_that_changes_nothing(pool, tmp_path, monkeypatch, caplog):
+def test_a_failed_disk_write_is_a_full_tier_that_changes_nothing(
+    pool, tmp_path, monkeypatch, caplog
+):
     _patching.forget_warnings()
     gen = torch.Generator().manual_seed(1)
     tier = tier_of(pool, 2, 8, str(tmp_path))
     m = Model(pool, tier)
-    kept = m.down(2, gen)
 
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwritev", full)
     with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
-        for _ in range(2):
-            with pytest.raises(TierFull):
-                m.down(1, gen)
+        with pytest.raises(TierFull):
+            m.down(3, gen)  # two rows placed, then the spill for the third fails: all undone
+        assert tier.stats()["slots_used"] == 0 and tier.num_free == 2  # the disk takes no more
+        kept = m.down(2, gen)
+        with pytest.raises(TierFull):
+            m.down(1, gen)
     assert len([r for r in caplog.records if "disk tier failed" in r.getMessage()]) == 1
-    assert tier.num_free == 0  # the disk takes nothing more; the CPU rows are as they were
+    assert tier.num_free == 0  # the CPU rows are as they were
     m.up_and_check(kept, gen)
     m.release(kept[:1])
     m.up_and_check(m.down(1, gen), gen)  # a free CPU row still serves
@@ -205,7 +214,10 @@ def test_the_file_is_gone_when_the_pool_closes_and_at_exit(tmp_path):
     pool = make_pool()
     tier = pool.cpu_tier(1 * MiB, str(tmp_path), 4 * MiB)
     (path,) = tmp_path.iterdir()
-    assert str(path) == tier.disk.path and path.stat().st_size == tier.disk.num_records * tier.row_bytes
+    assert (
+        str(path) == tier.disk.path
+        and path.stat().st_size == tier.disk.num_records * tier.row_bytes
+    )
     assert tier.disk.num_records == 4 * MiB // tier.row_bytes
     release_pools()
     assert not path.exists()
@@ -348,7 +360,9 @@ def test_swap_through_a_tiny_cpu_tier_and_disk_gives_the_tokens_of_no_preemption
     assert tier["slots_used"] == 0 and tier["disk_used_bytes"] == 0 and pool["blocks_used"] == 0
 
 
-def test_a_failing_disk_degrades_to_recompute_with_one_warning(oxygen, tmp_path, monkeypatch, caplog):
+def test_a_failing_disk_degrades_to_recompute_with_one_warning(
+    oxygen, tmp_path, monkeypatch, caplog
+):
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")
 
