@@ -132,6 +132,15 @@ class PoolConfig:
     # host bytes for the KV CPU tier (pinned on a GPU): the engine's preempted calls swap their
     # KV there instead of being recomputed; 0 = no tier; at most host memory
     cpu_tier_bytes: int = 0
+    # a directory on local NVMe for a disk tier behind the CPU tier (one preallocated file of
+    # pool.disk_tier_bytes, removed when the pool closes): when the CPU tier is full its least
+    # recently used blocks move there; "" = no disk tier
+    disk_tier_path: str = ""
+    disk_tier_bytes: int = 0
+    # under pressure (the CPU tier more than 75 % full), low-priority calls' swapped-out KV is
+    # stored as fp8 e4m3 with per-head scales (16-bit pools): half the bytes, but the tokens
+    # may change, so off by default
+    tier_fp8_lowering: bool = False
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
     # auto: cuda when a driver and device exist, else host; cuda asked for on a machine without a
     # usable GPU is an error at enable(), never a quiet switch to host
@@ -173,6 +182,35 @@ class PoolConfig:
             f"0 to this machine's memory, {ram} bytes ({ram / GiB:.1f} GiB)",
         )
         _check_choice("pool", "backend", self.backend, ("auto", "cuda", "host"))
+        _check_disk_tier(self)
+
+
+def _check_disk_tier(cfg: PoolConfig) -> None:
+    """A disk tier needs a CPU tier, a writable directory and room for its file, checked when
+    the configuration loads (the file itself is allocated when the tier is made)."""
+    path, nbytes = cfg.disk_tier_path, cfg.disk_tier_bytes
+    if nbytes < 0:
+        raise ValueError(f"pool.disk_tier_bytes: {describe(nbytes)} is negative; allowed: ≥ 0")
+    if not path:
+        if nbytes:
+            raise ValueError(
+                f"pool.disk_tier_bytes: {_sized(nbytes)} given without pool.disk_tier_path"
+            )
+        return
+    if not nbytes:
+        raise ValueError(f"pool.disk_tier_path: {describe(path)} needs pool.disk_tier_bytes > 0")
+    if not cfg.cpu_tier_bytes:
+        raise ValueError(
+            f"pool.disk_tier_path: {describe(path)} needs a CPU tier (pool.cpu_tier_bytes > 0)"
+        )
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"pool.disk_tier_path: {describe(path)} is not a writable directory")
+    st = os.statvfs(path)
+    if nbytes > st.f_bavail * st.f_frsize:
+        raise ValueError(
+            f"pool.disk_tier_bytes: {_sized(nbytes)} is more than the "
+            f"{st.f_bavail * st.f_frsize} bytes free in pool.disk_tier_path {describe(path)}"
+        )
 
 
 @dataclass(frozen=True)

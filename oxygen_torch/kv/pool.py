@@ -77,18 +77,32 @@ class KVPool:
         # generate() calls too large for this pool run as row groups (kv.oversubscribe)
         self.oversubscribed = {"calls_split": 0, "groups_run": 0}
 
-    def cpu_tier(self, nbytes: int) -> CPUTier | None:
-        """The pool's CPU tier, made on first use with `nbytes` of host memory (later sizes
-        are ignored: the slots are allocated once); None when that holds no block."""
+    def cpu_tier(
+        self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
+    ) -> CPUTier | None:
+        """The pool's CPU tier, made on first use with `nbytes` of host memory, a disk tier of
+        `disk_bytes` in directory `disk_path` behind it ("": none) and fp8 lowering or not
+        (later arguments are ignored: the slots are allocated once); None when that holds no
+        block."""
         with self.lock:
             if self.tier is None and nbytes > 0:
                 storages = [self.storage] + ([self.scales] if self.scales is not None else [])
-                tier = CPUTier(storages, nbytes, self.key.device)
+                tier = CPUTier(
+                    storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering
+                )
                 if tier.num_slots > 0:
                     self.tier, self.heat = tier, Heat(self.storage.num_blocks)
                     if self.prefix is not None:  # its blocks given back go cold from now on
                         self.prefix.attach(self.tier, self.heat)
+                else:
+                    tier.close()
             return self.tier
+
+    def cpu_tier_of(self, cfg) -> CPUTier | None:
+        """cpu_tier() sized by a PoolConfig (pool.cpu_tier_bytes, the disk tier, lowering)."""
+        return self.cpu_tier(
+            cfg.cpu_tier_bytes, cfg.disk_tier_path, cfg.disk_tier_bytes, cfg.tier_fp8_lowering
+        )
 
     def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:
         """The pool's prefix cache, its budget set from `budget_bytes` of KV (all layers); None
@@ -169,6 +183,8 @@ class KVPool:
         self.storage.backing.close()
         if self.scales is not None:
             self.scales.backing.close()
+        if self.tier is not None:
+            self.tier.close()  # the disk tier's file goes
 
 
 def default_arena_bytes(device: torch.device) -> int:

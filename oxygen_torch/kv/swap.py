@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .block_manager import SequenceBlocks
 from .storage import GUARD_BLOCK
+from .tier import TierFull
 
 
 @dataclass
@@ -33,9 +34,10 @@ class Swapped:
         return len({b for row in self.rows for b in row if b < 0})
 
 
-def swap_out(core) -> int | None:
+def swap_out(core, low_priority: bool = False) -> int | None:
     """Moves the core's own blocks to the tier; returns the device blocks freed, or None (the
-    tier lacks room: nothing changed)."""
+    tier lacks room, or its disk failed: nothing changed). `low_priority`: the tier may store
+    them as fp8 (pool.tier_fp8_lowering)."""
     pool, seqs = core.pool, core.seqs
     tier = pool.tier
     if tier is None or seqs is None or core._swapped is not None:
@@ -48,7 +50,10 @@ def swap_out(core) -> int | None:
             pc.drop_cold(len(own) - tier.num_free)  # a swap comes before cold cached blocks
         if len(own) > tier.num_free:
             return None
-        where = dict(zip(own, tier.down(own)))
+        try:
+            where = dict(zip(own, tier.down(own, low_priority)))
+        except TierFull:
+            return None
         rows = [[-1 - where[b] if b in where else b for b in row] for row in seqs.blocks]
         before = pool.manager.num_free
         pool.manager.decref([b for row in seqs.blocks for b in row if b in where])

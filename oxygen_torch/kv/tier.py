@@ -1,14 +1,22 @@
-"""The CPU tier of a KV pool: host slots that hold whole blocks (every layer's K and V, and fp8
-scales) while they are off the device (pool.cpu_tier_bytes).
+"""The CPU tier of a KV pool: host rows that hold whole blocks (every layer's K and V, and fp8
+scales) while they are off the device (pool.cpu_tier_bytes), with an optional disk tier behind
+it (kv/disk.py) and fp8 lowering of low-priority blocks under pressure (kv/lowering.py).
 
-A slot is one row of a [slots, bytes per block] uint8 host tensor (pinned on a GPU machine, so
-copies run on the copy engine). Migration moves many blocks at once: the blocks are gathered
-into one staging buffer on their device (one index_select per layer region), which goes over in
-one copy, and the way back scatters a staged copy into the blocks (index_copy_). On a GPU the
-copy runs on a side stream after the current stream's work, and the host waits for it before
-the blocks are freed or read, so the pool's frees stay ordered after it (not yet run on a GPU:
-the CPU path is what CI tests). Only kernels driven by block tables read the arena, and a block
-table only ever names device blocks: a block in this tier is brought back before a step uses it.
+A row is one line of a [rows, row bytes] uint8 host tensor (pinned on a GPU machine, so copies
+run on the copy engine): a block at its own precision, or, lowered, two blocks' e4m3 codes side
+by side with their scales after them. A caller holds slots: slot = row x halves + half (halves
+is 2 when lowering is possible, else 1), and a slot stays valid wherever its row lives. When a
+`down` finds no free CPU row, the rows used least recently (down or up) go to the disk tier in
+one sequential write, and `up` reads a row on disk back with one read per run of records.
+
+Migration moves many blocks at once: the blocks are gathered into one staging buffer on their
+device (one index_select per layer region; lowered: quantized there too), which goes over in
+one copy, and the way back scatters a staged copy into the blocks (index_copy_; lowered:
+dequantized on the device first). On a GPU the copy runs on a side stream after the current
+stream's work, and the host waits for it before the blocks are freed or read, so the pool's
+frees stay ordered after it (not yet run on a GPU: the CPU path is what CI tests). Only kernels
+driven by block tables read the arena, and a block table only ever names device blocks: a block
+in this tier is brought back before a step uses it.
 """
 
 from __future__ import annotations
@@ -17,72 +25,257 @@ import heapq
 
 import torch
 
+from .._patching import warn_once
+from .disk import DiskTier
+from .lowering import LOWERABLE, lower, raise_, scale_bytes
+
+# A down of low-priority blocks is lowered when, at full precision, it would leave the CPU tier
+# more than this share full (pool.tier_fp8_lowering; docs/operations.md)
+PRESSURE = 0.75
+FULL = 4  # a row's mask: one block at full precision; bits 1 and 2: lowered halves 0 and 1
+
 
 class TierFull(RuntimeError):
-    """The CPU tier has no free slot for the blocks asked."""
+    """The CPU tier (and the disk tier behind it) has no free slot for the blocks asked."""
 
 
 class CPUTier:
-    def __init__(self, storages: list, nbytes: int, device: torch.device):
+    def __init__(
+        self,
+        storages: list,
+        nbytes: int,
+        device: torch.device,
+        disk_path: str = "",
+        disk_bytes: int = 0,
+        fp8_lowering: bool = False,
+    ):
         self._regions = []  # uint8 [num_blocks, block bytes] views of every K/V cache
         for st in storages:
             for cache in (*st.k, *st.v):
                 self._regions.append(cache.view(torch.uint8).view(cache.shape[0], -1))
         self.block_bytes = sum(r.shape[1] for r in self._regions)
-        self.num_slots = nbytes // self.block_bytes
+        st = storages[0]
+        self.lowering = fp8_lowering and len(storages) == 1 and st.dtype in LOWERABLE
+        self._caches = [*st.k, *st.v] if self.lowering else []  # typed, for lowering
+        self._halves = 2 if self.lowering else 1
+        self._hb = self.block_bytes // 2  # a lowered block's codes
+        self._sb = scale_bytes(self._caches) if self.lowering else 0  # ... and its scales
+        self.row_bytes = self.block_bytes + 2 * self._sb
+        self.num_slots = nbytes // self.row_bytes  # CPU rows
         self.device = device
         pin = device.type == "cuda"
-        self.host = torch.empty(self.num_slots, self.block_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._free = list(range(self.num_slots))
+        self.host = torch.empty(self.num_slots, self.row_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._cpu_free = list(range(self.num_slots))
+        self._row_at: list[int | None] = [None] * self.num_slots  # CPU row -> logical row
+        self.disk = None
+        if disk_path and self.num_slots:
+            self.disk = DiskTier(disk_path, disk_bytes, self.row_bytes)
+        n = self.num_slots + (self.disk.num_records if self.disk is not None else 0)
+        self._rows = list(range(n))  # free logical rows
+        self._where: list[int | None] = [None] * n  # CPU row (>= 0) or -1 - disk record
+        self._mask = [0] * n
+        self._last = [0] * n  # clock of the row's last down or up (LRU for spills)
+        self._open: set[int] = set()  # lowered rows on the CPU with one half free
+        self._clock = 0
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.counts = dict(migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0)
+        self.counts = dict(
+            migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
+            bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
+        )  # fmt: skip
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks at full precision that a `down` can still take (CPU rows and disk records)."""
+        disk = self.disk.num_free if self.disk is not None else 0
+        return len(self._cpu_free) + disk
+
+    def lowered(self, slot: int) -> bool:
+        """Whether the slot holds its block as fp8 (taken slots only)."""
+        return self._mask[slot // self._halves] != FULL
 
     def used_bytes(self) -> int:
-        return (self.num_slots - len(self._free)) * self.block_bytes
+        return (self.num_slots - len(self._cpu_free)) * self.row_bytes
 
-    def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
+    def disk_used_bytes(self) -> int:
+        used = sum(1 for w in self._where if w is not None and w < 0)
+        return used * self.row_bytes
+
+    def _pressed(self, n: int) -> bool:
+        return self.num_slots - len(self._cpu_free) + n > PRESSURE * self.num_slots
+
+    def down(self, blocks: list[int], low_priority: bool = False) -> list[int]:
+        """Copies device blocks into fresh slots (the blocks stay allocated: the caller frees
+        them); returns the slots. `low_priority`: the blocks may be lowered to fp8 (the tier
+        lowers and the tier is under pressure). TierFull: nothing changed."""
+        if not blocks:
+            return []
+        n, lowered = len(blocks), low_priority and self.lowering and self._pressed(len(blocks))
+        opened = sorted(self._open)[:n] if lowered else []
+        need = -(-(n - len(opened)) // 2) if lowered else n  # fresh rows
+        if need > self.num_free:
+            disk = f" and pool.disk_tier_bytes, {self.disk.num_free} free" if self.disk else ""
             raise TierFull(
-                f"oxygen KV CPU tier full: {n} slot(s) asked, {len(self._free)} free of "
-                f"{self.num_slots} (raise pool.cpu_tier_bytes)"
+                f"oxygen KV CPU tier full: {need} row(s) asked, {len(self._cpu_free)} free of "
+                f"{self.num_slots} (raise pool.cpu_tier_bytes{disk})"
             )
-        return [heapq.heappop(self._free) for _ in range(n)]
+        staged = self._gather(blocks, lowered)  # host uint8 [n, payload bytes]
+        self._clock += 1
+        # each block's (row, half): the open rows' free halves first, then fresh rows
+        places = [(r, 1 - self._mask[r] // 2) for r in opened]
+        fresh = [heapq.heappop(self._rows) for _ in range(need)]
+        places += [(r, h) for r in fresh for h in range(2 if lowered else 1)][: n - len(opened)]
+        for r, h in places:
+            self._mask[r] |= 1 << h if lowered else FULL
+            self._last[r] = self._clock
+        self._open.difference_update(opened)
+        slots = [r * self._halves + h for r, h in places]
+        try:
+            self._put([self._where[r] for r in opened], places[: len(opened)], staged, lowered)
+            done = len(opened)
+            for i in range(0, need, self.num_slots):  # at most a CPU tier's rows at a time
+                chunk = fresh[i : i + self.num_slots]
+                self._make_room(len(chunk))
+                for r in chunk:
+                    self._where[r] = p = heapq.heappop(self._cpu_free)
+                    self._row_at[p] = r
+                ours = set(chunk)
+                k = sum(1 for r, _ in places[done:] if r in ours)
+                pos = [self._where[r] for r, _ in places[done : done + k]]
+                self._put(pos, places[done : done + k], staged[done : done + k], lowered)
+                done += k
+        except TierFull:  # the disk failed: rows not placed go back as they are, the rest freed
+            unplaced = {r for r in fresh if self._where[r] is None}
+            for r in unplaced:
+                self._mask[r] = 0
+                heapq.heappush(self._rows, r)
+            self.release([s for s in slots if s // self._halves not in unplaced])
+            raise
+        if lowered:
+            self._open.update(r for r, _ in places if self._mask[r] != 3)
+        self.counts["migrations_down"] += 1
+        self.counts["bytes_down"] += staged.numel()
+        self.counts["lowered_blocks"] += n if lowered else 0
+        return slots
+
+    def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
+        """Writes staged blocks into CPU rows `pos`, lowered ones at their halves (places[i][1])."""
+        if not pos:
+            return
+        if not lowered:
+            self.host[:, : self.block_bytes].index_copy_(0, torch.tensor(pos), staged)
+            return
+        hb, sb, bb = self._hb, self._sb, self.block_bytes
+        for h in (0, 1):
+            i = [j for j, (_, half) in enumerate(places) if half == h]
+            if i:
+                at, rows = torch.tensor([pos[j] for j in i]), staged[torch.tensor(i)]
+                self.host[:, h * hb : (h + 1) * hb].index_copy_(0, at, rows[:, :hb])
+                self.host[:, bb + h * sb : bb + (h + 1) * sb].index_copy_(0, at, rows[:, hb:])
+
+    def _make_room(self, k: int) -> None:
+        """Frees k CPU rows by moving the least recently used to disk (TierFull: nothing moved)."""
+        need = k - len(self._cpu_free)
+        if need <= 0:
+            return
+        live = (r for r in self._row_at if r is not None)
+        victims = sorted(heapq.nsmallest(need, live, key=self._last.__getitem__),
+                         key=self._where.__getitem__)  # fmt: skip
+        records = self.disk.take(need)
+        try:
+            self.disk.write(records, [self.host[self._where[r]] for r in victims])
+        except OSError as exc:
+            self.disk.release(records)
+            warn_once(
+                f"oxygen_torch: the KV disk tier failed ({exc}); it takes no more blocks "
+                f"(pool.disk_tier_path: {self.disk.path})"
+            )
+            raise TierFull(f"oxygen KV disk tier: write failed ({exc})") from exc
+        for r, rec in zip(victims, records):
+            p = self._where[r]
+            self._row_at[p], self._where[r] = None, -1 - rec
+            heapq.heappush(self._cpu_free, p)
+            self._open.discard(r)
+        self.counts["bytes_to_disk"] += need * self.row_bytes
+
+    def _gather(self, blocks: list[int], lowered: bool) -> torch.Tensor:
+        def gather(idx):
+            if lowered:
+                return lower(self._caches, idx)
+            return torch.cat([r.index_select(0, idx) for r in self._regions], dim=1)
+
+        idx = torch.tensor(blocks, dtype=torch.int64)
+        if self._side is None:
+            return gather(idx)
+        idx = idx.to(self.device, non_blocking=True)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            gathered = gather(idx)
+            staged = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+            staged.copy_(gathered, non_blocking=True)
+        self._side.synchronize()  # the blocks may be freed (unmapped) once we return
+        return staged
 
     def release(self, slots: list[int]) -> None:
         for s in slots:
-            heapq.heappush(self._free, s)
+            r, h = divmod(s, self._halves)
+            m = self._mask[r] if 0 <= r < len(self._mask) else 0
+            if not (m == FULL and h == 0 or m != FULL and m & 1 << h):
+                raise ValueError(f"oxygen KV CPU tier: slot {s} is not taken")
+            self._mask[r] = 0 if self._mask[r] == FULL else self._mask[r] & ~(1 << h)
+            if self._mask[r]:
+                if self._where[r] >= 0:
+                    self._open.add(r)
+                continue
+            self._open.discard(r)
+            w = self._where[r]
+            if w >= 0:
+                self._row_at[w] = None
+                heapq.heappush(self._cpu_free, w)
+            else:
+                self.disk.release([-1 - w])
+            self._where[r] = None
+            heapq.heappush(self._rows, r)
 
-    def down(self, blocks: list[int]) -> list[int]:
-        """Copies device blocks into fresh slots (the blocks stay allocated: the caller frees
-        them); returns the slots."""
-        if not blocks:
-            return []
-        slots = self._take(len(blocks))
-        idx = torch.tensor(blocks, dtype=torch.int64)
-        if self._side is None:
-            staged = torch.cat([r.index_select(0, idx) for r in self._regions], dim=1)
-        else:
-            idx = idx.to(self.device, non_blocking=True)
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._side):
-                gathered = torch.cat([r.index_select(0, idx) for r in self._regions], dim=1)
-                staged = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
-                staged.copy_(gathered, non_blocking=True)
-            self._side.synchronize()  # the blocks may be freed (unmapped) once we return
-        self.host.index_copy_(0, torch.tensor(slots, dtype=torch.int64), staged)
-        self.counts["migrations_down"] += 1
-        self.counts["bytes_down"] += len(blocks) * self.block_bytes
-        return slots
+    def _rows_of(self, rows: list[int]) -> torch.Tensor:
+        """The rows' bytes, wherever they are, as uint8 [len(rows), row bytes] on the host:
+        rows on disk read with one call per run of consecutive records."""
+        out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
+        cpu = [i for i, r in enumerate(rows) if self._where[r] >= 0]
+        if cpu:
+            at = torch.tensor([self._where[rows[i]] for i in cpu])
+            out[torch.tensor(cpu)] = self.host.index_select(0, at)
+        disk = sorted((-1 - self._where[r], i) for i, r in enumerate(rows) if self._where[r] < 0)
+        if disk:
+            self.disk.read([rec for rec, _ in disk], [out[i] for _, i in disk])
+            self.counts["bytes_from_disk"] += len(disk) * self.row_bytes
+        return out
 
     def up(self, slots: list[int], blocks: list[int]) -> None:
         """Copies slots into device blocks (allocated by the caller); the slots stay taken."""
         if not slots:
             return
-        staged = self.host.index_select(0, torch.tensor(slots, dtype=torch.int64))
+        self._clock += 1
+        rows = sorted({s // self._halves for s in slots})
+        for r in rows:
+            self._last[r] = self._clock
+        src = self._rows_of(rows)  # [m, row bytes]
+        at = {r: i for i, r in enumerate(rows)}
+        full = [i for i, s in enumerate(slots) if self._mask[s // self._halves] == FULL]
+        low = [i for i, s in enumerate(slots) if self._mask[s // self._halves] != FULL]
+        if full:
+            pick = torch.tensor([at[slots[i] // self._halves] for i in full])
+            staged = src[pick, : self.block_bytes]
+            self._scatter(staged, [blocks[i] for i in full], lowered=False)
+        if low:
+            m, pick = len(rows), torch.tensor([at[slots[i] // 2] for i in low])
+            half = torch.tensor([slots[i] % 2 for i in low])
+            codes = src[:, : self.block_bytes].reshape(m, 2, self._hb)[pick, half]
+            scales = src[:, self.block_bytes :].reshape(m, 2, self._sb)[pick, half]
+            staged = torch.cat([codes, scales], dim=1)  # [n, codes + scales]
+            self._scatter(staged, [blocks[i] for i in low], lowered=True)
+        self.counts["migrations_up"] += 1
+
+    def _scatter(self, staged: torch.Tensor, blocks: list[int], lowered: bool) -> None:
         idx = torch.tensor(blocks, dtype=torch.int64)
         if self._side is not None:
             staged = staged.pin_memory()
@@ -92,18 +285,29 @@ class CPUTier:
                 staged = staged.to(self.device, non_blocking=True)
                 idx = idx.to(self.device, non_blocking=True)
             stream.wait_stream(self._side)  # the step that reads the blocks comes after
-        off = 0
-        for r in self._regions:
-            r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
-            off += r.shape[1]
-        self.counts["migrations_up"] += 1
-        self.counts["bytes_up"] += len(slots) * self.block_bytes
+        if lowered:
+            raise_(self._caches, idx, staged)  # dequantized on the device, into the pool dtype
+        else:
+            off = 0
+            for r in self._regions:
+                r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
+                off += r.shape[1]
+        self.counts["bytes_up"] += staged.numel()
 
     def stats(self) -> dict:
+        disk = self.disk
         return {
             **self.counts,
             "slots_total": self.num_slots,
-            "slots_used": self.num_slots - len(self._free),
+            "slots_used": self.num_slots - len(self._cpu_free),
             "used_bytes": self.used_bytes(),
-            "capacity_bytes": self.num_slots * self.block_bytes,
+            "capacity_bytes": self.num_slots * self.row_bytes,
+            "lowered_held": sum((m & 1) + (m >> 1 & 1) for m in self._mask if m != FULL),
+            "disk_slots_total": disk.num_records if disk else 0,
+            "disk_used_bytes": self.disk_used_bytes(),
+            "disk_capacity_bytes": disk.num_records * self.row_bytes if disk else 0,
         }
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

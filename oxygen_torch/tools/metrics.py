@@ -212,6 +212,10 @@ def _kv_tier_figures() -> dict:
         moved["gpu_to_cpu"] += int(tier.get("bytes_down", 0))
         moved["cpu_to_gpu"] += int(tier.get("bytes_up", 0))
         held["cpu"] += int(tier.get("used_bytes", 0))
+        if tier.get("disk_slots_total"):  # a disk tier behind the CPU tier
+            moved["cpu_to_disk"] = moved.get("cpu_to_disk", 0) + int(tier["bytes_to_disk"])
+            moved["disk_to_cpu"] = moved.get("disk_to_cpu", 0) + int(tier["bytes_from_disk"])
+            held["disk"] = held.get("disk", 0) + int(tier["disk_used_bytes"])
         for k in prefix:
             prefix[k] += int((p.get("prefix_cache") or {}).get(k, 0))
     hit = prefix["gpu_hit_blocks"] + prefix["cpu_hit_blocks"]

@@ -25,7 +25,7 @@ import torch
 
 from ... import _patching
 from ...engine.scheduler import Chunk, Request, StepScheduler
-from ...engine.task import Task
+from ...engine.task import PRIORITIES, Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
 from ...kv.swap import swap_out
@@ -162,9 +162,11 @@ class Merger:
         call.swapped = False
         if core.seqs is None or core.debug or core._swapped is not None:
             return 0
-        tier = core.pool.cpu_tier(call.state.cache.cfg.pool.cpu_tier_bytes)
+        if not any(core.seqs.blocks):  # preempted before (dropped): nothing to swap or free
+            return 0
+        tier = core.pool.cpu_tier_of(call.state.cache.cfg.pool)
         if tier is not None:
-            freed = swap_out(core)
+            freed = swap_out(core, low_priority=call.account.task.level < PRIORITIES["normal"])
             if freed is not None:
                 call.swapped = True
                 return freed

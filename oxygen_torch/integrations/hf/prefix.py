@@ -85,7 +85,7 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
         return None
     zones = cache.cfg.pool
     with pool.lock:  # the cold zone (pool.cpu_tier_bytes; the last call's zones stand)
-        pool.cpu_tier(zones.cpu_tier_bytes)
+        pool.cpu_tier_of(zones)
         pc.threshold, pc.hot_ratio = zones.migration_threshold, zones.hot_zone_ratio
     core = cache._core
     beams = (call.opt("num_beams") or 1) > 1
