@@ -28,6 +28,7 @@ import torch
 from .._patching import warn_once
 from .disk import DiskTier
 from .lowering import LOWERABLE, lower, raise_, scale_bytes
+from .transfer import from_host, gather, rows_to
 
 # A down of low-priority blocks is lowered when, at full precision, it would leave the CPU tier
 # more than this share full (pool.tier_fp8_lowering; docs/operations.md)
@@ -118,7 +119,17 @@ class CPUTier:
                 f"oxygen KV CPU tier full: {need} row(s) asked, {len(self._cpu_free)} free of "
                 f"{self.num_slots} (raise pool.cpu_tier_bytes{disk})"
             )
-        staged = self._gather(blocks, lowered)  # host uint8 [n, payload bytes]
+        try:
+            return self._down(blocks, lowered, opened, need)
+        finally:
+            if self._side is not None:  # the blocks may be freed (unmapped) once we return
+                self._side.synchronize()
+
+    def _down(self, blocks: list[int], lowered: bool, opened: list[int], need: int) -> list[int]:
+        n = len(blocks)
+        # uint8 [n, payload bytes]: on the device for full-precision blocks on a GPU (copied
+        # from there straight into the pinned rows), else on the host
+        staged = self._gather(blocks, lowered)
         self._clock += 1
         # each block's (row, half): the open rows' free halves first, then fresh rows
         places = [(r, 1 - self._mask[r] // 2) for r in opened]
@@ -162,8 +173,15 @@ class CPUTier:
         if not pos:
             return
         if not lowered:
-            self.host[:, : self.block_bytes].index_copy_(0, torch.tensor(pos), staged)
+            if self._side is None:
+                rows_to(self.host[:, : self.block_bytes], pos, staged)
+                return
+            with torch.cuda.stream(self._side):  # after the gather, on the same stream
+                rows_to(self.host[:, : self.block_bytes], pos, staged)
+            self._side.synchronize()  # a later chunk may spill these rows to disk
             return
+        if self._side is not None:
+            self._side.synchronize()  # an up still reading rows from the host comes first
         hb, sb, bb = self._hb, self._sb, self.block_bytes
         for h in (0, 1):
             i = [j for j, (_, half) in enumerate(places) if half == h]
@@ -198,21 +216,21 @@ class CPUTier:
         self.counts["bytes_to_disk"] += need * self.row_bytes
 
     def _gather(self, blocks: list[int], lowered: bool) -> torch.Tensor:
-        def gather(idx):
-            if lowered:
-                return lower(self._caches, idx)
-            return torch.cat([r.index_select(0, idx) for r in self._regions], dim=1)
+        def take(idx):
+            return lower(self._caches, idx) if lowered else gather(self._regions, idx)
 
         idx = torch.tensor(blocks, dtype=torch.int64)
         if self._side is None:
-            return gather(idx)
+            return take(idx)
         idx = idx.to(self.device, non_blocking=True)
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            gathered = gather(idx)
+            gathered = take(idx)
+            if not lowered:
+                return gathered  # _put copies it into the rows on this stream
             staged = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
             staged.copy_(gathered, non_blocking=True)
-        self._side.synchronize()  # the blocks may be freed (unmapped) once we return
+        self._side.synchronize()
         return staged
 
     def release(self, slots: list[int]) -> None:
@@ -258,6 +276,13 @@ class CPUTier:
         rows = sorted({s // self._halves for s in slots})
         for r in rows:
             self._last[r] = self._clock
+        at_cpu = [self._where[s // self._halves] for s in slots]
+        if all(self._mask[s // self._halves] == FULL for s in slots) and min(at_cpu) >= 0:
+            # all on the CPU at full precision: straight from the pinned rows, a copy per run
+            from_host(self._regions, self.host[:, : self.block_bytes], at_cpu, blocks, self._side)
+            self.counts["bytes_up"] += len(slots) * self.block_bytes
+            self.counts["migrations_up"] += 1
+            return
         src = self._rows_of(rows)  # [m, row bytes]
         at = {r: i for i, r in enumerate(rows)}
         full = [i for i, s in enumerate(slots) if self._mask[s // self._halves] == FULL]

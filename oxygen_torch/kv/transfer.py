@@ -34,27 +34,32 @@ def runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _gather(regions: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+def gather(regions: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, block bytes]: the blocks `idx` (on the regions' device), every region in order."""
     return torch.cat([r.index_select(0, idx) for r in regions], dim=1)
 
 
+def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
+    """dst[rows[i]] = src[i], one copy per run of consecutive rows (on the current stream, not
+    waited for when one side is pinned host memory and the other on the device)."""
+    for p, first, n in runs(rows):
+        dst[first : first + n].copy_(src[p : p + n], non_blocking=True)
+
+
 def to_host(regions, blocks: list[int], host: torch.Tensor, rows: list[int], side=None) -> None:
-    """host[rows[i]] = the bytes of blocks[i] (every region, in order)."""
+    """host[rows[i]] = the bytes of blocks[i] (every region, in order); returns once the bytes
+    are on the host (the blocks may be freed, their pages unmapped, after it)."""
     if not blocks:
         return
     idx = torch.tensor(blocks, dtype=torch.int64)
     if side is None:
-        staged = _gather(regions, idx)
-        for p, first, n in runs(rows):
-            host[first : first + n].copy_(staged[p : p + n])
+        rows_to(host, rows, gather(regions, idx))
         return
     device = regions[0].device
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        staged = _gather(regions, idx.to(device, non_blocking=True))
-        for p, first, n in runs(rows):
-            host[first : first + n].copy_(staged[p : p + n], non_blocking=True)
-    side.synchronize()  # the bytes are on the host: the blocks may go once we return
+        rows_to(host, rows, gather(regions, idx.to(device, non_blocking=True)))
+    side.synchronize()
 
 
 def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], side=None) -> None:
@@ -65,8 +70,7 @@ def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], s
     width = host.shape[1]
     if side is None:
         staged = torch.empty(len(rows), width, dtype=torch.uint8)
-        for p, first, n in runs(rows):
-            staged[p : p + n].copy_(host[first : first + n])
+        _rows_from(host, rows, staged)
         _scatter(regions, idx, staged)
         return
     device = regions[0].device
@@ -74,10 +78,14 @@ def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], s
     side.wait_stream(stream)  # the blocks' last readers (a freed block reused) come first
     with torch.cuda.stream(side):
         staged = torch.empty(len(rows), width, dtype=torch.uint8, device=device)
-        for p, first, n in runs(rows):
-            staged[p : p + n].copy_(host[first : first + n], non_blocking=True)
+        _rows_from(host, rows, staged)
         _scatter(regions, idx.to(device, non_blocking=True), staged)
     stream.wait_stream(side)
+
+
+def _rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
+    for p, first, n in runs(rows):
+        out[p : p + n].copy_(src[first : first + n], non_blocking=True)
 
 
 def _scatter(regions: list[torch.Tensor], idx: torch.Tensor, staged: torch.Tensor) -> None:
