@@ -222,10 +222,12 @@ class CPUTier:
         idx = torch.tensor(blocks, dtype=torch.int64)
         if self._side is None:
             return take(idx)
-        idx = idx.to(self.device, non_blocking=True)
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            gathered = take(idx)
+            # made on the side stream, which reads it: a tensor made on the current stream and
+            # freed on return could be handed to the caller's next kernels while this gather
+            # still reads it (the pool reuses a stream's own frees at once)
+            gathered = take(idx.to(self.device, non_blocking=True))
             if not lowered:
                 return gathered  # _put copies it into the rows on this stream
             staged = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
@@ -302,14 +304,20 @@ class CPUTier:
 
     def _scatter(self, staged: torch.Tensor, blocks: list[int], lowered: bool) -> None:
         idx = torch.tensor(blocks, dtype=torch.int64)
-        if self._side is not None:
+        nbytes = staged.numel()
+        if self._side is None:
+            self._write(idx, staged, lowered)
+        else:
             staged = staged.pin_memory()
             stream = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self._side):
-                self._side.wait_stream(stream)
-                staged = staged.to(self.device, non_blocking=True)
-                idx = idx.to(self.device, non_blocking=True)
+            self._side.wait_stream(stream)
+            with torch.cuda.stream(self._side):  # everything made here is used here only
+                self._write(idx.to(self.device, non_blocking=True),
+                            staged.to(self.device, non_blocking=True), lowered)  # fmt: skip
             stream.wait_stream(self._side)  # the step that reads the blocks comes after
+        self.counts["bytes_up"] += nbytes
+
+    def _write(self, idx: torch.Tensor, staged: torch.Tensor, lowered: bool) -> None:
         if lowered:
             raise_(self._caches, idx, staged)  # dequantized on the device, into the pool dtype
         else:
@@ -317,7 +325,6 @@ class CPUTier:
             for r in self._regions:
                 r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
                 off += r.shape[1]
-        self.counts["bytes_up"] += staged.numel()
 
     def stats(self) -> dict:
         disk = self.disk
