@@ -21,7 +21,8 @@ mode's memory cap is its own):
 
     python benchmarks/bench_tier.py [--parts migration capacity prefix long] [--modes ...]
     python benchmarks/bench_tier.py --smoke     # tiny model on CPU: the plumbing only
-With $OUT set, bench_tier.json and bench_tier.md are written there.
+With $OUT set, bench_tier.json and bench_tier.md (bench_tier_<first mode>.* with --modes) are
+written there.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PARTS = {
     "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
     "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu"),
     "long": ("long_hf", "long_oxygen"),
+    "profile": ("prefix_profile",),
 }
 TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240}
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
@@ -53,11 +55,11 @@ DEVICE = "cpu" if SMOKE else "cuda"
 CAP = {"hf_dynamic": 48, "hf_offloaded": 64, "oxygen_gpu": 128, "oxygen_tier": 512}
 CAP_P, CAP_N, GPU_BATCH = (4096, 256, 128) if not SMOKE else (40, 8, 4)
 SYSTEM, USER, REQUESTS, TURNS = (2000, 100, 64, 8) if not SMOKE else (64, 8, 4, 3)
-LONG_P, LONG_N = (131072, 32) if not SMOKE else (256, 4)
+LONG_P, LONG_N = (131072, 64) if not SMOKE else (256, 8)
 
 
 def say(msg: str) -> None:
-    print(f"# {msg}", flush=True)
+    print("\n".join(f"# {ln}" for ln in msg.splitlines()), flush=True)
 
 
 def sync() -> None:
@@ -99,6 +101,18 @@ def kv_arena_bytes(seqs: int, tokens: int, bt: int = 16, page: int = 2 * MIB) ->
     blocks = seqs * -(-tokens // bt) + 1
     region = -(-blocks * bt * heads * dim * elem // page) * page
     return 2 * layers * region
+
+
+def oxygen_capped(**sections):
+    """The HF integration on torch's own allocator, which the 24 GiB cap (cap_torch) binds; the
+    KV arena (outside torch's allocator) is capped by kv.arena_bytes. As bench_generate.py's
+    capacity test."""
+    from oxygen_torch.config import load_config
+    from oxygen_torch.integrations.hf import integration as hf
+
+    cfg = load_config(**sections)
+    hf.enable_hf(cfg)
+    return cfg
 
 
 def cap_torch(reserved_for_kv: int) -> None:
@@ -259,14 +273,11 @@ def capacity(mode: str) -> dict:
     kw: dict = {}
     reserved = 0
     if mode.startswith("oxygen"):
-        import oxygen_torch
-
         arena = kv_arena_bytes(GPU_BATCH, CAP_P + CAP_N)
         reserved = arena
-        tier = 0
-        if mode == "oxygen_tier":
-            tier = kv_arena_bytes(batch - GPU_BATCH + 8, CAP_P + CAP_N)
-        oxygen_torch.enable(kv={"arena_bytes": arena}, pool={"cpu_tier_bytes": tier})
+        # a preempted row group's KV (groups need at most half the pool: kv.oversubscribe)
+        tier = kv_arena_bytes(GPU_BATCH // 2 + 8, CAP_P + CAP_N) if mode == "oxygen_tier" else 0
+        oxygen_capped(kv={"arena_bytes": arena}, pool={"cpu_tier_bytes": tier})
     elif mode == "hf_offloaded":
         kw["cache_implementation"] = "offloaded"
     model = build_model()
@@ -385,41 +396,89 @@ def prefix(mode: str) -> dict:
     return res
 
 
+def prefix_profile(mode: str) -> dict:
+    """Where a prefix-cache hit's TTFT goes against a miss's: torch.profiler over one of each
+    (after warm-ups), the top CPU ops and CUDA kernels by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import oxygen_torch
+
+    oxygen_torch.enable(kv={"prefix_cache": True, "prefix_cache_bytes": 4 * GIB})
+    model = build_model()
+    system = prompts(1, SYSTEM, seed=7)
+
+    def ttft(ids):
+        with torch.no_grad():
+            return timed(
+                lambda: model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False
+                )
+            )
+
+    out = {"mode": mode}
+    for i in range(3):  # warm both paths: a miss (new system prompt) and hits
+        ttft(torch.cat([prompts(1, SYSTEM, seed=40 + i), prompts(1, USER, seed=50 + i)], 1))
+        ttft(torch.cat([system, prompts(1, USER, seed=60 + i)], 1))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    for name, ids in (
+        ("miss", torch.cat([prompts(1, SYSTEM, seed=70), prompts(1, USER)], 1)),
+        ("hit", torch.cat([system, prompts(1, USER, seed=71)], 1)),
+    ):
+        with profile(activities=acts) as prof:
+            _, dt = ttft(ids)
+        key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=14)
+        cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+        out[name] = dict(ttft_ms=dt * 1e3)
+        say(f"profile {name}: TTFT {dt * 1e3:.1f} ms (under the profiler)\n{table}\n{cpu}")
+    return out
+
+
 # --- 128k context ---------------------------------------------------------------------------
+
+
+class Clock:
+    """A stopping criterion that never stops: it times every token generate() adds (the device
+    synchronized first), so one call gives TTFT (start to first token) and the time per output
+    token (the median gap between later tokens), free of a second prefill's noise."""
+
+    def start(self) -> None:
+        self.times = [time.perf_counter()]
+
+    def __call__(self, input_ids, scores, **kw):
+        sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def figures(self) -> tuple[float, float]:
+        t = self.times
+        return t[1] - t[0], statistics.median(b - a for a, b in zip(t[1:], t[2:]))
 
 
 def long(mode: str) -> dict:
     reserved = 0
     if mode == "long_oxygen":
-        import oxygen_torch
-
         reserved = kv_arena_bytes(1, LONG_P + LONG_N + 16)
-        oxygen_torch.enable(kv={"arena_bytes": reserved})
+        oxygen_capped(kv={"arena_bytes": reserved})
     model = build_model(max_pos=LONG_P + 64)
     cap_torch(reserved)
     ids = prompts(1, LONG_P, seed=3)
     res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
 
-    def gen(n):
+    clock = Clock()
+
+    def gen(n, **kw):
         with torch.no_grad():
-            return model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-            )
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, **kw)  # fmt: skip
 
     try:
-        gen(1)  # warm-up: kernels compiled, pages mapped (and a first OOM shows here)
-        _, t1 = timed(lambda: gen(1))
-        out, tn = timed(lambda: gen(LONG_N))
-        res.update(
-            ok=True,
-            ttft_s=t1,
-            tpot_ms=(tn - t1) / (LONG_N - 1) * 1e3,
-            tokens=out[0, LONG_P:].tolist(),
-        )
+        gen(2)  # warm-up: kernels compiled, pages mapped (and a first OOM shows here)
+        sync()
+        clock.start()
+        out = gen(LONG_N, stopping_criteria=[clock])
+        ttft, tpot = clock.figures()
+        res.update(ok=True, ttft_s=ttft, tpot_ms=tpot * 1e3, tokens=out[0, LONG_P:].tolist())
         if DEVICE == "cuda":
             res["peak_torch_GiB"] = torch.cuda.max_memory_allocated() / GIB
     except torch.OutOfMemoryError as exc:
@@ -439,6 +498,8 @@ def run_mode(mode: str) -> dict:
             return capacity(mode)
         if mode in PARTS["prefix"]:
             return prefix(mode)
+        if mode == "prefix_profile":
+            return prefix_profile(mode)
         return long(mode)
     except Exception:
         return {"mode": mode, "error": traceback.format_exc()[-2000:]}
@@ -556,7 +617,7 @@ def table(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="*", default=list(PARTS))
+    ap.add_argument("--parts", nargs="*", default=[p for p in PARTS if p != "profile"])
     ap.add_argument("--modes", nargs="*", help="modes to run (default: every mode of the parts)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: the plumbing only")
@@ -578,9 +639,10 @@ def main() -> None:
     md = table(results)
     print(md)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_tier.json"), "w") as f:
+        name = "bench_tier" + (f"_{args.modes[0]}" if args.modes else "")
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(os.environ["OUT"], "bench_tier.md"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"{name}.md"), "w") as f:
             f.write(md + "\n")
 
 
