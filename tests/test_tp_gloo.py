@@ -3,8 +3,9 @@ two processes, each rank's generate() after oxygen_torch.enable() against stock 
 
 Every rank runs tests/tp_worker.py on a tiny checkpoint (two architectures); the test then checks
 that oxygen's tokens equal stock TP's (greedy, beams, and sampling with the same seed), that the
-paged cache held this rank's share of the KV heads, and that every rank decided the same block
-tables (each rank plans its own; nothing is broadcast, so they must agree by construction)."""
+paged cache held this rank's share of the KV heads, that every rank decided the same block
+tables (each rank plans its own; nothing is broadcast, so they must agree by construction), and
+that a call too wide for the pool runs as the same row groups on every rank with stock's tokens."""
 
 from __future__ import annotations
 
@@ -87,8 +88,14 @@ def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, a
             assert ours["cache"] == "PagedKVCache", name
             assert ours["kv_heads"] == heads, name  # this rank's share of the KV heads
             assert ours["tokens"] == stock["tokens"], (r["rank"], name)
+        # the wide call on a pool it does not fit: row groups, the tokens of stock's whole batch
+        assert r["oversubscribed"]["tokens"] == r["stock"]["wide"]["tokens"], r["rank"]
+        (blocks,) = r["small_blocks"]  # without the engine (TP) groups are as large as the pool
+        groups = -(-130 // blocks)
+        assert groups > 1 and r["split"] == [{"calls_split": 1, "groups_run": groups}], r["split"]
     first = ranks[0]["oxygen"]
     for r in ranks[1:]:
         for name in first:
             assert r["oxygen"][name]["tokens"] == first[name]["tokens"]
             assert r["oxygen"][name]["blocks"] == first[name]["blocks"], name
+        assert r["split"] == ranks[0]["split"] and r["small_blocks"] == ranks[0]["small_blocks"]
