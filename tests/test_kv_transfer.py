@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oxygen_torch.kv.transfer import from_host, runs, to_host
+from oxygen_torch.kv.transfer import from_host, gather, rows_to, runs
 
 
 def test_runs_split_rows_where_they_stop_being_consecutive():
@@ -24,7 +24,7 @@ def test_blocks_go_to_host_rows_and_back_byte_exact(seed):
     rows = sorted(torch.randperm(30, generator=g)[:17].tolist())  # runs and gaps
     rows = rows[5:] + rows[:5]  # not in order either
     host = torch.zeros(30, sum(widths), dtype=torch.uint8)
-    to_host(regions, blocks, host, rows)
+    rows_to(host, rows, gather(regions, torch.tensor(blocks)))
     for i, (b, row) in enumerate(zip(blocks, rows)):
         assert torch.equal(host[row], torch.cat([w[b] for w in want])), i
     for r in regions:

@@ -1,20 +1,19 @@
 """Moving whole KV blocks between a pool's arena and host rows, in large transfers.
 
 A block's bytes are spread over every layer's K and V region (`regions`: uint8 [num_blocks,
-width] views). `to_host` gathers the blocks into one device staging buffer [n, block bytes]
-(one index_select per region, device-speed), then copies it into the host rows with one copy
-per run of consecutive rows, straight into the (pinned) host tensor: no host-side staging copy,
-no pinned allocation per move. `from_host` is the way back: one copy per run into a device
-staging buffer, then one index_copy_ per region. On the H200 one pinned copy of 256 MiB runs at
-55 GB/s, 256 KiB copies one by one at 35-39 GB/s, so runs of several 512 KiB blocks keep the
-transfer near the peak (benchmarks/bench_tier.py, migration part).
+width] views). The way down (kv/tier.py) is `gather`, the blocks into one device staging
+buffer [n, block bytes] (one index_select per region, at device speed), then `rows_to`, one
+copy per run of consecutive host rows straight into the (pinned) host tensor: no host-side
+staging copy, no pinned allocation per move. `from_host` is the way back: one copy per run
+into a device staging buffer, then one index_copy_ per region. On the H200 one pinned copy of
+256 MiB runs at 53-55 GB/s and 256 KiB copies one by one at 20-39 GB/s (benchmarks/bench_tier.py,
+migration part, RESULTS.md), so runs of several 512 KiB blocks keep a move near the peak.
 
-On a GPU the copies run on `side` (a stream of the caller's) after the current stream's work:
-`to_host` returns once the bytes are on the host (the blocks may be freed and unmapped after
-it), `from_host` returns at once with the current stream ordered after the copy (the step that
-reads the blocks comes after it; the staging buffer is only used on `side`, where its memory is
-reused in order). Host rows read by a `from_host` still in flight are only rewritten by later
-copies on the same stream.
+On a GPU the copies run on `side` (the caller's stream for moves), after the current stream's
+work. `from_host` returns at once with the current stream ordered after the copy (the step that
+reads the blocks comes after it; the staging buffer is made and used on `side` only). Host rows
+read by a `from_host` still in flight may only be rewritten by later copies on the same stream,
+or after a synchronize (the tier does the latter before a host-side write).
 """
 
 from __future__ import annotations
@@ -46,24 +45,8 @@ def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
         dst[first : first + n].copy_(src[p : p + n], non_blocking=True)
 
 
-def to_host(regions, blocks: list[int], host: torch.Tensor, rows: list[int], side=None) -> None:
-    """host[rows[i]] = the bytes of blocks[i] (every region, in order); returns once the bytes
-    are on the host (the blocks may be freed, their pages unmapped, after it)."""
-    if not blocks:
-        return
-    idx = torch.tensor(blocks, dtype=torch.int64)
-    if side is None:
-        rows_to(host, rows, gather(regions, idx))
-        return
-    device = regions[0].device
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        rows_to(host, rows, gather(regions, idx.to(device, non_blocking=True)))
-    side.synchronize()
-
-
 def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], side=None) -> None:
-    """The bytes of blocks[i] = host[rows[i]] (the inverse of to_host)."""
+    """The bytes of blocks[i] = host[rows[i]] (the inverse of gather + rows_to)."""
     if not blocks:
         return
     idx = torch.tensor(blocks, dtype=torch.int64)
