@@ -9,14 +9,16 @@ is 2 when lowering is possible, else 1), and a slot stays valid wherever its row
 `down` finds no free CPU row, the rows used least recently (down or up) go to the disk tier in
 one sequential write, and `up` reads a row on disk back with one read per run of records.
 
-Migration moves many blocks at once: the blocks are gathered into one staging buffer on their
-device (one index_select per layer region; lowered: quantized there too), which goes over in
-one copy, and the way back scatters a staged copy into the blocks (index_copy_; lowered:
-dequantized on the device first). On a GPU the copy runs on a side stream after the current
-stream's work, and the host waits for it before the blocks are freed or read, so the pool's
-frees stay ordered after it (not yet run on a GPU: the CPU path is what CI tests). Only kernels
-driven by block tables read the arena, and a block table only ever names device blocks: a block
-in this tier is brought back before a step uses it.
+Migration moves many blocks at once (kv/transfer.py): the blocks are gathered into one staging
+buffer on their device (one index_select per layer region; lowered: quantized there too), which
+goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the way
+back copies the rows up the same way and scatters them into the blocks (index_copy_; lowered:
+dequantized on the device first). On a GPU the copies run on a side stream after the current
+stream's work, everything that stream reads is made on it, and the host waits for a down before
+the blocks are freed, so the pool's frees stay ordered after it (run on the H200:
+tests/test_tier_cuda.py, benchmarks/bench_tier.py). Only kernels driven by block tables read the
+arena, and a block table only ever names device blocks: a block in this tier is brought back
+before a step uses it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from .._patching import warn_once
 from .disk import DiskTier
 from .lowering import LOWERABLE, lower, raise_, scale_bytes
-from .transfer import from_host, gather, rows_to
+from .transfer import from_host, gather, rows_to, scatter
 
 # A down of low-priority blocks is lowered when, at full precision, it would leave the CPU tier
 # more than this share full (pool.tier_fp8_lowering; docs/operations.md)
@@ -321,10 +323,7 @@ class CPUTier:
         if lowered:
             raise_(self._caches, idx, staged)  # dequantized on the device, into the pool dtype
         else:
-            off = 0
-            for r in self._regions:
-                r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
-                off += r.shape[1]
+            scatter(self._regions, idx, staged)
 
     def stats(self) -> dict:
         disk = self.disk

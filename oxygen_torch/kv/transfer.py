@@ -54,7 +54,7 @@ def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], s
     if side is None:
         staged = torch.empty(len(rows), width, dtype=torch.uint8)
         _rows_from(host, rows, staged)
-        _scatter(regions, idx, staged)
+        scatter(regions, idx, staged)
         return
     device = regions[0].device
     stream = torch.cuda.current_stream(device)
@@ -62,7 +62,7 @@ def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], s
     with torch.cuda.stream(side):
         staged = torch.empty(len(rows), width, dtype=torch.uint8, device=device)
         _rows_from(host, rows, staged)
-        _scatter(regions, idx.to(device, non_blocking=True), staged)
+        scatter(regions, idx.to(device, non_blocking=True), staged)
     stream.wait_stream(side)
 
 
@@ -71,7 +71,8 @@ def _rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
         out[p : p + n].copy_(src[first : first + n], non_blocking=True)
 
 
-def _scatter(regions: list[torch.Tensor], idx: torch.Tensor, staged: torch.Tensor) -> None:
+def scatter(regions: list[torch.Tensor], idx: torch.Tensor, staged: torch.Tensor) -> None:
+    """The inverse of gather: block idx[i]'s regions = staged[i] (on the regions' device)."""
     off = 0
     for r in regions:
         r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
