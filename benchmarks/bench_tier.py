@@ -28,6 +28,7 @@ written there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -210,7 +211,8 @@ def migration() -> dict:
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
-    up without pause (another pool on the same GPU: the copy engines and HBM are shared)."""
+    up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
+    are shared)."""
     model = build_model()
     b, p, n = (16, 512, 128) if not SMOKE else (2, 16, 8)
     ids = prompts(b, p)
@@ -236,11 +238,15 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     mine = blocks[:256]
 
     def churn():
-        while not stop.is_set():
-            slots = tier.down(mine)
-            tier.up(slots, mine)
-            tier.release(slots)
-            moved[0] += 2 * len(mine) * tier.block_bytes
+        # its own stream, as a thread that migrates has: the waits of its moves are its own
+        stream = torch.cuda.Stream() if DEVICE == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while not stop.is_set():
+                slots = tier.down(mine)
+                tier.up(slots, mine)
+                tier.release(slots)
+                tier.wait()  # the host waits here (not holding the interpreter lock)
+                moved[0] += 2 * len(mine) * tier.block_bytes
 
     th = threading.Thread(target=churn, daemon=True)
     t0 = time.perf_counter()

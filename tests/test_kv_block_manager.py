@@ -135,3 +135,51 @@ def test_refcounts_equal_uses(ops):
         assert len(blocks) == -(-n // 4)
     s.release()
     assert m.num_used == 0
+
+
+class FakeEvent:
+    """A stream event: done when the test says, wait() recorded."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.waited += 1
+
+
+def test_fenced_frees_count_as_free_and_come_back_once_the_copy_passed():
+    freed = []
+    m = BlockManager(8, first_id=1, on_free=freed.extend)
+    blocks = m.allocate(5)
+    ev = FakeEvent()
+    assert m.decref(blocks[:3], after=ev) == blocks[:3]
+    assert m.num_free == 5 and m.num_used == 2
+    assert freed == []  # pages stay mapped: the copy still reads them
+    assert m.allocate(2) == [6, 7]  # enough other blocks: the fenced ones are not touched
+    assert ev.waited == 0 and freed == []
+    ev.done = True
+    m.decref([6])  # any later call gives back what has passed
+    assert sorted(freed) == [1, 2, 3, 6]
+    assert m.allocate(3) == [1, 2, 3] and ev.waited == 0
+
+
+def test_an_allocation_needing_fenced_blocks_orders_the_stream_after_the_copy():
+    m = BlockManager(6, first_id=1)
+    blocks = m.allocate(5)
+    ev, ev2 = FakeEvent(), FakeEvent()
+    m.decref(blocks[:2], after=ev)
+    m.decref(blocks[2:3], after=ev2)
+    m.decref(blocks[3:4])  # nothing in flight: free at once
+    assert m.num_free == 4
+    assert m.allocate(1) == [4]
+    assert ev.waited == ev2.waited == 0
+    with pytest.raises(RuntimeError, match="incref of a free block"):
+        m.incref([blocks[0]])  # fenced is free: nobody may take a reference to it
+    assert m.allocate(3) == [1, 2, 3]  # not enough without them: both waited on, then taken
+    assert ev.waited == ev2.waited == 1
+    assert m.num_free == 0
+    with pytest.raises(KVCacheFull):
+        m.allocate(1)

@@ -1,12 +1,34 @@
-"""Block moves between arena regions and host rows (kv/transfer.py): runs of consecutive rows
-become one copy each, and every byte arrives, whatever the order of blocks and rows."""
+"""Block moves between the arena and host rows (kv/transfer.py): a block view sees every layer's K
+and V of a block at once, runs of consecutive rows become one copy each, moves larger than the
+staging buffer go through it in chunks, and every byte arrives, whatever the order of blocks and
+rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from oxygen_torch.kv.transfer import from_host, gather, rows_to, runs
+from oxygen_torch.kv.storage import KVStorage, TorchBacking
+from oxygen_torch.kv.transfer import Staging, down, gather, rows_to, runs, scatter, up
+
+MiB = 1 << 20
+
+
+def storage(layers, heads, dim, dtype, bt=4, nbytes=4 * MiB, page=64 << 10):
+    return KVStorage(TorchBacking(nbytes, torch.device("cpu"), page), layers, heads, dim, dtype, bt)
+
+
+def fill(st, g):
+    for c in (*st.k, *st.v):
+        c.view(torch.uint8).copy_(torch.randint(0, 256, c.view(torch.uint8).shape, generator=g))
+
+
+def block_bytes(st, b):
+    """Block b's bytes as a host row holds them: layer by layer, K then V."""
+    parts = []
+    for k, v in zip(st.k, st.v):
+        parts += [k[b].reshape(-1).view(torch.uint8), v[b].reshape(-1).view(torch.uint8)]
+    return torch.cat(parts)
 
 
 def test_runs_split_rows_where_they_stop_being_consecutive():
@@ -14,23 +36,63 @@ def test_runs_split_rows_where_they_stop_being_consecutive():
     assert runs([4, 5, 6, 9, 3, 4, 10]) == [(0, 4, 3), (3, 9, 1), (4, 3, 2), (6, 10, 1)]
 
 
+@pytest.mark.parametrize(
+    "layers,heads,dim,dtype",
+    [(3, 2, 8, torch.float16), (2, 1, 6, torch.float32), (4, 3, 5, torch.float8_e4m3fn)],
+)
+def test_block_view_is_every_region_of_a_block_in_address_order(layers, heads, dim, dtype):
+    st = storage(layers, heads, dim, dtype)
+    fill(st, torch.Generator().manual_seed(layers))
+    view = st.block_view()
+    assert view.shape[:2] == (st.num_blocks, 2 * layers)
+    for b in (1, 7, st.num_blocks - 1):
+        assert torch.equal(view[b].contiguous().view(torch.uint8).flatten(), block_bytes(st, b))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_blocks_go_to_host_rows_and_back_byte_exact(seed):
+@pytest.mark.parametrize("chunk_blocks", [1, 5, 64])
+def test_blocks_go_to_host_rows_and_back_byte_exact(seed, chunk_blocks):
     g = torch.Generator().manual_seed(seed)
-    widths = [64, 64, 8, 64, 64, 8]  # K, V regions and (fp8 pools) scale regions differ
-    regions = [torch.randint(0, 256, (40, w), generator=g, dtype=torch.uint8) for w in widths]
-    want = [r.clone() for r in regions]
-    blocks = torch.randperm(39, generator=g)[:17].add(1).tolist()
-    rows = sorted(torch.randperm(30, generator=g)[:17].tolist())  # runs and gaps
+    st = storage(3, 2, 8, torch.bfloat16)
+    fill(st, g)
+    views = [st.block_view()]
+    bb = 2 * 3 * st.block_bytes
+    n = 17
+    blocks = torch.randperm(st.num_blocks - 1, generator=g)[:n].add(1).tolist()
+    want = {b: block_bytes(st, b).clone() for b in blocks}
+    rows = sorted(torch.randperm(30, generator=g)[:n].tolist())  # runs and gaps
     rows = rows[5:] + rows[:5]  # not in order either
-    host = torch.zeros(30, sum(widths), dtype=torch.uint8)
-    rows_to(host, rows, gather(regions, torch.tensor(blocks)))
-    for i, (b, row) in enumerate(zip(blocks, rows)):
-        assert torch.equal(host[row], torch.cat([w[b] for w in want])), i
-    for r in regions:
-        r.random_(0, 256, generator=g)  # overwritten meanwhile
-    back = torch.randperm(39, generator=g)[:17].add(1).tolist()  # into other blocks
-    from_host(regions, host, rows, back)
+    host = torch.zeros(30, bb, dtype=torch.uint8)
+    stage = Staging(bb, torch.device("cpu"), chunk_blocks * bb)
+    down(views, torch.tensor(blocks), host, rows, stage)
+    for b, row in zip(blocks, rows):
+        assert torch.equal(host[row], want[b])
+    fill(st, g)  # overwritten meanwhile
+    back = torch.randperm(st.num_blocks - 1, generator=g)[:n].add(1).tolist()  # other blocks
+    untouched = [b for b in range(1, st.num_blocks) if b not in back][:4]
+    before = {b: block_bytes(st, b).clone() for b in untouched}
+    up(views, host, rows, torch.tensor(back), stage)
     for b, b2 in zip(blocks, back):
-        for r, w in zip(regions, want):
-            assert torch.equal(r[b2], w[b])
+        assert torch.equal(block_bytes(st, b2), want[b])
+    for b in untouched:  # nothing else written
+        assert torch.equal(block_bytes(st, b), before[b])
+
+
+def test_two_storages_are_one_row_main_bytes_then_scales():
+    """An fp8 pool's scales live in a second storage: a row is the block's bytes, then its
+    scales'; the scatter puts each part back in its own storage."""
+    g = torch.Generator().manual_seed(5)
+    main, scales = storage(2, 2, 8, torch.float8_e4m3fn), storage(2, 2, 1, torch.float32, bt=1)
+    fill(main, g)
+    fill(scales, g)
+    views = [main.block_view(), scales.block_view()]
+    idx = torch.tensor([3, 1, 6])
+    got = gather(views, idx)
+    for i, b in enumerate(idx.tolist()):
+        assert torch.equal(got[i], torch.cat([block_bytes(main, b), block_bytes(scales, b)]))
+    host = torch.zeros(4, got.shape[1], dtype=torch.uint8)
+    rows_to(host, [2, 3, 0], got)
+    scatter(views, torch.tensor([7, 8, 9]), host[[2, 3, 0]])
+    for b, b2 in zip(idx.tolist(), (7, 8, 9)):
+        assert torch.equal(block_bytes(main, b2), block_bytes(main, b))
+        assert torch.equal(block_bytes(scales, b2), block_bytes(scales, b))

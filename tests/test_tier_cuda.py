@@ -50,10 +50,13 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(oxygen):
         data = torch.randn(len(blocks), *cache.shape[1:], device=dev).to(cache.dtype)
         cache.index_copy_(0, idx, data)
         want.append(data)
-    slots = tier.down(blocks)
+    slots = tier.down(blocks)  # the host does not wait for it
     with pool.lock:
-        pool.manager.decref(blocks)
-        again = pool.manager.allocate(37)
+        # freed behind the copy: taking them back at once orders this stream after it
+        pool.manager.decref(blocks, after=tier.fence())
+        taken = pool.manager.allocate(pool.manager.num_free)
+    again = [b for b in taken if b in set(blocks)]
+    assert len(again) == 37
     for cache in (*st.k, *st.v):
         cache.index_fill_(0, torch.tensor(again, device=dev), 3.0)
     order = list(reversed(again))
@@ -66,7 +69,7 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(oxygen):
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
     with pool.lock:
-        pool.manager.decref(again)
+        pool.manager.decref(taken)
 
 
 def test_swap_preemption_on_the_gpu(oxygen):

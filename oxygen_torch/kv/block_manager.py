@@ -25,6 +25,11 @@ class BlockManager:
     pages); `on_free(ids)` runs after their last reference is dropped (unmap pages left empty).
     `reclaimer` (set by the pool when it keeps a prefix cache) gives back blocks that only a
     cache holds: `reclaimable()` counts them, `reclaim(n)` frees up to n of them.
+
+    Fenced frees (`decref(..., after=event)`): blocks a copy still reads on another stream (a
+    tier's move down, kv/tier.py) count as free but go back to the heap only once the event has
+    passed; an allocation that needs them sooner makes the current stream wait for the event
+    (`event.wait()`, no host wait) and takes them then.
     """
 
     def __init__(
@@ -39,6 +44,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.first_id = first_id
         self._free = list(range(first_id, num_blocks))  # already a valid heap
+        self._fenced: list[tuple[object, list[int]]] = []  # (event, blocks): free once passed
+        self._num_fenced = 0
         self._ref = [0] * num_blocks
         self._on_alloc = on_alloc
         self._on_free = on_free
@@ -47,17 +54,17 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self._num_fenced
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.first_id - len(self._free)
+        return self.num_blocks - self.first_id - self.num_free
 
     @property
     def num_available(self) -> int:
         """Free blocks plus those a cache would give back on demand."""
         extra = self.reclaimer.reclaimable() if self.reclaimer is not None else 0
-        return len(self._free) + extra
+        return self.num_free + extra
 
     def refcount(self, block: int) -> int:
         return self._ref[block]
@@ -66,6 +73,8 @@ class BlockManager:
         """n fresh blocks, each with one reference."""
         if n <= 0:
             return []
+        if self._fenced:
+            self._unfence(force=n > len(self._free))
         if n > len(self._free) and self.reclaimer is not None:
             self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
@@ -92,8 +101,11 @@ class BlockManager:
                 raise RuntimeError(f"block {b}: incref of a free block")
             self._ref[b] += 1
 
-    def decref(self, blocks: Iterable[int]) -> list[int]:
-        """Drops one reference from each block; returns the blocks that became free."""
+    def decref(self, blocks: Iterable[int], after=None) -> list[int]:
+        """Drops one reference from each block; returns the blocks that became free. `after`: an
+        event (query(), wait()) of copies still reading them; None: nothing does."""
+        if self._fenced:
+            self._unfence()
         freed = []
         for b in blocks:
             if self._ref[b] <= 0:
@@ -101,12 +113,32 @@ class BlockManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 freed.append(b)
-        if freed:
-            for b in freed:
-                heapq.heappush(self._free, b)
-            if self._on_free is not None:
-                self._on_free(freed)
+        if freed and after is not None and not after.query():
+            self._fenced.append((after, freed))
+            self._num_fenced += len(freed)
+        elif freed:
+            self._give_back(freed)
         return freed
+
+    def _give_back(self, blocks: list[int]) -> None:
+        for b in blocks:
+            heapq.heappush(self._free, b)
+        if self._on_free is not None:
+            self._on_free(blocks)
+
+    def _unfence(self, force: bool = False) -> None:
+        """Fenced blocks whose event has passed go back; `force`: all of them, the current stream
+        ordered after their events first."""
+        keep = []
+        for event, blocks in self._fenced:
+            if force:
+                event.wait()
+            elif not event.query():
+                keep.append((event, blocks))
+                continue
+            self._num_fenced -= len(blocks)
+            self._give_back(blocks)
+        self._fenced = keep
 
 
 class SequenceBlocks:

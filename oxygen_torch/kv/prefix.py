@@ -242,7 +242,7 @@ class PrefixCache:
         blocks = [nd.block for nd in nodes]
         for nd, slot in zip(nodes, self.tier.down(blocks)):
             nd.block, nd.slot, nd.promoted = COLD, slot, False
-        self.manager.decref(blocks)
+        self.manager.decref(blocks, after=self.tier.fence())  # freed behind the copy
         if self.heat is not None:
             self.heat.forget(blocks)
         self._cold += len(nodes)

@@ -148,6 +148,23 @@ class KVStorage:
             t = flat[r * region_bytes : r * region_bytes + used].view(dtype).view(shape)
             (self.k if r % 2 == 0 else self.v).append(t)
 
+    def block_view(self) -> torch.Tensor:
+        """[num_blocks, 2 x num_layers, block width]: block b of every region (address order:
+        layer l's K at 2l, its V at 2l+1), one strided view of the flat range (no copy), typed
+        by the widest integer dividing a block's bytes, so one index op moves whole blocks."""
+        flat = self.backing.tensor()
+        region_bytes = self.region_pages * self.backing.page_size
+        for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            e = dt.itemsize
+            if self.block_bytes % e == 0 and region_bytes % e == 0 and flat.numel() % e == 0:
+                break
+        base = flat.view(dt)
+        w = self.block_bytes // e
+        return base.as_strided(
+            (self.num_blocks, 2 * self.num_layers, w), (w, region_bytes // e, 1),
+            base.storage_offset(),
+        )  # fmt: skip
+
     def _pages_of(self, block: int) -> range:
         start = block * self.block_bytes
         page = self.backing.page_size

@@ -56,7 +56,9 @@ def swap_out(core, low_priority: bool = False) -> int | None:
             return None
         rows = [[-1 - where[b] if b in where else b for b in row] for row in seqs.blocks]
         before = pool.manager.num_free
-        pool.manager.decref([b for row in seqs.blocks for b in row if b in where])
+        # freed behind the copy's event: neither reuse nor unmapping overtakes it
+        gone = [b for row in seqs.blocks for b in row if b in where]
+        pool.manager.decref(gone, after=tier.fence())
         if pool.heat is not None:
             pool.heat.forget(own)
         core._swapped = Swapped(rows, list(seqs.lens), set(where.values()))

@@ -9,28 +9,32 @@ is 2 when lowering is possible, else 1), and a slot stays valid wherever its row
 `down` finds no free CPU row, the rows used least recently (down or up) go to the disk tier in
 one sequential write, and `up` reads a row on disk back with one read per run of records.
 
-Migration moves many blocks at once (kv/transfer.py): the blocks are gathered into one staging
-buffer on their device (one index_select per layer region; lowered: quantized there too), which
-goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the way
-back copies the rows up the same way and scatters them into the blocks (index_copy_; lowered:
-dequantized on the device first). On a GPU the copies run on a side stream after the current
-stream's work, everything that stream reads is made on it, and the host waits for a down before
-the blocks are freed, so the pool's frees stay ordered after it (run on the H200:
-tests/test_tier_cuda.py, benchmarks/bench_tier.py). Only kernels driven by block tables read the
-arena, and a block table only ever names device blocks: a block in this tier is brought back
-before a step uses it.
+Migration moves many blocks at once (kv/transfer.py): the blocks are gathered into the tier's
+device staging buffer (one index_select over the whole block view; lowered: quantized first),
+which goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the
+way back copies the rows up the same way and scatters them into the blocks (one index_copy_;
+lowered: dequantized on the device first). On a GPU the copies run on a side stream after the
+current stream's work, and everything that stream reads is made on it. The host does not wait
+for a move: `up` orders the current stream after it (the step that reads the blocks), and a
+`down`'s blocks are freed behind its event (`fence()`, BlockManager's fenced frees), so neither
+their reuse nor their pages' unmapping can overtake the copy; host-side reads and writes of
+the rows (the disk tier, lowering) wait first (run on the H200: tests/test_tier_cuda.py,
+benchmarks/bench_tier.py). Only kernels driven by block tables read the arena, and a block table
+only ever names device blocks: a block in this tier is brought back before a step uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 
 import torch
 
 from .._patching import warn_once
+from . import transfer
 from .disk import DiskTier
 from .lowering import LOWERABLE, lower, raise_, scale_bytes
-from .transfer import from_host, gather, rows_to, scatter
+from .transfer import Staging, scatter
 
 # A down of low-priority blocks is lowered when, at full precision, it would leave the CPU tier
 # more than this share full (pool.tier_fp8_lowering; docs/operations.md)
@@ -52,11 +56,8 @@ class CPUTier:
         disk_bytes: int = 0,
         fp8_lowering: bool = False,
     ):
-        self._regions = []  # uint8 [num_blocks, block bytes] views of every K/V cache
-        for st in storages:
-            for cache in (*st.k, *st.v):
-                self._regions.append(cache.view(torch.uint8).view(cache.shape[0], -1))
-        self.block_bytes = sum(r.shape[1] for r in self._regions)
+        self._views = [st.block_view() for st in storages]  # [num_blocks, regions, width] each
+        self.block_bytes = sum(2 * st.num_layers * st.block_bytes for st in storages)
         st = storages[0]
         self.lowering = fp8_lowering and len(storages) == 1 and st.dtype in LOWERABLE
         self._caches = [*st.k, *st.v] if self.lowering else []  # typed, for lowering
@@ -80,7 +81,10 @@ class CPUTier:
         self._last = [0] * n  # clock of the row's last down or up (LRU for spills)
         self._open: set[int] = set()  # lowered rows on the CPU with one half free
         self._clock = 0
-        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if cuda else None
+        self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
+        self._fence = None  # the event of the last down: its blocks are free once it passed
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
@@ -124,14 +128,24 @@ class CPUTier:
         try:
             return self._down(blocks, lowered, opened, need)
         finally:
-            if self._side is not None:  # the blocks may be freed (unmapped) once we return
-                self._side.synchronize()
+            if self._side is not None:
+                self._fence = torch.cuda.Event()
+                self._fence.record(self._side)
+
+    def fence(self):
+        """The event a caller freeing the last `down`'s blocks frees them behind
+        (`BlockManager.decref(after=...)`); None on the host, where moves are done on return."""
+        return self._fence
+
+    def wait(self) -> None:
+        """Waits for every move in flight (the host touches the rows after this)."""
+        if self._side is not None:
+            self._side.synchronize()
 
     def _down(self, blocks: list[int], lowered: bool, opened: list[int], need: int) -> list[int]:
         n = len(blocks)
-        # uint8 [n, payload bytes]: on the device for full-precision blocks on a GPU (copied
-        # from there straight into the pinned rows), else on the host
-        staged = self._gather(blocks, lowered)
+        # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids on their device
+        staged = self._lowered(blocks) if lowered else self._ids(blocks)
         self._clock += 1
         # each block's (row, half): the open rows' free halves first, then fresh rows
         places = [(r, 1 - self._mask[r] // 2) for r in opened]
@@ -166,24 +180,22 @@ class CPUTier:
         if lowered:
             self._open.update(r for r, _ in places if self._mask[r] != 3)
         self.counts["migrations_down"] += 1
-        self.counts["bytes_down"] += staged.numel()
+        self.counts["bytes_down"] += staged.numel() if lowered else n * self.block_bytes
         self.counts["lowered_blocks"] += n if lowered else 0
         return slots
 
     def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
-        """Writes staged blocks into CPU rows `pos`, lowered ones at their halves (places[i][1])."""
+        """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
+        (copied down on the side stream), or lowered blocks, put at their halves (places[i][1])."""
         if not pos:
             return
         if not lowered:
-            if self._side is None:
-                rows_to(self.host[:, : self.block_bytes], pos, staged)
-                return
-            with torch.cuda.stream(self._side):  # after the gather, on the same stream
-                rows_to(self.host[:, : self.block_bytes], pos, staged)
-            self._side.synchronize()  # a later chunk may spill these rows to disk
+            with self._on_side():
+                transfer.down(
+                    self._views, staged, self.host[:, : self.block_bytes], pos, self._stage
+                )
             return
-        if self._side is not None:
-            self._side.synchronize()  # an up still reading rows from the host comes first
+        self.wait()  # an up still reading rows from the host comes first
         hb, sb, bb = self._hb, self._sb, self.block_bytes
         for h in (0, 1):
             i = [j for j, (_, half) in enumerate(places) if half == h]
@@ -197,6 +209,7 @@ class CPUTier:
         need = k - len(self._cpu_free)
         if need <= 0:
             return
+        self.wait()  # the victims' rows may still be on their way down
         live = (r for r in self._row_at if r is not None)
         victims = sorted(heapq.nsmallest(need, live, key=self._last.__getitem__),
                          key=self._where.__getitem__)  # fmt: skip
@@ -217,21 +230,30 @@ class CPUTier:
             self._open.discard(r)
         self.counts["bytes_to_disk"] += need * self.row_bytes
 
-    def _gather(self, blocks: list[int], lowered: bool) -> torch.Tensor:
-        def take(idx):
-            return lower(self._caches, idx) if lowered else gather(self._regions, idx)
+    def _on_side(self):
+        """The side stream, after the current stream's work so far (nothing on the host)."""
+        if self._side is None:
+            return contextlib.nullcontext()
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._side)
 
+    def _ids(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks' ids on their device, made on the side stream, which reads them: a tensor
+        made on the current stream and freed on return could be handed to the caller's next
+        kernels while a move still reads it (the pool reuses a stream's own frees at once)."""
         idx = torch.tensor(blocks, dtype=torch.int64)
         if self._side is None:
-            return take(idx)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+            return idx
         with torch.cuda.stream(self._side):
-            # made on the side stream, which reads it: a tensor made on the current stream and
-            # freed on return could be handed to the caller's next kernels while this gather
-            # still reads it (the pool reuses a stream's own frees at once)
-            gathered = take(idx.to(self.device, non_blocking=True))
-            if not lowered:
-                return gathered  # _put copies it into the rows on this stream
+            return idx.to(self.device, non_blocking=True)
+
+    def _lowered(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks lowered to fp8 on their device, as uint8 [n, codes + scales] on the host."""
+        idx = self._ids(blocks)
+        with self._on_side():
+            gathered = lower(self._caches, idx)
+            if self._side is None:
+                return gathered
             staged = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
             staged.copy_(gathered, non_blocking=True)
         self._side.synchronize()
@@ -261,6 +283,7 @@ class CPUTier:
     def _rows_of(self, rows: list[int]) -> torch.Tensor:
         """The rows' bytes, wherever they are, as uint8 [len(rows), row bytes] on the host:
         rows on disk read with one call per run of consecutive records."""
+        self.wait()  # rows still on their way down
         out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
         cpu = [i for i, r in enumerate(rows) if self._where[r] >= 0]
         if cpu:
@@ -283,7 +306,11 @@ class CPUTier:
         at_cpu = [self._where[s // self._halves] for s in slots]
         if all(self._mask[s // self._halves] == FULL for s in slots) and min(at_cpu) >= 0:
             # all on the CPU at full precision: straight from the pinned rows, a copy per run
-            from_host(self._regions, self.host[:, : self.block_bytes], at_cpu, blocks, self._side)
+            idx = self._ids(blocks)
+            with self._on_side():
+                transfer.up(self._views, self.host[:, : self.block_bytes], at_cpu, idx, self._stage)
+            if self._side is not None:  # the step that reads the blocks comes after
+                torch.cuda.current_stream(self.device).wait_stream(self._side)
             self.counts["bytes_up"] += len(slots) * self.block_bytes
             self.counts["migrations_up"] += 1
             return
@@ -323,7 +350,7 @@ class CPUTier:
         if lowered:
             raise_(self._caches, idx, staged)  # dequantized on the device, into the pool dtype
         else:
-            scatter(self._regions, idx, staged)
+            scatter(self._views, idx, staged)
 
     def stats(self) -> dict:
         disk = self.disk
@@ -340,5 +367,6 @@ class CPUTier:
         }
 
     def close(self) -> None:
+        self.wait()
         if self.disk is not None:
             self.disk.close()

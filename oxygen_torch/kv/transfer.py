@@ -1,24 +1,25 @@
 """Moving whole KV blocks between a pool's arena and host rows, in large transfers.
 
-A block's bytes are spread over every layer's K and V region (`regions`: uint8 [num_blocks,
-width] views). The way down (kv/tier.py) is `gather`, the blocks into one device staging
-buffer [n, block bytes] (one index_select per region, at device speed), then `rows_to`, one
-copy per run of consecutive host rows straight into the (pinned) host tensor: no host-side
-staging copy, no pinned allocation per move. `from_host` is the way back: one copy per run
-into a device staging buffer, then one index_copy_ per region. On the H200 one pinned copy of
-256 MiB runs at 53-55 GB/s and 256 KiB copies one by one at 20-39 GB/s (benchmarks/bench_tier.py,
-migration part, RESULTS.md), so runs of several 512 KiB blocks keep a move near the peak.
+A block's bytes lie in every layer's K and V region. `KVStorage.block_view` sees them as one
+strided tensor [num_blocks, regions, width], so one index_select gathers whole blocks into a
+contiguous staging buffer [n, block bytes] and one index_copy_ scatters them back: a host row is
+a block's bytes in address order (the pool's fp8 scales, a second storage, after them).
 
-On a GPU the copies run on `side` (the caller's stream for moves), after the current stream's
-work. `from_host` returns at once with the current stream ordered after the copy (the step that
-reads the blocks comes after it; the staging buffer is made and used on `side` only). Host rows
-read by a `from_host` still in flight may only be rewritten by later copies on the same stream,
-or after a synchronize (the tier does the latter before a host-side write).
+The way down is `down`: the blocks gathered into the device staging buffer (at device speed),
+then one copy per run of consecutive host rows straight into the (pinned) host tensor. `up` is the
+way back: one copy per run into the staging buffer, then the scatter. Moves larger than the
+buffer go through it a chunk at a time, in order on one stream. The buffer (`Staging`, 64 MiB at
+most) is allocated once, on the first move, and kept: allocating a move's worth of staging from
+the pool would map and unmap its pages on every move (46 us a 2 MiB page on the H200).
+
+Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 """
 
 from __future__ import annotations
 
 import torch
+
+STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
@@ -33,9 +34,36 @@ def runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def gather(regions: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, block bytes]: the blocks `idx` (on the regions' device), every region in order."""
-    return torch.cat([r.index_select(0, idx) for r in regions], dim=1)
+def gather(views: list[torch.Tensor], idx: torch.Tensor, out: torch.Tensor | None = None):
+    """uint8 [n, block bytes]: the blocks `idx` (on the views' device), each view's bytes in turn;
+    written into `out` (uint8 [n, block bytes], contiguous) when given."""
+    n = len(idx)
+    if out is None:
+        out = torch.empty(n, sum(_width(v) for v in views), dtype=torch.uint8, device=idx.device)
+    if len(views) == 1:
+        torch.index_select(
+            views[0], 0, idx, out=out.view(views[0].dtype).view(n, *views[0].shape[1:])
+        )
+    else:
+        parts = [v.index_select(0, idx).view(torch.uint8).view(n, -1) for v in views]
+        torch.cat(parts, dim=1, out=out)
+    return out
+
+
+def scatter(views: list[torch.Tensor], idx: torch.Tensor, staged: torch.Tensor) -> None:
+    """The inverse of gather: block idx[i] of every view = staged[i] (on the views' device)."""
+    off, n = 0, staged.shape[0]
+    for v in views:
+        w = _width(v)
+        part = staged[:, off : off + w]
+        if len(views) > 1:
+            part = part.contiguous()
+        v.index_copy_(0, idx, part.view(v.dtype).view(n, *v.shape[1:]))
+        off += w
+
+
+def _width(view: torch.Tensor) -> int:
+    return view.shape[1] * view.shape[2] * view.element_size()
 
 
 def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
@@ -45,35 +73,40 @@ def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
         dst[first : first + n].copy_(src[p : p + n], non_blocking=True)
 
 
-def from_host(regions, host: torch.Tensor, rows: list[int], blocks: list[int], side=None) -> None:
-    """The bytes of blocks[i] = host[rows[i]] (the inverse of gather + rows_to)."""
-    if not blocks:
-        return
-    idx = torch.tensor(blocks, dtype=torch.int64)
-    width = host.shape[1]
-    if side is None:
-        staged = torch.empty(len(rows), width, dtype=torch.uint8)
-        _rows_from(host, rows, staged)
-        scatter(regions, idx, staged)
-        return
-    device = regions[0].device
-    stream = torch.cuda.current_stream(device)
-    side.wait_stream(stream)  # the blocks' last readers (a freed block reused) come first
-    with torch.cuda.stream(side):
-        staged = torch.empty(len(rows), width, dtype=torch.uint8, device=device)
-        _rows_from(host, rows, staged)
-        scatter(regions, idx.to(device, non_blocking=True), staged)
-    stream.wait_stream(side)
-
-
-def _rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
+def rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
+    """out[i] = src[rows[i]], one copy per run (the inverse of rows_to)."""
     for p, first, n in runs(rows):
         out[p : p + n].copy_(src[first : first + n], non_blocking=True)
 
 
-def scatter(regions: list[torch.Tensor], idx: torch.Tensor, staged: torch.Tensor) -> None:
-    """The inverse of gather: block idx[i]'s regions = staged[i] (on the regions' device)."""
-    off = 0
-    for r in regions:
-        r.index_copy_(0, idx, staged[:, off : off + r.shape[1]])
-        off += r.shape[1]
+class Staging:
+    """A tier's device staging buffer, made on first use and kept."""
+
+    def __init__(self, block_bytes: int, device: torch.device, nbytes: int = STAGING_BYTES):
+        self.block_bytes, self.device = block_bytes, device
+        self.blocks = max(1, nbytes // block_bytes)  # blocks a chunk holds
+        self._buf: torch.Tensor | None = None
+
+    def chunks(self, n: int):
+        """(lo, hi, buffer [hi - lo, block bytes]) covering n blocks, a buffer's worth at a time."""
+        if self._buf is None:
+            self._buf = torch.empty(
+                self.blocks, self.block_bytes, dtype=torch.uint8, device=self.device
+            )
+        for lo in range(0, n, self.blocks):
+            hi = min(n, lo + self.blocks)
+            yield lo, hi, self._buf[: hi - lo]
+
+
+def down(views, idx: torch.Tensor, host: torch.Tensor, rows: list[int], stage: Staging) -> None:
+    """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer."""
+    for lo, hi, buf in stage.chunks(len(rows)):
+        gather(views, idx[lo:hi], out=buf)
+        rows_to(host, rows[lo:hi], buf)
+
+
+def up(views, host: torch.Tensor, rows: list[int], idx: torch.Tensor, stage: Staging) -> None:
+    """The bytes of block idx[i] = host[rows[i]] (the inverse of `down`)."""
+    for lo, hi, buf in stage.chunks(len(rows)):
+        rows_from(host, rows[lo:hi], buf)
+        scatter(views, idx[lo:hi], buf)
