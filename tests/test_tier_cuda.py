@@ -12,7 +12,7 @@ from test_engine import call_kw, in_threads, llama, prompt, schedulers
 import oxygen_torch
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
-from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv import pool_stats, transfer
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 
 pytestmark = pytest.mark.cuda
@@ -34,10 +34,15 @@ def _agreement(out: dict, ref: list) -> float:
     return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
 
 
-def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(oxygen):
+@pytest.mark.parametrize("staging_blocks", [5, None])  # 5: a move goes in 8 chunks
+def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
+    oxygen, monkeypatch, staging_blocks
+):
     dev = torch.device("cuda")
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
+    if staging_blocks:
+        monkeypatch.setattr(transfer, "STAGING_BYTES", staging_blocks * pool.block_bytes())
     tier = pool.cpu_tier(64 * MiB)
     st = pool.storage
     with pool.lock:
@@ -68,6 +73,8 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(oxygen):
     tier.release(slots)
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
+    chunk = staging_blocks or transfer.STAGING_BYTES // tier.block_bytes
+    assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
     with pool.lock:
         pool.manager.decref(taken)
 

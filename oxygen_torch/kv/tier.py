@@ -360,6 +360,7 @@ class CPUTier:
             "slots_used": self.num_slots - len(self._cpu_free),
             "used_bytes": self.used_bytes(),
             "capacity_bytes": self.num_slots * self.row_bytes,
+            "staging_bytes": self._stage.nbytes,
             "lowered_held": sum((m & 1) + (m >> 1 & 1) for m in self._mask if m != FULL),
             "disk_slots_total": disk.num_records if disk else 0,
             "disk_used_bytes": self.disk_used_bytes(),

@@ -87,6 +87,11 @@ class Staging:
         self.blocks = max(1, nbytes // block_bytes)  # blocks a chunk holds
         self._buf: torch.Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the buffer holds (0 before the first move)."""
+        return self._buf.numel() if self._buf is not None else 0
+
     def chunks(self, n: int):
         """(lo, hi, buffer [hi - lo, block bytes]) covering n blocks, a buffer's worth at a time."""
         if self._buf is None:
