@@ -212,7 +212,11 @@ def migration() -> dict:
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
     up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
-    are shared)."""
+    are shared). Churns: the tier's moves with host<->device copies cut at 64, 8 and 2 MiB
+    (transfer.COPY_BYTES), and, to tell the copy engines' share from the interpreter lock's, the
+    same bytes as bare pinned copies (no Python between them) in one piece and in 2 MiB pieces."""
+    from oxygen_torch.kv import transfer
+
     model = build_model()
     b, p, n = (16, 512, 128) if not SMOKE else (2, 16, 8)
     ids = prompts(b, p)
@@ -234,41 +238,71 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
         return (tn - t1) / (n - 1)
 
     alone = tpot()
-    stop, moved = threading.Event(), [0]
     mine = blocks[:256]
+    nbytes = len(mine) * tier.block_bytes
+    dense = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
 
-    def churn():
-        # its own stream, as a thread that migrates has: the waits of its moves are its own
-        stream = torch.cuda.Stream() if DEVICE == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while not stop.is_set():
-                slots = tier.down(mine)
-                tier.up(slots, mine)
-                tier.release(slots)
-                tier.wait()  # the host waits here (not holding the interpreter lock)
-                moved[0] += 2 * len(mine) * tier.block_bytes
+    def tier_cycle(stream):
+        slots = tier.down(mine)
+        tier.up(slots, mine)
+        tier.release(slots)
+        t = time.perf_counter()
+        tier.wait()  # the host waits here (not holding the interpreter lock)
+        return time.perf_counter() - t
 
-    th = threading.Thread(target=churn, daemon=True)
-    t0 = time.perf_counter()
-    th.start()
-    busy = tpot()
-    stop.set()
-    th.join()
-    rate = moved[0] / (time.perf_counter() - t0) / 1e9
-    out = dict(
-        batch=b,
-        prompt=p,
-        new=n,
-        tpot_ms=alone * 1e3,
-        tpot_migrating_ms=busy * 1e3,
-        rise=busy / alone - 1,
-        migrated_GBps_meanwhile=rate,
-    )
-    say(
-        f"TPOT {alone * 1e3:.2f} ms alone, {busy * 1e3:.2f} ms while migrating "
-        f"({rate:.1f} GB/s moved meanwhile): {100 * (busy / alone - 1):+.1f} %"
-    )
-    return out
+    def raw_cycle(stream, piece):
+        for lo in range(0, nbytes, piece):
+            host[lo : lo + piece].copy_(dense[lo : lo + piece], non_blocking=True)
+        for lo in range(0, nbytes, piece):
+            dense[lo : lo + piece].copy_(host[lo : lo + piece], non_blocking=True)
+        t = time.perf_counter()
+        if stream is not None:
+            stream.synchronize()
+        return time.perf_counter() - t
+
+    def busy(cycle) -> dict:
+        stop, moved, host_s, cycles = threading.Event(), [0], [0.0], [0]
+
+        def churn():
+            # its own stream, as a thread that migrates has: the waits of its moves are its own
+            stream = torch.cuda.Stream() if DEVICE == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    waited = cycle(stream)
+                    host_s[0] += time.perf_counter() - t - waited
+                    cycles[0] += 1
+                    moved[0] += 2 * nbytes
+
+        th = threading.Thread(target=churn, daemon=True)
+        t0 = time.perf_counter()
+        th.start()
+        t = tpot()
+        stop.set()
+        th.join()
+        return dict(
+            tpot_migrating_ms=t * 1e3,
+            rise=t / alone - 1,
+            migrated_GBps_meanwhile=moved[0] / (time.perf_counter() - t0) / 1e9,
+            churn_host_ms_per_cycle=1e3 * host_s[0] / max(1, cycles[0]),
+        )
+
+    churns = {}
+    for mib in (64, 8, 2):
+        transfer.COPY_BYTES = mib * MIB
+        churns[f"tier, {mib} MiB copies"] = busy(tier_cycle)
+    transfer.COPY_BYTES = 64 * MIB
+    for mib in (nbytes // MIB, 2):
+        churns[f"bare copies, {mib} MiB"] = busy(lambda s, k=mib * MIB: raw_cycle(s, k))
+    for name, c in churns.items():
+        say(
+            f"TPOT {alone * 1e3:.2f} ms alone, {c['tpot_migrating_ms']:.2f} ms while migrating "
+            f"({name}: {c['migrated_GBps_meanwhile']:.1f} GB/s moved meanwhile, "
+            f"{c['churn_host_ms_per_cycle']:.2f} ms host time a cycle): {100 * c['rise']:+.1f} %"
+        )
+    first = churns["tier, 64 MiB copies"]
+    return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns)
 
 
 # --- capacity -------------------------------------------------------------------------------
@@ -556,6 +590,14 @@ def table(r: dict) -> str:
                 f"{t['tpot_migrating_ms']:.2f} ms while migrating "
                 f"({t['migrated_GBps_meanwhile']:.1f} GB/s): {100 * t['rise']:+.1f} %",
             ]
+            if "churns" in t:
+                out += ["", "| churn | TPOT ms | rise | GB/s moved | churn host ms a cycle |",
+                        "|---|---|---|---|---|"]  # fmt: skip
+                for name, c in t["churns"].items():
+                    out.append(
+                        f"| {name} | {c['tpot_migrating_ms']:.2f} | {100 * c['rise']:+.1f} % | "
+                        f"{c['migrated_GBps_meanwhile']:.1f} | {c['churn_host_ms_per_cycle']:.2f} |"
+                    )
     elif m:
         out.append(f"migration: error {m.get('error', '')[-300:]}")
     cap = [r[k] for k in PARTS["capacity"] if k in r]

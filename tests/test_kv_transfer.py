@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oxygen_torch.kv import transfer
 from oxygen_torch.kv.storage import KVStorage, TorchBacking
 from oxygen_torch.kv.transfer import Staging, down, gather, rows_to, runs, scatter, up
 
@@ -50,10 +51,12 @@ def test_block_view_is_every_region_of_a_block_in_address_order(layers, heads, d
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("chunk_blocks", [1, 5, 64])
-def test_blocks_go_to_host_rows_and_back_byte_exact(seed, chunk_blocks):
+@pytest.mark.parametrize("chunk_blocks,copy_rows", [(1, 64), (5, 2), (64, 3), (64, 64)])
+def test_blocks_go_to_host_rows_and_back_byte_exact(seed, chunk_blocks, copy_rows, monkeypatch):
+    """Chunks of the staging buffer and copies cut at COPY_BYTES (rows a copy) in any mix."""
     g = torch.Generator().manual_seed(seed)
     st = storage(3, 2, 8, torch.bfloat16)
+    monkeypatch.setattr(transfer, "COPY_BYTES", copy_rows * 2 * 3 * st.block_bytes)
     fill(st, g)
     views = [st.block_view()]
     bb = 2 * 3 * st.block_bytes

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
+# one copy between host and device, at most: a copy engine serves another stream's copies (a
+# decode step's table upload, generate()'s next-token read) between two, not during one
+COPY_BYTES = 64 << 20
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
@@ -66,16 +69,25 @@ def _width(view: torch.Tensor) -> int:
     return view.shape[1] * view.shape[2] * view.element_size()
 
 
-def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
-    """dst[rows[i]] = src[i], one copy per run of consecutive rows (on the current stream, not
-    waited for when one side is pinned host memory and the other on the device)."""
+def _pieces(rows: list[int], row_bytes: int):
+    """runs(rows), each cut into pieces of at most COPY_BYTES."""
+    most = max(1, COPY_BYTES // row_bytes)
     for p, first, n in runs(rows):
+        for k in range(0, n, most):
+            yield p + k, first + k, min(most, n - k)
+
+
+def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
+    """dst[rows[i]] = src[i], one copy per run of consecutive rows, COPY_BYTES at most (on the
+    current stream, not waited for when one side is pinned host memory and the other on the
+    device)."""
+    for p, first, n in _pieces(rows, src.shape[1]):
         dst[first : first + n].copy_(src[p : p + n], non_blocking=True)
 
 
 def rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
     """out[i] = src[rows[i]], one copy per run (the inverse of rows_to)."""
-    for p, first, n in runs(rows):
+    for p, first, n in _pieces(rows, out.shape[1]):
         out[p : p + n].copy_(src[first : first + n], non_blocking=True)
 
 
