@@ -44,6 +44,7 @@ GIB, MIB = 1 << 30, 1 << 20
 CAP_BYTES = 24 * GIB
 PARTS = {
     "migration": ("migration",),
+    "disk": ("disk_lowering",),
     "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
     "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu"),
     "long": ("long_hf", "long_oxygen"),
@@ -305,6 +306,60 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns)
 
 
+def _slow_path(pool, kind: str, n: int) -> dict:
+    import tempfile
+
+    bb = pool.block_bytes()
+    if kind == "disk":
+        tier = pool.cpu_tier(n * bb, tempfile.gettempdir(), 4 * n * bb)
+    else:
+        tier = pool.cpu_tier(2 * n * bb, fp8_lowering=True)
+    with pool.lock:
+        blocks = pool.manager.allocate(n)
+    idx = torch.tensor(blocks, device=pool.key.device)
+    for cache in (*pool.storage.k, *pool.storage.v):  # only these blocks' pages are mapped
+        cache.index_copy_(
+            0, idx, torch.randn(n, *cache.shape[1:], device=idx.device).to(cache.dtype)
+        )
+    held = tier.down(blocks)  # the CPU rows full (disk) / past the pressure mark (fp8)
+    moved, t = timed(lambda: tier.down(blocks, low_priority=True))
+    _, t_back = timed(lambda: tier.up(held, blocks))  # disk: these rows are on disk now
+    st = tier.stats()
+    row = dict(
+        blocks=n,
+        MiB=n * bb / MIB,
+        down_GBps=n * bb / t / 1e9,
+        up_GBps=n * bb / t_back / 1e9,
+        to_disk_MiB=st["bytes_to_disk"] / MIB,
+        from_disk_MiB=st["bytes_from_disk"] / MIB,
+        lowered_blocks=st["lowered_blocks"],
+    )
+    say(f"{kind}: " + " ".join(f"{a}={b:.1f}" if isinstance(b, float) else f"{a}={b}"
+                               for a, b in row.items()))  # fmt: skip
+    tier.release(held + moved)
+    with pool.lock:
+        pool.manager.decref(blocks)
+    return row
+
+
+def disk_lowering() -> dict:
+    """The slow paths' throughput: moves that spill CPU rows to the disk tier and read them back
+    (buffered file I/O in $TMPDIR: the page cache takes the writes), and moves lowered to fp8.
+    GB/s count the blocks' full-precision bytes."""
+    import oxygen_torch
+    from oxygen_torch.kv.pool import PoolKey, get_pool
+
+    oxygen_torch.enable()
+    dev = torch.device(DEVICE)
+    n = 512 if not SMOKE else 16
+    res = {}
+    for kind in ("disk", "fp8"):
+        arena = (2 if kind == "disk" else 3) * GIB  # another pool: a pool makes its tier once
+        pool = get_pool(PoolKey(dev, 16, 8, 64, torch.bfloat16, 16, "auto", arena, 2 * MIB))
+        res[kind] = _slow_path(pool, kind, n)
+    return res
+
+
 # --- capacity -------------------------------------------------------------------------------
 
 
@@ -534,6 +589,8 @@ def run_mode(mode: str) -> dict:
     try:
         if mode == "migration":
             return {"mode": mode, **migration()}
+        if mode == "disk_lowering":
+            return {"mode": mode, **disk_lowering()}
         if mode in PARTS["capacity"]:
             return capacity(mode)
         if mode in PARTS["prefix"]:
@@ -600,6 +657,23 @@ def table(r: dict) -> str:
                     )
     elif m:
         out.append(f"migration: error {m.get('error', '')[-300:]}")
+    d = r.get("disk_lowering")
+    if d and "disk" in d:
+        out += [
+            "",
+            "| slow path | blocks | MiB | down GB/s | up GB/s | to disk MiB | from disk MiB | "
+            "lowered |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for kind in ("disk", "fp8"):
+            x = d[kind]
+            out.append(
+                f"| {kind} | {x['blocks']} | {x['MiB']:.0f} | {x['down_GBps']:.1f} | "
+                f"{x['up_GBps']:.1f} | {x['to_disk_MiB']:.0f} | {x['from_disk_MiB']:.0f} | "
+                f"{x['lowered_blocks']} |"
+            )
+    elif d:
+        out.append(f"disk_lowering: error {d.get('error', '')[-300:]}")
     cap = [r[k] for k in PARTS["capacity"] if k in r]
     if cap:
         base = r.get("oxygen_gpu", {}).get("tok_per_s")
