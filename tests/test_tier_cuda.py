@@ -34,15 +34,17 @@ def _agreement(out: dict, ref: list) -> float:
     return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
 
 
-@pytest.mark.parametrize("staging_blocks", [5, None])  # 5: a move goes in 8 chunks
+# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers
+@pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
-    oxygen, monkeypatch, staging_blocks
+    oxygen, monkeypatch, staging_blocks, copy_blocks
 ):
     dev = torch.device("cuda")
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
     if staging_blocks:
         monkeypatch.setattr(transfer, "STAGING_BYTES", staging_blocks * pool.block_bytes())
+        monkeypatch.setattr(transfer, "COPY_BYTES", copy_blocks * pool.block_bytes())
     tier = pool.cpu_tier(64 * MiB)
     st = pool.storage
     with pool.lock:

@@ -83,6 +83,7 @@ class CPUTier:
         self._clock = 0
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda else None
+        self._copy = torch.cuda.Stream(device) if cuda else None  # its copies, beside the side's
         self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
         self._fence = None  # the event of the last down: its blocks are free once it passed
         self.counts = dict(
@@ -191,9 +192,8 @@ class CPUTier:
             return
         if not lowered:
             with self._on_side():
-                transfer.down(
-                    self._views, staged, self.host[:, : self.block_bytes], pos, self._stage
-                )
+                host = self.host[:, : self.block_bytes]
+                transfer.down(self._views, staged, host, pos, self._stage, self._copy)
             return
         self.wait()  # an up still reading rows from the host comes first
         hb, sb, bb = self._hb, self._sb, self.block_bytes
@@ -308,7 +308,8 @@ class CPUTier:
             # all on the CPU at full precision: straight from the pinned rows, a copy per run
             idx = self._ids(blocks)
             with self._on_side():
-                transfer.up(self._views, self.host[:, : self.block_bytes], at_cpu, idx, self._stage)
+                host = self.host[:, : self.block_bytes]
+                transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             if self._side is not None:  # the step that reads the blocks comes after
                 torch.cuda.current_stream(self.device).wait_stream(self._side)
             self.counts["bytes_up"] += len(slots) * self.block_bytes

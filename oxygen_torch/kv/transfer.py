@@ -7,8 +7,10 @@ a block's bytes in address order (the pool's fp8 scales, a second storage, after
 
 The way down is `down`: the blocks gathered into the device staging buffer (at device speed),
 then one copy per run of consecutive host rows straight into the (pinned) host tensor. `up` is the
-way back: one copy per run into the staging buffer, then the scatter. Moves larger than the
-buffer go through it a chunk at a time, in order on one stream. The buffer (`Staging`, 64 MiB at
+way back: one copy per run into the staging buffer, then the scatter. A move goes in pieces of
+COPY_BYTES, the copies on a stream of their own, so one piece's copy overlaps the next piece's
+gather (or the last one's scatter), and moves larger than the buffer go through it a chunk at a
+time. The buffer (`Staging`, 64 MiB at
 most) is allocated once, on the first move, and kept: allocating a move's worth of staging from
 the pool would map and unmap its pages on every move (46 us a 2 MiB page on the H200).
 
@@ -115,15 +117,44 @@ class Staging:
             yield lo, hi, self._buf[: hi - lo]
 
 
-def down(views, idx: torch.Tensor, host: torch.Tensor, rows: list[int], stage: Staging) -> None:
-    """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer."""
-    for lo, hi, buf in stage.chunks(len(rows)):
-        gather(views, idx[lo:hi], out=buf)
-        rows_to(host, rows[lo:hi], buf)
+def _pieces_of(n: int, block_bytes: int):
+    """(lo, hi) covering n blocks, COPY_BYTES of them at most each."""
+    most = max(1, COPY_BYTES // block_bytes)
+    return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
 
 
-def up(views, host: torch.Tensor, rows: list[int], idx: torch.Tensor, stage: Staging) -> None:
-    """The bytes of block idx[i] = host[rows[i]] (the inverse of `down`)."""
+def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=None) -> None:
+    """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
+    a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
+    copy overlaps the next one's gather (on the current stream, which comes after them all)."""
+    cur = torch.cuda.current_stream(idx.device) if copy is not None else None
     for lo, hi, buf in stage.chunks(len(rows)):
-        rows_from(host, rows[lo:hi], buf)
-        scatter(views, idx[lo:hi], buf)
+        if copy is not None:
+            cur.wait_stream(copy)  # the last chunk's copies have read the buffer
+        for a, b in _pieces_of(hi - lo, stage.block_bytes):
+            gather(views, idx[lo + a : lo + b], out=buf[a:b])
+            if copy is None:
+                rows_to(host, rows[lo + a : lo + b], buf[a:b])
+                continue
+            copy.wait_stream(cur)  # after this piece's gather
+            with torch.cuda.stream(copy):
+                rows_to(host, rows[lo + a : lo + b], buf[a:b])
+    if copy is not None:
+        cur.wait_stream(copy)
+
+
+def up(views, host: torch.Tensor, rows: list[int], idx, stage: Staging, copy=None) -> None:
+    """The bytes of block idx[i] = host[rows[i]] (the inverse of `down`; `copy` likewise: each
+    piece's copy overlaps the last one's scatter)."""
+    cur = torch.cuda.current_stream(idx.device) if copy is not None else None
+    for lo, hi, buf in stage.chunks(len(rows)):
+        if copy is not None:
+            copy.wait_stream(cur)  # after the work so far (the last chunk's scatters included)
+        for a, b in _pieces_of(hi - lo, stage.block_bytes):
+            if copy is None:
+                rows_from(host, rows[lo + a : lo + b], buf[a:b])
+            else:
+                with torch.cuda.stream(copy):
+                    rows_from(host, rows[lo + a : lo + b], buf[a:b])
+                cur.wait_stream(copy)
+            scatter(views, idx[lo + a : lo + b], buf[a:b])
