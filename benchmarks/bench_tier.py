@@ -204,10 +204,38 @@ def migration() -> dict:
         )
         res["rows"].append(row)
         del dense, host
+    res["pieces"] = _pieces(tier, blocks[: 512 if not SMOKE else 32], bb)
     res["tpot"] = _tpot_while_migrating(pool, tier, blocks)
     with pool.lock:
         pool.manager.decref(blocks)
     return res
+
+
+def _pieces(tier, mine: list[int], bb: int) -> list:
+    """down / up GB/s of one move by the size of its pieces (transfer.COPY_BYTES): a piece's copy
+    overlaps the next one's gather, and a copy engine serves other streams between pieces."""
+    from oxygen_torch.kv import transfer
+
+    default, rows = transfer.COPY_BYTES, []
+    for mib in (64, 16, 4):
+        transfer.COPY_BYTES = mib * MIB
+        slots: list = []
+
+        def down(slots=slots):
+            tier.release(slots)
+            slots[:] = tier.down(mine)
+
+        t_down = _bench(down)
+        t_up = _bench(lambda slots=slots: tier.up(slots, mine))
+        tier.release(slots)
+        n = len(mine) * bb
+        rows.append(
+            dict(blocks=len(mine), copy_MiB=mib, down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9)
+        )
+        say(f"{len(mine)} blocks in {mib} MiB pieces: down {n / t_down / 1e9:.1f} GB/s, up "
+            f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
+    transfer.COPY_BYTES = default
+    return rows
 
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
@@ -639,6 +667,17 @@ def table(r: dict) -> str:
                 f"{x['per_256KiB_d2h_GBps']:.1f} | {x['down_GBps'] / x['pinned_d2h_GBps']:.2f}"
                 f" | {x['up_GBps'] / x['pinned_h2d_GBps']:.2f} |"
             )
+        if m.get("pieces"):
+            out += [
+                "",
+                "| one move in pieces of | blocks | down GB/s | up GB/s |",
+                "|---|---|---|---|",
+            ]
+            for x in m["pieces"]:
+                out.append(
+                    f"| {x['copy_MiB']} MiB | {x['blocks']} | {x['down_GBps']:.1f} | "
+                    f"{x['up_GBps']:.1f} |"
+                )
         t = m.get("tpot")
         if t:
             out += [

@@ -24,7 +24,7 @@ import torch
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
-COPY_BYTES = 64 << 20
+COPY_BYTES = 16 << 20
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
