@@ -56,7 +56,6 @@ WATCH = (
     ("integrations/hf/prefix.py", "start_on_cache"),
     ("integrations/hf/prefix.py", "keep"),
     ("integrations/hf/prefix.py", "_columns"),
-    ("kv/prefix.py", "_chain"),
     ("kv/prefix.py", "_walk"),
     ("kv/prefix.py", "peek"),
     ("kv/prefix.py", "lookup"),
