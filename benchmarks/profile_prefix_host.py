@@ -13,12 +13,13 @@ times generate(max_new_tokens=1) on prompts of SYSTEM shared + USER own tokens:
   timing), so the call promotes them first.
 
 Per mode: the wall time and the calling thread's CPU time (time.thread_time) of --repeat calls
-(no profiler; median and min), then one call under cProfile timed by thread CPU time: the
-functions of interest (prefix cache, prefill plan, the model's forward) and the top functions by
-cumulative time, in ms per call. On CPU torch runs on one thread here (--threads 1), so the
-thread's CPU time is all the host work of a call and does not count time the process spent
-descheduled (a shared machine). cProfile inflates Python-heavy code; compare modes with each
-other, and the medians for absolute figures.
+(no profiler; median and min), and the thread CPU time inside the prefix cache's two entry
+points (generate.py's _start_on_prefix before the forward, finish after it), then one call
+under cProfile timed by thread CPU time: the functions of interest (prefix cache, prefill plan,
+the model's forward) and the top functions by cumulative time, in ms per call. On CPU torch
+runs on one thread here (--threads 1), so the thread's CPU time is all the host work of a call
+and does not count time the process spent descheduled (a shared machine). cProfile inflates
+Python-heavy code; compare modes with each other, and the medians for absolute figures.
 
     python benchmarks/profile_prefix_host.py                  # CPU
     python benchmarks/profile_prefix_host.py --device cuda    # the same on a GPU
@@ -56,6 +57,7 @@ WATCH = (
     ("integrations/hf/prefix.py", "start_on_cache"),
     ("integrations/hf/prefix.py", "keep"),
     ("integrations/hf/prefix.py", "_columns"),
+    ("kv/prefix.py", "_chain"),  # (before the walks were memoized)
     ("kv/prefix.py", "_walk"),
     ("kv/prefix.py", "peek"),
     ("kv/prefix.py", "lookup"),
@@ -128,6 +130,34 @@ def watched(stats: pstats.Stats) -> list[tuple[str, int, float, float]]:
     return out
 
 
+class EntryTimer:
+    """Thread CPU time spent in the integration's prefix-cache entry points, per call."""
+
+    def __init__(self):
+        from oxygen_torch.integrations.hf import generate as gen
+
+        self.ms: dict[str, list[float]] = {"_start_on_prefix": [], "finish": []}
+        for name in self.ms:
+            setattr(gen, name, self._wrap(name, getattr(gen, name)))
+
+    def _wrap(self, name, fn):
+        def timed(*a, **kw):
+            t = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.ms[name].append((time.thread_time() - t) * 1e3)
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """Median ms per call of each entry point since the last take."""
+        out = {k: statistics.median(v) if v else 0.0 for k, v in self.ms.items()}
+        for v in self.ms.values():
+            v.clear()
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -174,7 +204,7 @@ def main() -> None:
     call(on, torch.cat([system, rand(args.user)], 1))  # fills the cache with the system prompt
     for mode in args.modes:  # warm every path once
         call(*prompt(mode))
-    medians = {}
+    medians, entry = {}, EntryTimer()
     print(f"ms per call, {args.repeat} calls a mode: wall median / min, thread CPU median / min")
     for mode in args.modes:
         before = dict(prefix_counts())
@@ -182,10 +212,12 @@ def main() -> None:
         after = prefix_counts()
         wall, cpu = ([r[i] * 1e3 for r in runs] for i in (0, 1))
         medians[mode] = statistics.median(cpu)
+        pre = entry.take()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("hits", "misses", "promoted")}
         print(
             f"{mode:5s} wall {statistics.median(wall):7.2f} / {min(wall):7.2f}  cpu "
-            f"{medians[mode]:7.2f} / {min(cpu):7.2f}  (prefix-cache counts: {delta})"
+            f"{medians[mode]:7.2f} / {min(cpu):7.2f}  prefix cache: start "
+            f"{pre['_start_on_prefix']:.3f} + finish {pre['finish']:.3f}  ({delta})"
         )
     for mode in args.modes:
         model, ids = prompt(mode)
