@@ -65,7 +65,7 @@ def _cached(pool, ns, tokens_list: list[list[int]]) -> list[list[int]]:
 
 def _held(pc, ns, tokens) -> int:
     """Nodes of the chain of `tokens` the cache still has, hot or cold."""
-    return sum(n is not None for _, n in pc._chain(ns, tokens))
+    return len(pc._walk(ns, tokens))
 
 
 # --- the zones on a host pool ----------------------------------------------------------------

@@ -19,6 +19,12 @@ lookup only ever returns device blocks: `promote` brings a chain's cold nodes up
 sweep (`sweep`) moves the coldest down when the pool's device use passes `threshold`, until it is
 at most `hot_ratio`; a chain's first block goes down last.
 
+Walks are memoized: a generate() call asks about the same rows several times (promote, peek,
+lookup, then insert with the generated tokens appended), and walking a 2,000-token prompt builds
+and hashes a key per block. `_walk` keeps the last walks until a node is added or removed (the
+`version` counter); a walk's nodes are live objects, so a node going cold or warm (its block or
+slot) does not invalidate it -- callers read `slot` as they go.
+
 Not thread-safe by itself: every method runs under the owning pool's lock.
 """
 
@@ -32,6 +38,7 @@ from .block_manager import BlockManager, KVCacheFull
 from .lruk import AccessHistory
 
 COLD = -1  # node.block of a node whose K/V is in a tier slot
+WALKS = 32  # walks memoized (rows of the last calls); a batch larger than this just re-walks
 
 
 class _Node:
@@ -54,6 +61,8 @@ class PrefixCache:
         self._next_id = 0
         self._pinned: set[int] = set()  # nodes a promotion is bringing up: not given back
         self._cold = 0  # nodes in a tier slot
+        self.version = 0  # bumped whenever a node is added or removed: memoized walks go
+        self._walks: list[tuple[Hashable, list[int], list[_Node]]] = []  # (ns, tokens, nodes)
         self.clock = 0
         self.tier = None  # kv/tier.py CPUTier: cold nodes live there (None: no cold zone)
         self.heat = None  # kv/heat.py Heat of the pool's blocks (with the tier)
@@ -95,23 +104,43 @@ class PrefixCache:
 
     # --- finding and keeping ---------------------------------------------------------------
 
-    def _chain(self, ns: Hashable, tokens: Sequence[int]):
-        """(key, node or None) of each whole block of `tokens`; past a miss it goes on only if
-        the caller made that node meanwhile (insert), else it stops."""
-        bt, parent = self.block_tokens, self._root(ns)
-        for i in range(len(tokens) // bt):
-            key = (parent, tuple(tokens[i * bt : (i + 1) * bt]))
-            yield key, self._nodes.get(key)
-            node = self._nodes.get(key)
+    def _changed(self) -> None:
+        """A node was added or removed: every memoized walk may be wrong."""
+        self.version += 1
+        self._walks.clear()
+
+    def _walk(self, ns: Hashable, tokens: Sequence[int]) -> list[_Node]:
+        """The cached nodes (hot or cold) of `tokens`' whole blocks, from the first up to the
+        first block not cached. Memoized: a walk of tokens that start with a remembered walk's
+        found blocks goes on from its last node. The list is shared: do not change it."""
+        bt = self.block_tokens
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        nodes: list[_Node] = []
+        for w_ns, w_tokens, w_nodes in self._walks:
+            n = len(w_nodes) * bt
+            if w_ns == ns and n > len(nodes) * bt and len(tokens) >= n:
+                if tokens[:n] == w_tokens[:n]:  # (one C-level compare, no keys built)
+                    if len(tokens) == len(w_tokens) and tokens == w_tokens:
+                        return w_nodes
+                    nodes = w_nodes
+        nodes = list(nodes)
+        parent = nodes[-1].id if nodes else self._root(ns)
+        for i in range(len(nodes), len(tokens) // bt):
+            node = self._nodes.get((parent, tuple(tokens[i * bt : (i + 1) * bt])))
             if node is None:
-                return
+                break
+            nodes.append(node)
             parent = node.id
+        if len(self._walks) >= WALKS:
+            del self._walks[0]
+        self._walks.append((ns, list(tokens), nodes))
+        return nodes
 
     def _hot(self, ns: Hashable, tokens: Sequence[int]) -> list[_Node]:
         """The chain's nodes up to its first miss or cold node."""
         out = []
-        for _, node in self._chain(ns, tokens):
-            if node is None or node.slot is not None:
+        for node in self._walk(ns, tokens):
+            if node.slot is not None:
                 break
             out.append(node)
         return out
@@ -126,9 +155,10 @@ class PrefixCache:
         of the found tokens the caller will really take (the stats count those)."""
         now, nodes = self.tick(), self._hot(ns, tokens)
         took = len(nodes) * self.block_tokens if use is None else min(use, len(tokens))
+        counted = -(-max(took, 0) // self.block_tokens)  # blocks the caller takes (part or all)
         for i, node in enumerate(nodes):
             node.hist.touch(now)
-            if i < -(-max(took, 0) // self.block_tokens):
+            if i < counted:
                 self.counts["cpu_hit_blocks" if node.promoted else "gpu_hit_blocks"] += 1
             node.promoted = False
         self.counts["lookups"] += 1
@@ -144,10 +174,15 @@ class PrefixCache:
         if self.budget <= 0:
             return 0
         now, added, path = self.tick(), 0, set()
-        parent = self._root(ns)
-        for i, (key, node) in enumerate(self._chain(ns, tokens)):
-            if i >= len(blocks):
-                break
+        parent, bt = self._root(ns), self.block_tokens
+        walked, version = self._walk(ns, tokens), self.version
+        for i in range(min(len(tokens) // bt, len(blocks))):
+            if i < len(walked) and self.version == version:  # (an eviction may have cut it)
+                node = walked[i]
+                key = node.key
+            else:
+                key = (parent, tuple(tokens[i * bt : (i + 1) * bt]))
+                node = self._nodes.get(key)
             if node is None or node.slot is not None:
                 if self.num_hot >= self.budget and not self.evict(1, protect=path):
                     break
@@ -157,6 +192,7 @@ class PrefixCache:
                 self._nodes[key], self._by_id[node.id] = node, node
                 if parent in self._by_id:
                     self._by_id[parent].children.add(node.id)
+                self._changed()
                 added += 1
             elif node.slot is not None:  # warm again for free: the sequence computed it
                 self.manager.incref([blocks[i]])
@@ -179,9 +215,7 @@ class PrefixCache:
             return 0
         depth: dict[int, int] = {}
         for tokens in rows:
-            for d, (_, node) in enumerate(self._chain(ns, tokens)):
-                if node is None:
-                    break
+            for d, node in enumerate(self._walk(ns, tokens)):
                 depth[node.id] = d
         cold = sorted((d, i) for i, d in depth.items() if self._by_id[i].slot is not None)
         if not cold:
@@ -285,6 +319,7 @@ class PrefixCache:
         """Takes node nid out (a leaf): its device reference or tier slot goes back."""
         node = self._by_id.pop(nid)
         del self._nodes[node.key]
+        self._changed()
         parent = self._by_id.get(node.parent)
         if parent is not None:
             parent.children.discard(nid)
@@ -343,6 +378,7 @@ class PrefixCache:
         n, self._cold = len(self._by_id), 0
         self._nodes.clear()
         self._by_id.clear()
+        self._changed()
         if slots:
             self.tier.release(slots)
         if blocks:
