@@ -201,8 +201,12 @@ class CPUTier:
             i = [j for j, (_, half) in enumerate(places) if half == h]
             if i:
                 at, rows = torch.tensor([pos[j] for j in i]), staged[torch.tensor(i)]
-                self.host[:, h * hb : (h + 1) * hb].index_copy_(0, at, rows[:, :hb])
-                self.host[:, bb + h * sb : bb + (h + 1) * sb].index_copy_(0, at, rows[:, hb:])
+                for dst, src in (
+                    (self.host[:, h * hb : (h + 1) * hb], rows[:, :hb]),
+                    (self.host[:, bb + h * sb : bb + (h + 1) * sb], rows[:, hb:]),
+                ):
+                    dst, src = _words(dst, src)
+                    dst.index_copy_(0, at, src)
 
     def _make_room(self, k: int) -> None:
         """Frees k CPU rows by moving the least recently used to disk (TierFull: nothing moved)."""
@@ -240,12 +244,14 @@ class CPUTier:
     def _ids(self, blocks: list[int]) -> torch.Tensor:
         """The blocks' ids on their device, made on the side stream, which reads them: a tensor
         made on the current stream and freed on return could be handed to the caller's next
-        kernels while a move still reads it (the pool reuses a stream's own frees at once)."""
+        kernels while a move still reads it (the pool reuses a stream's own frees at once).
+        From pinned memory: a copy from pageable memory would hold the host, and the
+        interpreter lock with it, until the side stream's moves in flight are done."""
         idx = torch.tensor(blocks, dtype=torch.int64)
         if self._side is None:
             return idx
         with torch.cuda.stream(self._side):
-            return idx.to(self.device, non_blocking=True)
+            return idx.pin_memory().to(self.device, non_blocking=True)
 
     def _lowered(self, blocks: list[int]) -> torch.Tensor:
         """The blocks lowered to fp8 on their device, as uint8 [n, codes + scales] on the host."""
@@ -281,10 +287,11 @@ class CPUTier:
             heapq.heappush(self._rows, r)
 
     def _rows_of(self, rows: list[int]) -> torch.Tensor:
-        """The rows' bytes, wherever they are, as uint8 [len(rows), row bytes] on the host:
-        rows on disk read with one call per run of consecutive records."""
+        """The rows' bytes, wherever they are, as uint8 [len(rows), row bytes] on the host
+        (pinned on a GPU): rows on disk read with one call per run of consecutive records."""
         self.wait()  # rows still on their way down
-        out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8)
+        pin = self._side is not None
+        out = torch.empty(len(rows), self.row_bytes, dtype=torch.uint8, pin_memory=pin)
         cpu = [i for i, r in enumerate(rows) if self._where[r] >= 0]
         if cpu:
             at = torch.tensor([self._where[rows[i]] for i in cpu])
@@ -304,11 +311,16 @@ class CPUTier:
         for r in rows:
             self._last[r] = self._clock
         at_cpu = [self._where[s // self._halves] for s in slots]
-        if all(self._mask[s // self._halves] == FULL for s in slots) and min(at_cpu) >= 0:
-            # all on the CPU at full precision: straight from the pinned rows, a copy per run
+        if all(self._mask[s // self._halves] == FULL for s in slots):
+            # at full precision: straight from the pinned rows, a copy per run; rows on disk
+            # are read into pinned rows first
+            if min(at_cpu) >= 0:
+                host = self.host[:, : self.block_bytes]
+            else:
+                host = self._rows_of([s // self._halves for s in slots])[:, : self.block_bytes]
+                at_cpu = list(range(len(slots)))
             idx = self._ids(blocks)
             with self._on_side():
-                host = self.host[:, : self.block_bytes]
                 transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             if self._side is not None:  # the step that reads the blocks comes after
                 torch.cuda.current_stream(self.device).wait_stream(self._side)
@@ -321,30 +333,29 @@ class CPUTier:
         low = [i for i, s in enumerate(slots) if self._mask[s // self._halves] != FULL]
         if full:
             pick = torch.tensor([at[slots[i] // self._halves] for i in full])
-            staged = src[pick, : self.block_bytes]
+            staged = _words(src[:, : self.block_bytes])[0][pick].view(torch.uint8)
             self._scatter(staged, [blocks[i] for i in full], lowered=False)
         if low:
             m, pick = len(rows), torch.tensor([at[slots[i] // 2] for i in low])
             half = torch.tensor([slots[i] % 2 for i in low])
-            codes = src[:, : self.block_bytes].reshape(m, 2, self._hb)[pick, half]
-            scales = src[:, self.block_bytes :].reshape(m, 2, self._sb)[pick, half]
+            parts = (src[:, : self.block_bytes].reshape(m, 2, self._hb),
+                     src[:, self.block_bytes :].reshape(m, 2, self._sb))  # fmt: skip
+            codes, scales = (_words(p)[0][pick, half].view(torch.uint8) for p in parts)
             staged = torch.cat([codes, scales], dim=1)  # [n, codes + scales]
             self._scatter(staged, [blocks[i] for i in low], lowered=True)
         self.counts["migrations_up"] += 1
 
     def _scatter(self, staged: torch.Tensor, blocks: list[int], lowered: bool) -> None:
-        idx = torch.tensor(blocks, dtype=torch.int64)
+        idx = self._ids(blocks)
         nbytes = staged.numel()
         if self._side is None:
             self._write(idx, staged, lowered)
         else:
             staged = staged.pin_memory()
-            stream = torch.cuda.current_stream(self.device)
-            self._side.wait_stream(stream)
-            with torch.cuda.stream(self._side):  # everything made here is used here only
-                self._write(idx.to(self.device, non_blocking=True),
-                            staged.to(self.device, non_blocking=True), lowered)  # fmt: skip
-            stream.wait_stream(self._side)  # the step that reads the blocks comes after
+            with self._on_side():  # everything made here is used here only
+                self._write(idx, staged.to(self.device, non_blocking=True), lowered)
+            # the step that reads the blocks comes after
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
         self.counts["bytes_up"] += nbytes
 
     def _write(self, idx: torch.Tensor, staged: torch.Tensor, lowered: bool) -> None:
@@ -372,3 +383,18 @@ class CPUTier:
         self.wait()
         if self.disk is not None:
             self.disk.close()
+
+
+def _words(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same uint8 bytes seen as the widest integers that divide every tensor's rows, its
+    offset and its strides: host-side copies go element by element, 8 bytes at a time is 8x
+    fewer elements."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        e = dt.itemsize
+        if all(
+            t.shape[-1] % e == 0 and t.storage_offset() % e == 0
+            and all(st % e == 0 for st in t.stride()[:-1])
+            for t in ts
+        ):  # fmt: skip
+            return tuple(t.view(dt) for t in ts)
+    return ts

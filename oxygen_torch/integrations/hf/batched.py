@@ -294,13 +294,12 @@ class Merger:
             base += b * q
             keeps.append(keep)
         if hist:  # history after the callers' ids: index -1 - i is its token i
-            sources.append(torch.tensor(hist, dtype=torch.int64, device=device))
+            sources.append(_upload(hist, device))
             index = [i if i >= 0 else base - 1 - i for i in index]
         flat = torch.cat(sources)
-        idx = torch.tensor(index, dtype=torch.int64).to(device, non_blocking=True)
-        ids = flat.index_select(0, idx)
-        pos = torch.tensor([p for row in pos_rows for p in row], dtype=torch.int64)
-        return ids.view(1, -1), pos.to(device).view(1, -1), keeps
+        ids = flat.index_select(0, _upload(index, device))
+        pos = _upload([p for row in pos_rows for p in row], device)
+        return ids.view(1, -1), pos.view(1, -1), keeps
 
     @staticmethod
     def _record(chunks: list[Chunk]) -> None:
@@ -330,13 +329,21 @@ class Merger:
                               device=logits.device)  # fmt: skip
             have = [i for i, k in enumerate(keep) if k >= 0]
             if have:
-                idx = torch.tensor(have, dtype=torch.int64, device=logits.device)
-                got.index_copy_(0, idx, logits[at : at + len(have)])
+                got.index_copy_(0, _upload(have, logits.device), logits[at : at + len(have)])
             at += len(have)
             req.result = self.out_type(
                 logits=got.view(b, work.keep, -1), **{work.cache_name: work.cache}
             )
             req.done = True
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 values on the device without holding the host: from pinned memory (a copy from
+    pageable memory waits for the stream's queued work first)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _real_and_positions(core, kw: dict, shape) -> tuple[torch.Tensor | None, torch.Tensor]:
