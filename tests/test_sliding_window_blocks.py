@@ -18,6 +18,7 @@ from test_kv_paged_cache import _dense_out
 
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool_stats
@@ -221,7 +222,7 @@ def _generate(model, ids, mask, new, **kw):
 
 
 def _both(arch, ids, mask, new, **kw):
-    """(stock tokens, oxygen output, the oxygen call's used blocks per step)."""
+    """(stock tokens, oxygen output, the oxygen call's used blocks per step, the model)."""
     model = tiny(arch)
     ref = _generate(model, ids, mask, new, **kw)
     hf.apply(model)
@@ -229,15 +230,21 @@ def _both(arch, ids, mask, new, **kw):
     got = _generate(
         model, ids, mask, new, logits_processor=[used], return_dict_in_generate=True, **kw
     )
-    return ref, got, used.seen
+    return ref, got, used.seen, model
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
-def test_greedy_equals_stock_and_each_row_holds_its_window(oxygen, arch):
+@pytest.mark.parametrize(
+    "arch, decode", [("mistral", "eager"), ("qwen3", "eager"), ("mistral", "graphs")]
+)
+def test_greedy_equals_stock_and_each_row_holds_its_window(oxygen, arch, decode, monkeypatch):
+    """graphs: the decode-graph bookkeeping (on CPU its stand-in re-runs the forward on the
+    graph's buffers), whose steps plan without the block manager 15 steps in 16."""
+    monkeypatch.setattr(hf_graphs, "CPU_RERUN", decode == "graphs")
     ids, mask = batch(b=2, n=28, seed=3, pads=(0, 5))
     freed0 = _freed()
-    ref, got, used = _both(arch, ids, mask, 44)
+    ref, got, used, model = _both(arch, ids, mask, 44)
     assert torch.equal(got.sequences, ref)
+    assert (hf_graphs.stats(model)["replays"] > 0) == (decode == "graphs")
     core = got.past_key_values._core
     assert core.window == W and all(d >= 2 for d in core.seqs.dropped)
     assert max(used[1:]) <= 2 * BOUND  # every decode step: each row its window and margin
@@ -255,7 +262,7 @@ def test_a_full_attention_model_of_the_same_size_holds_more(oxygen):
 
 def test_beam_search_equals_stock(oxygen):
     ids, mask = batch(b=2, n=28, seed=4, pads=(3, 0))
-    ref, got, used = _both("mistral", ids, mask, 36, num_beams=2)
+    ref, got, used, _ = _both("mistral", ids, mask, 36, num_beams=2)
     assert torch.equal(got.sequences, ref)
     assert any(got.past_key_values._core.seqs.dropped)
     assert max(used[1:]) <= 4 * BOUND
@@ -264,7 +271,7 @@ def test_beam_search_equals_stock(oxygen):
 def test_a_hybrid_model_gives_nothing_back_and_equals_stock(oxygen):
     ids, mask = batch(b=2, n=28, seed=5, pads=(0, 5))
     freed0 = _freed()
-    ref, got, _ = _both("qwen2_hybrid", ids, mask, 30)
+    ref, got, _, _ = _both("qwen2_hybrid", ids, mask, 30)
     assert torch.equal(got.sequences, ref)
     core = got.past_key_values._core
     assert core.window is None and core.seqs.dropped == [0, 0]
