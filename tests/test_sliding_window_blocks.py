@@ -23,6 +23,7 @@ from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.core import PagedKVCore
+from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.kv.storage import GUARD_BLOCK
 from oxygen_torch.kv.swap import swap_in, swap_out
 
@@ -123,6 +124,7 @@ def test_fork_swap_and_prefill_chunks_after_blocks_were_given_back():
     rows.step(1)
     _refcounts_are_uses(core)
     core.release()
+    release_pools()  # the CPU tier goes with its pool (memory_stats() sums every pool's tier)
 
 
 def test_crop_inside_the_margin_works_and_below_the_kept_window_fails():
