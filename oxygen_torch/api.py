@@ -142,8 +142,9 @@ def _tier_figures() -> dict:
 
 def kv_stats() -> list[dict]:
     """One dict per KV pool (device, model geometry): blocks used / total, peak blocks, mapped
-    and reserved bytes, dtype, and the prefix cache's figures (hits, misses, hit tokens,
-    cached / reclaimable blocks, evictions; None while the pool has none)."""
+    and reserved bytes, dtype, the prefix cache's figures (hits, misses, hit tokens,
+    cached / reclaimable blocks, evictions; None while the pool has none), and the blocks freed
+    behind sliding windows (window_freed_blocks)."""
     from .kv import pool_stats
 
     return pool_stats()

@@ -48,8 +48,10 @@ ARCHS = {
 }
 
 
-def tiny(arch="llama", seed=0):
+def tiny(arch="llama", seed=0, **overrides):
+    """A tiny random model of `arch`; `overrides` go over its config's fields."""
     conf_cls, model_cls, extra = ARCHS[arch]
+    extra = {**extra, **overrides}
     torch.manual_seed(seed)
     stock = "sdpa" if model_cls._supports_sdpa else "eager"  # transformers 5.24: gemma2 eager
     model = model_cls(conf_cls(**COMMON, **extra, attn_implementation=stock)).eval()

@@ -5,12 +5,19 @@ copies of the tables are written by `paged_cache.PagedKVCore` from what these cl
 
 A block id indexes the same slot in every layer's K and V cache (`[num_blocks, block_tokens,
 num_kv_heads, head_dim]`), so one table serves all layers of a model.
+
+A sequence may give back its leading blocks once no query will read them again (every layer's
+sliding window starts past them: `drop_before`). Their entries stay in its block list as
+GUARD_BLOCK, so a column is still a token position // block_tokens, and `dropped[i]` counts them;
+every reference count here skips them.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
+
+from .storage import GUARD_BLOCK
 
 
 class KVCacheFull(RuntimeError):
@@ -147,6 +154,8 @@ class SequenceBlocks:
     `lens[i]` counts the tokens stored for sequence i (padding is never stored). Blocks may be
     shared between sequences (fork, reorder); `reserve` copies a shared, partly filled last block
     before it is written (copy-on-write) and reports the copy so the caller moves the data.
+    `dropped[i]`: sequence i's leading entries given back (GUARD_BLOCK in its list, never
+    referenced).
     """
 
     def __init__(self, manager: BlockManager, block_tokens: int, batch: int = 0):
@@ -154,12 +163,33 @@ class SequenceBlocks:
         self.block_tokens = block_tokens
         self.blocks: list[list[int]] = [[] for _ in range(batch)]
         self.lens: list[int] = [0] * batch
+        self.dropped: list[int] = [0] * batch
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def max_blocks(self) -> int:
         return max((len(b) for b in self.blocks), default=0)
+
+    def held(self, seq: int) -> list[int]:
+        """The blocks sequence seq holds a reference to (its list past the dropped entries)."""
+        return self.blocks[seq][self.dropped[seq] :]
+
+    def num_held(self) -> int:
+        return sum(len(b) - d for b, d in zip(self.blocks, self.dropped))
+
+    def drop_before(self, seq: int, pos: int) -> tuple[list[int], int]:
+        """Gives back sequence seq's blocks that lie wholly before token position `pos` (no
+        query reads them again); their entries become GUARD_BLOCK. The block holding the last
+        token is always kept. Returns (the columns given back, how many blocks became free)."""
+        blocks, d = self.blocks[seq], self.dropped[seq]
+        upto = min(pos // self.block_tokens, len(blocks) - 1)
+        if upto <= d:
+            return [], 0
+        freed = self.manager.decref(blocks[d:upto])
+        blocks[d:upto] = [GUARD_BLOCK] * (upto - d)
+        self.dropped[seq] = upto
+        return list(range(d, upto)), len(freed)
 
     def reserve(self, seq: int, extra: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """Makes room for `extra` more tokens of sequence `seq`.
@@ -196,8 +226,9 @@ class SequenceBlocks:
         keep = -(-new_len // self.block_tokens)
         blocks = self.blocks[seq]
         if keep < len(blocks):
-            self.manager.decref(blocks[keep:])
+            self.manager.decref(blocks[max(keep, self.dropped[seq]) :])
             del blocks[keep:]
+        self.dropped[seq] = min(self.dropped[seq], keep)
         self.lens[seq] = min(self.lens[seq], new_len)
 
     def select(self, order: list[int]) -> None:
@@ -205,18 +236,20 @@ class SequenceBlocks:
 
         Shared blocks gain a reference per extra user; blocks no longer used are freed.
         """
-        old_blocks, old_lens = self.blocks, self.lens
-        self.blocks = [list(old_blocks[j]) for j in order]
-        self.lens = [old_lens[j] for j in order]
-        for b in self.blocks:
-            self.manager.incref(b)
-        for b in old_blocks:
+        old_held = [self.held(j) for j in range(len(self.blocks))]
+        self.blocks = [list(self.blocks[j]) for j in order]
+        self.lens = [self.lens[j] for j in order]
+        self.dropped = [self.dropped[j] for j in order]
+        for j in order:
+            self.manager.incref(old_held[j])
+        for b in old_held:
             self.manager.decref(b)
 
     def release(self) -> None:
         """Drops every sequence (the cache ended or was dropped)."""
-        for b in self.blocks:
-            if b:
-                self.manager.decref(b)
+        for i in range(len(self.blocks)):
+            if self.held(i):
+                self.manager.decref(self.held(i))
         self.blocks = []
         self.lens = []
+        self.dropped = []

@@ -9,6 +9,9 @@ Padding is never stored: a padded token gets slot -1 and each sequence keeps onl
 tokens, packed from position 0. Attention over a sequence then needs no mask, and the result for
 real tokens equals attention over the padded layout with the padding masked (positions are
 already in the rotary embedding of K). `length` still counts padding, as transformers does.
+
+When every layer attends to the same sliding window, each step first gives back the blocks
+behind it (kv/window.py).
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ from .step_attention import AttendMixin
 from .storage import GUARD_BLOCK, debug_checks_enabled
 from .swap import swap_in
 from .table import BlockTableMixin
+from .window import WindowMixin
 
 MiB = 1 << 20
 
 
-class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
-    """KV cache of a batch of sequences in a shared KVPool. One table serves all layers."""
+class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
+    """KV cache of a batch of sequences in a shared KVPool. One table serves all layers.
+
+    window: the sliding window every layer attends with (None: some layer, or all, attend to
+    every token); the blocks behind it are given back (kv/window.py)."""
 
     def __init__(
         self,
@@ -48,7 +55,10 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         kv_dtype: str = "auto",
         tiles: Tiles | None = None,
         fresh_prefill: str = "auto",
+        window: int | None = None,
     ):
+        if window is not None and window < 1:
+            raise ValueError(f"PagedKVCore: window {window} is not a positive token count")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"PagedKVCore: kv_dtype {kv_dtype!r} is not allowed; allowed: "
@@ -61,6 +71,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         self.debug, self.precision = debug_checks_enabled(debug), precision
         self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
         self.fresh_prefill = check_setting("PagedKVCore", fresh_prefill)  # kv.fresh_prefill
+        self.window = window
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
         self.history: History | None = None  # tokens held, kept for a recompute (the engine)
@@ -192,6 +203,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
     def _reserve(self, counts: list[int]) -> None:
         """Blocks for counts[b] more tokens of each sequence, in the host table (marked dirty);
         shared last blocks are copied first (copy-on-write)."""
+        self._drop_behind_window()
         seqs = self.seqs
         cows, added = [], []
         with self.pool.lock:
@@ -286,6 +298,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
                 f"PagedKVCache.crop: cannot cut to {new_len} tokens, inside a step whose "
                 f"padding was skipped (first {self._pad_frontier} tokens)"
             )
+        self._check_crop(remove)
         with self.pool.lock:
             for b, n in enumerate(self.seqs.lens):
                 self.seqs.truncate(b, max(0, n - remove))
@@ -311,6 +324,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
             kv_dtype=self.kv_dtype,
             tiles=self.tiles,
             fresh_prefill=self.fresh_prefill,
+            window=self.window,
         )
         if self.seqs is None:
             return other
@@ -321,8 +335,9 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin):
         with self.pool.lock:
             other.seqs.blocks = [list(b) for b in self.seqs.blocks]
             other.seqs.lens = list(self.seqs.lens)
-            for b in other.seqs.blocks:
-                self.pool.manager.incref(b)
+            other.seqs.dropped = list(self.seqs.dropped)
+            for b in range(len(other.seqs)):
+                self.pool.manager.incref(other.seqs.held(b))
         other.length, other._layer_len = self.length, list(self._layer_len)
         other._pad_frontier = self._pad_frontier
         other.history = self.history.copy() if self.history is not None else None

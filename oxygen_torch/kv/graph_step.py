@@ -17,6 +17,7 @@ class GraphStepMixin:
     def _reserve_one_each(self) -> None:
         """_reserve of one token per sequence; without the block manager when every sequence's
         last block has room and is its own (15 steps in 16 at 16-token blocks)."""
+        self._drop_behind_window()  # (the graph copies the whole host table: no flush needed)
         bt, seqs, refcount = self.block_tokens, self.seqs, self.pool.manager.refcount
         if all(n % bt and refcount(b[-1]) == 1 for n, b in zip(seqs.lens, seqs.blocks)):
             seqs.lens[:] = [n + 1 for n in seqs.lens]

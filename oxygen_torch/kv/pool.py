@@ -76,6 +76,7 @@ class KVPool:
         self.heat: Heat | None = None  # block heat, kept while there is a tier
         # generate() calls too large for this pool run as row groups (kv.oversubscribe)
         self.oversubscribed = {"calls_split": 0, "groups_run": 0}
+        self.window_freed_blocks = 0  # freed behind sliding windows (kv/window.py)
 
     def cpu_tier(
         self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
@@ -175,6 +176,7 @@ class KVPool:
             "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
             "cpu_tier": self.tier.stats() if self.tier is not None else None,
             "oversubscribed": dict(self.oversubscribed),
+            "window_freed_blocks": self.window_freed_blocks,
         }
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ class AttendMixin:
         """q: [B, Hq, q_len, D] -> attention output [B, q_len, Hq, D] (padding rows are 0).
         k, v: the step's new K/V [B, Hkv, q_len, D] as written (a fresh prefill may attend
         them directly; without them the step reads the cache)."""
+        self._check_window(sliding_window)
         st = self.pool.storage
         batch, hq, q_len, d = q.shape
         if self.debug:
@@ -85,6 +86,12 @@ class AttendMixin:
             raise NotImplementedError(
                 "PagedKVCache: this cache skipped padding (oxygen attention); it cannot be read "
                 "back densely by another attention implementation"
+            )
+        if any(self.seqs.dropped):
+            raise NotImplementedError(
+                "PagedKVCache: this cache gave back the blocks behind its sliding window "
+                "(oxygen attention); it cannot be read back densely by another attention "
+                "implementation"
             )
         st, n = self.pool.storage, self.length
         nblk = -(-n // self.block_tokens)

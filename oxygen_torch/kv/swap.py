@@ -8,6 +8,8 @@ referenced. `swap_in` (from the core's next `_reserve`, or the merged step's) gi
 fresh device block, copies them up in one transfer, and puts the rows back as they were; a beam
 reorder while swapped out reorders the rows in place (`select`). A swap-out takes precedence
 over the prefix cache's cold blocks: those are dropped (LRU-K) when the tier lacks its room.
+Entries a row gave back behind its sliding window (GUARD_BLOCK, kv/window.py) stay as they are:
+nothing is moved or referenced for them.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from .tier import TierFull
 
 @dataclass
 class Swapped:
-    rows: list[list[int]]  # per row: device block (>= 0) or -1 - tier slot
+    rows: list[list[int]]  # per row: device block (> 0), -1 - tier slot, or GUARD_BLOCK
     lens: list[int]
+    dropped: list[int]  # per row: leading GUARD_BLOCK entries (given back behind the window)
     slots: set[int]  # every slot taken (some may no longer be referenced after a select)
 
     def device_blocks(self) -> list[int]:
-        return [b for row in self.rows for b in row if b >= 0]
+        return [b for row in self.rows for b in row if b >= 0 and b != GUARD_BLOCK]
 
     def blocks_needed(self) -> int:
         """Fresh device blocks `swap_in` takes."""
@@ -43,7 +46,7 @@ def swap_out(core, low_priority: bool = False) -> int | None:
     if tier is None or seqs is None or core._swapped is not None:
         return None
     with pool.lock:
-        uses = Counter(b for row in seqs.blocks for b in row)
+        uses = Counter(b for r in range(len(seqs)) for b in seqs.held(r))
         own = sorted(b for b, n in uses.items() if pool.manager.refcount(b) == n)
         pc = pool.prefix
         if pc is not None and tier.num_free < len(own) <= tier.num_free + pc.num_cold:
@@ -61,7 +64,7 @@ def swap_out(core, low_priority: bool = False) -> int | None:
         pool.manager.decref(gone, after=tier.fence())
         if pool.heat is not None:
             pool.heat.forget(own)
-        core._swapped = Swapped(rows, list(seqs.lens), set(where.values()))
+        core._swapped = Swapped(rows, list(seqs.lens), list(seqs.dropped), set(where.values()))
         core.seqs = SequenceBlocks(pool.manager, core.block_tokens, len(rows))
         freed = pool.manager.num_free - before
     core._table_host.fill_(GUARD_BLOCK)
@@ -85,7 +88,7 @@ def swap_in(core) -> None:
         uses = Counter(b for row in sw.rows for b in row if b < 0)
         pool.manager.incref([to_block[-1 - s] for s, n in uses.items() for _ in range(n - 1)])
         pool.tier.release(sorted(sw.slots))
-        core.seqs.blocks, core.seqs.lens = rows, list(sw.lens)
+        core.seqs.blocks, core.seqs.lens, core.seqs.dropped = rows, list(sw.lens), sw.dropped
         core._swapped = None
     core._grow_table(max((len(r) for r in rows), default=1))
     for r, row in enumerate(rows):
@@ -100,6 +103,7 @@ def select(core, order: list[int]) -> None:
         old = sw.device_blocks()
         sw.rows = [list(sw.rows[j]) for j in order]
         sw.lens = [sw.lens[j] for j in order]
+        sw.dropped = [sw.dropped[j] for j in order]
         pool.manager.incref(sw.device_blocks())
         pool.manager.decref(old)
     core.seqs = SequenceBlocks(pool.manager, core.block_tokens, len(order))

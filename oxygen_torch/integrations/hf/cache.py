@@ -6,7 +6,8 @@ mask) and attends over the block table. With any other attention implementation 
 stores them itself and returns the whole history densely, as DynamicCache does.
 
 All layers share one block table, so batch operations (beam reorder, crop, repeat) act once on
-the core, not per layer.
+the core, not per layer. For the same reason the blocks behind a sliding window are given back
+only when every layer is a sliding-window layer with one window (`uniform_window`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from ...kv.attention import tiles_for
 from ...kv.core import PagedKVCore
 from ...triton_kernels.precision import PrecisionMode
 from .compat import layer_types
+
+
+def uniform_window(text_config, types: list[str]) -> int | None:
+    """The sliding window every layer attends with, or None: some layer is not a sliding one
+    (a hybrid model: one table serves every layer, so no block can go) or there is no layer."""
+    window = getattr(text_config, "sliding_window", None) if text_config is not None else None
+    if not types or not window or any(t != "sliding_attention" for t in types):
+        return None
+    return int(window)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -90,7 +100,8 @@ class PagedKVCache(Cache):
         precision: Any = None,
     ):
         cfg = cfg if cfg is not None else load_config()
-        types = self._layer_types(config, num_layers)
+        text = self._text_config(config)
+        types = self._layer_types(text, num_layers)
         self.cfg = cfg
         self._config = config
         self._any_sliding = any(t != "full_attention" for t in types)
@@ -107,6 +118,7 @@ class PagedKVCache(Cache):
             kv_dtype=kv_dtype or cfg.kv.kv_dtype,
             tiles=tiles_for(cfg.kernel, self._profile(config, cfg)),
             fresh_prefill=cfg.kv.fresh_prefill,
+            window=uniform_window(text, types),
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
@@ -124,13 +136,14 @@ class PagedKVCache(Cache):
         return get_profile(mtype, cfg.profiles) if mtype else None
 
     @staticmethod
-    def _layer_types(config, num_layers) -> list[str]:
-        if config is not None:
-            text = (
-                config.get_text_config(decoder=True)
-                if hasattr(config, "get_text_config")
-                else config
-            )
+    def _text_config(config):
+        if config is not None and hasattr(config, "get_text_config"):
+            return config.get_text_config(decoder=True)
+        return config
+
+    @staticmethod
+    def _layer_types(text, num_layers) -> list[str]:
+        if text is not None:
             return layer_types(text)
         if num_layers is None:
             raise ValueError("PagedKVCache: pass the model config (or num_layers)")
@@ -155,6 +168,7 @@ class PagedKVCache(Cache):
                 return key_states, value_states  # oxygen::paged_step stores them
             context.hand_over(self, layer_idx, key_states, value_states)
             return key_states, value_states
+        self._core.window = None  # dense read-back: every block stays (kv/window.py)
         self._core.write(layer_idx, key_states, value_states)
         return self._core.dense(layer_idx)
 
@@ -261,6 +275,6 @@ class PagedKVCache(Cache):
         return SimpleNamespace(
             length=core.length,
             batch=core.batch_size,
-            blocks=sum(len(b) for b in core.seqs.blocks) if core.seqs is not None else 0,
+            blocks=core.seqs.num_held() if core.seqs is not None else 0,
             pool=core.pool.stats() if core.pool is not None else None,
         )

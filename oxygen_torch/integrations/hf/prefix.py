@@ -13,10 +13,11 @@ but on the left, inputs_embeds, position_ids given, assisted decoding: the call 
 nor fills the cache.
 
 After the call, each row's whole blocks are kept: the prompt's, and without beams also the
-tokens it generated (the next turn of a chat starts with them). Keys carry the model (one id per
-model object: another model of the same shape shares the pool, not its K/V), the precision and
-the tiles. The cache assumes a model's weights do not change; `oxygen_torch.clear_prefix_cache()`
-drops it after they do.
+tokens it generated (the next turn of a chat starts with them); not a row that gave back blocks
+behind its sliding window (kv/window.py): a chain starts at token 0. Keys carry the model (one id
+per model object: another model of the same shape shares the pool, not its K/V), the precision
+and the tiles. The cache assumes a model's weights do not change;
+`oxygen_torch.clear_prefix_cache()` drops it after they do.
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def keep(prompt: Prompt, cache: PagedKVCache, out) -> None:
             b = r // prompt.expand
             if gen is None and r % prompt.expand:
                 continue  # beams: every row of a prompt starts with the same prompt blocks
+            if seqs.dropped[r]:
+                continue  # its first blocks went behind the sliding window
             tokens = prompt.rows[b] + (gen[r] if gen is not None else [])
             n = min(len(tokens), seqs.lens[r])
             pc.insert(prompt.ns, tokens[:n], seqs.blocks[r])
