@@ -47,10 +47,11 @@ PARTS = {
     "disk": ("disk_lowering",),
     "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
     "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu"),
-    "long": ("long_hf", "long_oxygen"),
+    "long": ("long_hf", "long_oxygen", "long_window_hf", "long_window_oxygen"),
     "profile": ("prefix_profile",),
 }
-TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240}
+TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240,
+             "long_window_hf": 240, "long_window_oxygen": 240}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 # (batch, prompt, new) per capacity mode; smoke: tiny
@@ -58,6 +59,7 @@ CAP = {"hf_dynamic": 48, "hf_offloaded": 64, "oxygen_gpu": 128, "oxygen_tier": 5
 CAP_P, CAP_N, GPU_BATCH = (4096, 256, 128) if not SMOKE else (40, 8, 4)
 SYSTEM, USER, REQUESTS, TURNS = (2000, 100, 64, 8) if not SMOKE else (64, 8, 4, 3)
 LONG_P, LONG_N = (131072, 64) if not SMOKE else (256, 8)
+WINDOW = 4096 if not SMOKE else 32  # the long_window modes' sliding window
 
 
 def say(msg: str) -> None:
@@ -77,14 +79,18 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
-def build_model(max_pos: int = 8192):
+def build_model(max_pos: int = 8192, window: int | None = None):
+    """The Llama-1.1B shape (smoke: tiny); `window`: a Mistral of that shape, every layer
+    attending to the last `window` tokens."""
     from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
 
     shape = TINY_LLAMA if SMOKE else LLAMA_1B
     dtype = torch.float32 if SMOKE else torch.bfloat16
+    extra = dict(family="mistral", sliding_window=window) if window else {}
     return random_llama(
-        shape, dtype=dtype, device=DEVICE, init_on_device=not SMOKE, max_position_embeddings=max_pos
-    )
+        shape, dtype=dtype, device=DEVICE, init_on_device=not SMOKE,
+        max_position_embeddings=max_pos, **extra,
+    )  # fmt: skip
 
 
 def shape() -> dict:
@@ -581,11 +587,14 @@ class Clock:
 
 
 def long(mode: str) -> dict:
+    """One 131,072-token prompt under the cap. long_window_*: a Mistral of the same shape whose
+    every layer has a 4,096-token window (oxygen keeps only the window's blocks in the pool)."""
     reserved = 0
-    if mode == "long_oxygen":
+    window = WINDOW if "window" in mode else None
+    if mode.endswith("oxygen"):
         reserved = kv_arena_bytes(1, LONG_P + LONG_N + 16)
         oxygen_capped(kv={"arena_bytes": reserved})
-    model = build_model(max_pos=LONG_P + 64)
+    model = build_model(max_pos=LONG_P + 64, window=window)
     cap_torch(reserved)
     ids = prompts(1, LONG_P, seed=3)
     res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
@@ -606,6 +615,13 @@ def long(mode: str) -> dict:
         res.update(ok=True, ttft_s=ttft, tpot_ms=tpot * 1e3, tokens=out[0, LONG_P:].tolist())
         if DEVICE == "cuda":
             res["peak_torch_GiB"] = torch.cuda.max_memory_allocated() / GIB
+        if mode.endswith("oxygen"):
+            from oxygen_torch.kv import pool_stats
+
+            (p,) = [p for p in pool_stats() if p["peak_blocks_used"]]
+            res.update(kv_peak_blocks=p["peak_blocks_used"],
+                       kv_peak_mapped_GiB=p["peak_mapped_bytes"] / GIB,
+                       window_freed_blocks=p["window_freed_blocks"])  # fmt: skip
     except torch.OutOfMemoryError as exc:
         res.update(ok=False, error="OOM: " + str(exc).splitlines()[0][:160])
     say(f"{mode}: {res}")
@@ -766,15 +782,23 @@ def table(r: dict) -> str:
     if lg:
         out += [
             "",
-            "| 131,072-token prompt, 24 GiB | fits | TTFT s | TPOT ms |",
-            "|---|---|---|---|",
+            "| 131,072-token prompt, 24 GiB | fits | TTFT s | TPOT ms | peak torch GiB |"
+            " oxygen KV: peak blocks, peak mapped GiB, blocks freed behind the window |",
+            "|---|---|---|---|---|---|",
         ]
         for x in lg:
             if x.get("ok"):
-                out.append(f"| {x['mode']} | yes | {x['ttft_s']:.2f} | {x['tpot_ms']:.2f} |")
+                kv = "-"
+                if "kv_peak_blocks" in x:
+                    kv = (f"{x['kv_peak_blocks']}, {x['kv_peak_mapped_GiB']:.2f}, "
+                          f"{x['window_freed_blocks']}")  # fmt: skip
+                out.append(
+                    f"| {x['mode']} | yes | {x['ttft_s']:.2f} | {x['tpot_ms']:.2f} | "
+                    f"{x.get('peak_torch_GiB', 0):.1f} | {kv} |"
+                )
             else:
                 err = x.get("error", "").strip().splitlines()[-1][:100]
-                out.append(f"| {x['mode']} | no: {err} | | |")
+                out.append(f"| {x['mode']} | no: {err} | | | | |")
     return "\n".join(out)
 
 

@@ -34,21 +34,27 @@ def random_llama(
     device: str | torch.device = "cuda",
     max_position_embeddings: int = 8192,
     init_on_device: bool = False,
+    family: str = "llama",
     **config_overrides,
 ):
     """A LlamaForCausalLM with seeded random weights in eval mode, set up for fixed-length
     generation (pad 0, no EOS, so every run does the same work).
 
     init_on_device builds the weights on the device (seconds instead of a minute on the host for
-    the 1.1B shape); the same seed then gives other weights than a host build."""
+    the 1.1B shape); the same seed then gives other weights than a host build. family "mistral":
+    a MistralForCausalLM of the same shape (pass sliding_window=W for its window)."""
     import transformers as T
 
-    cfg = T.LlamaConfig(
-        **shape, max_position_embeddings=max_position_embeddings, **config_overrides
-    )
+    if family not in ("llama", "mistral"):
+        raise ValueError(f"random_llama: family {family!r} is not llama or mistral")
+    config, causal = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM),
+    }[family]
+    cfg = config(**shape, max_position_embeddings=max_position_embeddings, **config_overrides)
     torch.manual_seed(0)
     with torch.device(device if init_on_device else "cpu"):
-        model = T.LlamaForCausalLM(cfg)
+        model = causal(cfg)
     model = model.to(dtype).to(device).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
