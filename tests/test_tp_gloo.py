@@ -5,7 +5,10 @@ Every rank runs tests/tp_worker.py on a tiny checkpoint (two architectures); the
 that oxygen's tokens equal stock TP's (greedy, beams, and sampling with the same seed), that the
 paged cache held this rank's share of the KV heads, that every rank decided the same block
 tables (each rank plans its own; nothing is broadcast, so they must agree by construction), and
-that a call too wide for the pool runs as the same row groups on every rank with stock's tokens."""
+that a call too wide for the pool runs as the same row groups on every rank with stock's tokens,
+and that calls from several threads at once are merged in the same steps on every rank (rank 0
+chooses them; a forward that cannot merge is a step of its own; on a small pool calls are
+preempted), each with the tokens it gets alone on stock TP."""
 
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, a
     for r in ranks:
         assert r["tp_size"] == WORLD
         assert r["local_kv_heads"] == heads
-        # calls are not merged under TP (a step's make-up is not agreed across ranks): said once
-        assert r["warned_not_merged"] and r["merged_sessions"] == 0
+        # calls are merged under TP too, in steps rank 0 chooses for every rank
+        assert not r["warned_not_merged"] and r["merged_sessions"] >= 1
         for name, stock in r["stock"].items():
             ours = r["oxygen"][name]
             assert stock["cache"] != "PagedKVCache"
@@ -93,6 +96,15 @@ def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, a
         (blocks,) = r["small_blocks"]  # without the engine (TP) groups are as large as the pool
         groups = -(-130 // blocks)
         assert groups > 1 and r["split"] == [{"calls_split": 1, "groups_run": groups}], r["split"]
+        # calls from threads at once: each thread's tokens are stock's, one call after another
+        for phase in ("threads", "contended"):
+            assert not r[phase]["errors"], (r["rank"], r[phase]["errors"])
+            assert r[phase]["tokens"] == r[f"stock_{phase}"]["tokens"], (r["rank"], phase)
+        merged = max(max(s["batch_sizes"], default=0) for s in r["threads_sched"])
+        assert merged > 3  # a step took rows of more than one call (the widest call has 3)
+        assert sum(s["preemptions"] for s in r["contended_sched"]) > 0
+    for phase in ("threads_sched", "contended_sched"):  # the same steps on every rank
+        assert all(r[phase] == ranks[0][phase] for r in ranks), phase
     first = ranks[0]["oxygen"]
     for r in ranks[1:]:
         for name in first:

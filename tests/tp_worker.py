@@ -3,15 +3,18 @@ rank, with torch.distributed's environment set (RANK, WORLD_SIZE, MASTER_ADDR, M
 
 Loads the tiny checkpoint with transformers' own tensor-parallel plan (gloo on the CPU), runs
 generate() stock, then after oxygen_torch.enable() on the same model, then the wide call again on
-a pool it does not fit (row groups), and writes what the test compares to a JSON file per rank:
-the tokens, the cache the call used, its KV geometry on this rank, the block tables it decided
-and the oversubscription counters."""
+a pool it does not fit (row groups), then calls from several threads at once (merged in steps
+rank 0 chooses; on a small pool, with preemption), and writes what the test compares to a JSON
+file per rank: the tokens, the cache the call used, its KV geometry on this rank, the block
+tables it decided, the oversubscription counters and the step schedulers' figures."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import threading
+import time
 import warnings
 
 import torch
@@ -72,6 +75,70 @@ def run(model, seed: int, calls=None) -> dict:
     return got
 
 
+# concurrent calls, thread -> its calls (rows, prompt length, new tokens, extra generate() args);
+# "solo" asks for hidden states: its forwards cannot merge and are steps of their own
+THREADS = {
+    "tp-a": [(2, 9, 12, {}), (1, 20, 6, {})],
+    "tp-b": [(3, 14, 10, {})],
+    "tp-c": [(1, 7, 8, {"output_hidden_states": True, "return_dict_in_generate": True})],
+}
+# on a pool of 31 blocks (one a row): 48 rows at once, so calls wait and the low ones are
+# preempted for the high one
+CONTENDED = {f"tp-{i}": [(12, 11, 40, {})] for i in range(4)}
+HIGH = "tp-3"  # starts a little after the others, which hold the pool by then
+
+
+def thread_prompt(name: str, k: int, rows: int, length: int, seed: int):
+    g = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)) * 10 + k)
+    ids = torch.randint(1, 128, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, : length // 3] = 0  # left padding on the first row
+    return ids * mask, mask
+
+
+def thread_call(model, name: str, k: int, spec, seed: int) -> list:
+    rows, length, new, extra = spec
+    ids, mask = thread_prompt(name, k, rows, length, seed)
+    prio = "high" if name == HIGH else "low"
+    with torch.no_grad(), oxygen_torch.task(priority=prio, name=name):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             pad_token_id=0, **extra)  # fmt: skip
+    seqs = out.sequences if not isinstance(out, torch.Tensor) else out
+    return seqs[:, length:].tolist()
+
+
+def run_threads(model, plan: dict, seed: int, concurrent: bool) -> dict:
+    """Every thread's calls, the threads at once (or one after another: the reference)."""
+    got, errors = {}, []
+
+    def work(name):
+        if concurrent and name == HIGH and plan is CONTENDED:
+            time.sleep(0.3)
+        try:
+            got[name] = [
+                thread_call(model, name, k, spec, seed) for k, spec in enumerate(plan[name])
+            ]
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            errors.append(f"{name}: {err!r}")
+
+    threads = [threading.Thread(target=work, args=(n,), name=n) for n in plan]
+    for t in threads:
+        t.start()
+        if not concurrent:
+            t.join()
+    for t in threads:
+        t.join()
+    return {"tokens": got, "errors": errors}
+
+
+def sched_stats(model) -> list:
+    return sorted(
+        ({"steps": m.scheduler.stats.steps, "batch_sizes": m.scheduler.stats.batch_sizes,
+          "preemptions": m.scheduler.stats.preemptions} for m in batched._mergers[model].values()),
+        key=lambda s: s["steps"],
+    )  # fmt: skip
+
+
 def main(path: str, out_path: str, seed: int) -> None:
     warnings.simplefilter("ignore", FutureWarning)
     model = AutoModelForCausalLM.from_pretrained(
@@ -79,6 +146,8 @@ def main(path: str, out_path: str, seed: int) -> None:
     ).eval()
     text = model.config.get_text_config(decoder=True)
     result = {"rank": dist.get_rank(), "tp_size": model.tp_size, "stock": run(model, seed)}
+    result["stock_threads"] = run_threads(model, THREADS, seed, concurrent=False)
+    result["stock_contended"] = run_threads(model, CONTENDED, seed, concurrent=False)
     oxygen_torch.enable()
     oxygen_torch.apply(model)
     seen: list[str] = []
@@ -94,9 +163,16 @@ def main(path: str, out_path: str, seed: int) -> None:
         small = [p for p in kv_pool_stats() if p["block_tokens"] == 256]
         result["split"] = [p["oversubscribed"] for p in small]
         result["small_blocks"] = [p["blocks_total"] for p in small]
+        # concurrent calls from threads: merged in the steps rank 0 chose, on every rank
+        oxygen_torch.apply(model)
+        result["threads"] = run_threads(model, THREADS, seed, concurrent=True)
+        result["threads_sched"] = sched_stats(model)
+        oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20})
+        result["contended"] = run_threads(model, CONTENDED, seed, concurrent=True)
+        result["contended_sched"] = sched_stats(model)
     finally:
         _patching.log.removeHandler(handler)
-    result["warned_not_merged"] = sum("is tensor-parallel" in m for m in seen) == 1
+    result["warned_not_merged"] = any("is tensor-parallel" in m for m in seen)
     result["merged_sessions"] = len(batched._mergers.get(model, {}))
     result["local_kv_heads"] = compat.local_kv_heads(model, text)
     with open(out_path, "w") as f:

@@ -14,6 +14,14 @@ request, calls of a lower priority level (or of the same level, younger) that ar
 ``submit`` are preempted: their KV is freed and recomputed at their next step. A call that
 stops submitting is waited for at most ``gather_ms`` once, then marked late: steps go on without
 it until it submits again. A call that raises leaves at its generate()'s end (``leave``).
+
+Under tensor parallelism every rank runs the same forwards in the same order (their collectives
+pair up), so the steps are agreed (a ``coordinator``, engine/rank_plan.py): rank 0's scheduler
+chooses each step as above and publishes it (its preemptions, its errors, and each chunk as the
+call's key and the token budget it was planned with); the other ranks choose nothing: one of their
+waiting threads receives the plan, waits until every call it names has submitted, and runs the
+same step. A call's key names it on every rank (the integration's: its thread and the count of
+that thread's calls). A forward the merge cannot take is a step of its own there (a ``Solo``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ class Call:
     state: Any = None  # the runner's per-call data
     first_done: float | None = None  # when its first request (the prefill) completed
     last_done: float | None = None
+    key: Any = None  # the call's name on every rank (coordinated steps only)
 
 
 @dataclass
@@ -71,6 +80,15 @@ class Chunk:
     rows: int
     blocks: int
     part: Any = None
+    budget: int = 0  # the token budget it was planned with (what another rank plans it with)
+
+
+@dataclass
+class Solo:
+    """A forward the merge cannot take, run as it is (`run()`), alone in a step of its own:
+    under coordinated steps every forward of a registered call goes through the scheduler."""
+
+    run: Any
 
 
 class Runner(Protocol):
@@ -90,10 +108,21 @@ class StepStats:
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step, the last 1024
 
 
+class Coordinator(Protocol):
+    leader: bool  # chooses the steps (rank 0); the others follow
+
+    def publish(self, plan: dict) -> None: ...
+    def receive(self) -> dict: ...
+
+
 class StepScheduler:
-    def __init__(self, cfg: SchedulerConfig, runner: Runner):
+    def __init__(
+        self, cfg: SchedulerConfig, runner: Runner, coordinator: Coordinator | None = None
+    ):
         self.cfg = cfg
         self.runner = runner
+        self.coordinator = coordinator
+        self._told: dict = {}  # what the step being chosen did, for the other ranks
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
         self._cond = threading.Condition()
         self._calls: list[Call] = []
@@ -104,8 +133,8 @@ class StepScheduler:
 
     # --- calls -----------------------------------------------------------------------------------
 
-    def enter(self, task: Task, state: Any = None) -> Call:
-        call = Call(Account(task), state=state)
+    def enter(self, task: Task, state: Any = None, key: Any = None) -> Call:
+        call = Call(Account(task), state=state, key=key)
         with self._cond:
             self.policy.join(call.account, [c.account for c in self._calls])
             self._calls.append(call)
@@ -150,7 +179,11 @@ class StepScheduler:
             self._cond.notify_all()
             try:
                 while not req.done:
-                    if self._stepping or not self._should_step():
+                    if self._stepping:
+                        self._cond.wait(self._wait_s())
+                    elif self.coordinator is not None and not self.coordinator.leader:
+                        self._follow()
+                    elif not self._should_step():
                         self._cond.wait(self._wait_s())
                     elif not self._step():
                         # nothing fits (the KV a request needs is held by a call still in its
@@ -193,11 +226,72 @@ class StepScheduler:
     def _step(self) -> bool:
         """Leads one step; False when nothing could be served."""
         self._stepping = True
+        self._told = {"preempt": [], "errors": []}
         try:
             chunks = self._select()
+            told = self._told
+            if self.coordinator is not None and (chunks or told["preempt"] or told["errors"]):
+                told["chunks"] = [(ch.request.call.key, ch.budget, ch.tokens, ch.rows)
+                                  for ch in chunks]  # fmt: skip
+                self.coordinator.publish(told)  # (blocks until every rank has it)
         except BaseException:
             self._stepping = False
             raise
+        return self._run(chunks)
+
+    def _follow(self) -> None:
+        """Runs the next step rank 0 chose (a coordinated rank other than 0)."""
+        self._stepping = True
+        try:
+            self._cond.release()
+            try:
+                plan = self.coordinator.receive()
+            finally:
+                self._cond.acquire()
+            calls = self._awaited(plan)
+            for key in plan["preempt"]:
+                self._preempt(calls[key])
+            for key, message in plan["errors"]:
+                calls[key].queued.error, calls[key].queued.done = KVBudgetError(message), True
+            chunks = []
+            for key, budget, tokens, rows in plan["chunks"]:
+                ch = self.runner.plan(calls[key].queued, budget)
+                if ch is None or (ch.tokens, ch.rows) != (tokens, rows):
+                    got = None if ch is None else (ch.tokens, ch.rows)
+                    raise RuntimeError(
+                        f"oxygen_torch: the ranks disagree on call {key!r}: rank 0 planned "
+                        f"{(tokens, rows)} (tokens, rows) for it, this rank {got}; every rank "
+                        "must make the same generate() calls with the same inputs"
+                    )
+                chunks.append(ch)
+        except BaseException:
+            self._stepping = False
+            raise
+        self._run(chunks)
+
+    def _awaited(self, plan: dict, timeout_s: float = 300.0) -> dict:
+        """The calls a plan names, by key, once each has a request waiting, as on rank 0 (which
+        preempts only calls waiting in submit; lock held)."""
+        keys = (
+            set(plan["preempt"]) | {k for k, _ in plan["errors"]} | {c[0] for c in plan["chunks"]}
+        )
+        end = time.monotonic() + timeout_s
+        while True:
+            calls = {c.key: c for c in self._calls}
+            missing = [k for k in keys if k not in calls or not self._waiting(calls[k])]
+            if not missing:
+                return calls
+            if time.monotonic() > end:
+                names = sorted(map(str, missing))
+                raise RuntimeError(
+                    f"oxygen_torch: rank 0's step names generate() calls {names} that this rank "
+                    f"has not made within {timeout_s:.0f} s: every rank must make the same calls "
+                    "from the same threads (named alike)"
+                )
+            self._cond.wait(self._wait_s())
+
+    def _run(self, chunks: list[Chunk]) -> bool:
+        """Runs the chosen chunks as one step (lock held, released while the forward runs)."""
         if not chunks:
             self._stepping = False
             return False
@@ -270,21 +364,24 @@ class StepScheduler:
         step = _Budget(self.cfg.max_step_tokens, self.cfg.max_step_seqs, self.runner.free_blocks())
         for call in ranked:
             ch = self.runner.plan(call.queued, step.tokens)
-            if ch is None or (step.chosen and ch.rows > step.seqs):
+            solo = ch is not None and isinstance(call.queued.payload, Solo)
+            if ch is None or (step.chosen and (ch.rows > step.seqs or solo)):
                 continue
+            ch.budget = step.tokens
             if ch.blocks > step.free:
                 self._preempt_for(ch.blocks - step.free, call, ranked, step)
             if ch.blocks > step.free:
                 if ch.blocks > self.runner.total_blocks():
-                    call.queued.error = KVBudgetError(
+                    message = (
                         f"oxygen_torch: this generate() step needs {ch.blocks} KV blocks, the "
                         f"whole KV pool holds {self.runner.total_blocks()}: raise kv.arena_bytes "
                         "or split the batch"
                     )
-                    call.queued.done = True
+                    call.queued.error, call.queued.done = KVBudgetError(message), True
+                    self._told["errors"].append((call.key, message))
                 continue
             step.take(ch)
-            if step.tokens <= 0 or step.seqs <= 0:
+            if step.tokens <= 0 or step.seqs <= 0 or solo:
                 break
         return step.chosen
 
@@ -305,15 +402,21 @@ class StepScheduler:
             if freed >= need:
                 break
             step.drop(c)
-            got = self.runner.preempt(c)
+            got = self._preempt(c)
             if got:
-                c.preempted = not c.swapped  # a swapped call's KV comes back, no recompute
-                freed += got
-                self.stats.preemptions += 1
-                self.stats.swaps += c.swapped
-                for observe in self.observers:
-                    observe("preempted", c, blocks=got)
+                self._told["preempt"].append(c.key)
+            freed += got
         step.free += freed
+
+    def _preempt(self, c: Call) -> int:
+        got = self.runner.preempt(c)
+        if got:
+            c.preempted = not c.swapped  # a swapped call's KV comes back, no recompute
+            self.stats.preemptions += 1
+            self.stats.swaps += c.swapped
+            for observe in self.observers:
+                observe("preempted", c, blocks=got)
+        return got
 
 
 @dataclass

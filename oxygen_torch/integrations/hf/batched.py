@@ -9,6 +9,11 @@ side; each caller gets its rows of logits back, as its own forward would have re
 A call alone runs as before (decode graphs included). A forward the merge cannot take (inputs
 embeddings, hidden states asked for, ...) runs alone, in its caller's thread.
 
+On a tensor-parallel model (engine/rank_plan.py) every forward of a registered call goes through
+the scheduler, whose steps rank 0 chooses for every rank: a call alone is a merged step of one,
+and a forward the merge cannot take is a step of its own (`solo`). Calls are matched across ranks
+by their key: the name of the thread that makes them and the count of that thread's calls.
+
 Each registered call's core records the tokens it holds (kv/history.py: ids and positions per
 row, also for the steps it ran alone), so a call the scheduler preempts has its KV recomputed at
 its next step.
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ... import _patching
-from ...engine.scheduler import Chunk, Request, StepScheduler
+from ...engine import rank_plan
+from ...engine.scheduler import Chunk, Request, Solo, StepScheduler
 from ...engine.task import PRIORITIES, Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
@@ -65,7 +71,10 @@ class Merger:
 
     def __init__(self, model, cache: PagedKVCache):
         self._model = weakref.ref(model)
-        self.scheduler = StepScheduler(cache.cfg.scheduler, self)
+        # tensor parallel: steps agreed across the ranks (the integration checked it can be)
+        self.coordinated = rank_plan.tp_size(model) > 1
+        coordinator = rank_plan.coordinator() if self.coordinated else None
+        self.scheduler = StepScheduler(cache.cfg.scheduler, self, coordinator)
         self.out_type = None
         self.graphs = merged_graphs.MergedGraphs()
 
@@ -73,7 +82,7 @@ class Merger:
 
     def wanted(self, kw: dict, args: tuple) -> bool:
         return (
-            self.scheduler.live() > 1
+            (self.coordinated or self.scheduler.live() > 1)
             and not args
             and isinstance(kw.get("input_ids"), torch.Tensor)
             and all(v is None or k in _MERGEABLE for k, v in kw.items())
@@ -83,6 +92,10 @@ class Merger:
     def forward(self, call, name: str, cache: PagedKVCache, kw: dict):
         """One forward of `call` (its cache under `name`), served by a merged step."""
         return self.scheduler.submit(call, self._parse(cache, name, kw))
+
+    def solo(self, call, run):
+        """A forward the merge cannot take (`run()`), as a step of its own (coordinated)."""
+        return self.scheduler.submit(call, Solo(run))
 
     def _parse(self, cache: PagedKVCache, name: str, kw: dict) -> Work:
         ids = kw["input_ids"]
@@ -111,6 +124,8 @@ class Merger:
     # --- the Runner protocol ---------------------------------------------------------------------
 
     def plan(self, req: Request, budget: int) -> Chunk | None:
+        if isinstance(req.payload, Solo):
+            return Chunk(req, 1, 0, 0, "solo")  # its forward reserves its own blocks
         work: Work = req.payload
         core = work.cache._core
         cols_left = work.real.shape[1] - work.done
@@ -186,6 +201,10 @@ class Merger:
         model = self._model()
         if model is None:
             raise RuntimeError("oxygen_torch: the model of these generate() calls is gone")
+        if chunks[0].part == "solo":
+            req = chunks[0].request
+            req.result, req.done = req.payload.run(), True
+            return True
         for ch in chunks:
             self._bind(model, ch.request.payload.cache, ch.request.payload.real.shape[0])
         parts = [
@@ -399,6 +418,16 @@ def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
 
 
 _mergers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Merger}
+_calls_made = threading.local()  # this thread's coordinated calls so far (their keys)
+
+
+def _call_key() -> tuple[str, int]:
+    """A coordinated call's name on every rank: its thread's name and that thread's count."""
+    n = getattr(_calls_made, "n", 0)
+    _calls_made.n = n + 1
+    return threading.current_thread().name, n
+
+
 _mergers_lock = threading.Lock()
 
 
@@ -439,7 +468,8 @@ def session(model, cache: PagedKVCache, task: Task):
     core = cache._core
     if core.seqs is None and core.history is None:  # a fresh cache: its tokens can be recorded
         core.history = History(0)
-    call = merger.scheduler.enter(task, CallState(cache))
+    key = _call_key() if merger.coordinated else None
+    call = merger.scheduler.enter(task, CallState(cache), key)
     cache.merge = (merger, call)
     try:
         yield call

@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ... import _patching
 from ...config import OxygenConfig, load_config
+from ...engine import rank_plan
 from ...engine.task import current as current_task
 from ...kv.pool import release_pools
 from . import batched, graphs, oversubscribe, router
@@ -110,8 +111,10 @@ def _generate(self, *args, **kwargs):
         return _state.generate(self, *args, **kwargs)
     router.ensure(self)
     cfg = config_of(self)
-    merged = cfg.scheduler.merge and not _tensor_parallel(self)
-    verdict = oversubscribe.judge(self, cfg, args, kwargs, merged)  # None: its rows fit
+    tp = rank_plan.tp_size(self) > 1
+    merged = cfg.scheduler.merge and (not tp or _coordinated(self))
+    # (tensor parallel: row groups one after another, the same on every rank)
+    verdict = oversubscribe.judge(self, cfg, args, kwargs, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
     kwargs, cache = gen.plan(self, cfg, args, kwargs)
@@ -130,18 +133,17 @@ def _generate(self, *args, **kwargs):
     return out
 
 
-def _tensor_parallel(model) -> bool:
-    """A model sharded by transformers' tensor-parallel plan: its calls are not merged. A merged
-    step's make-up depends on when each thread's call arrives, which differs from rank to rank,
-    and every rank must run the same forwards in the same order (their collectives pair up)."""
-    if (getattr(model, "tp_size", None) or 1) <= 1:
-        return False
+def _coordinated(model) -> bool:
+    """Whether the calls of a tensor-parallel model are merged, in steps rank 0 chooses for every
+    rank (engine/rank_plan.py); when they cannot be, they run one by one, with one warning."""
+    reason = rank_plan.unsupported(model)
+    if reason is None:
+        return True
     _patching.warn_once(
-        f"oxygen_torch: {type(model).__name__} is tensor-parallel: its generate() calls run one "
-        "by one, not merged (a merged step is not yet agreed across ranks); issue them in the "
-        "same order on every rank"
+        f"oxygen_torch: {type(model).__name__} is tensor-parallel and its generate() calls run "
+        f"one by one, not merged ({reason}); issue them in the same order on every rank"
     )
-    return True
+    return False
 
 
 def _not_on_oxygen(model) -> None:

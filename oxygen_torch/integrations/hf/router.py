@@ -61,6 +61,20 @@ def _paged_call(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
         if not (hooks or wrapped) and merger.wanted(kw, args):  # (a merged step skips both)
             return merger.forward(call, name, cache, kw)
         merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
+        if merger.coordinated:  # tensor parallel: a step of its own, where rank 0 puts it
+            grad = torch.is_grad_enabled()
+
+            def alone():
+                context.begin_forward()  # (on the stepping thread)
+                with torch.set_grad_enabled(grad):
+                    return _alone(model, name, cache, args, kw, own, hooks, wrapped)
+
+            return merger.solo(call, alone)
+    return _alone(model, name, cache, args, kw, own, hooks, wrapped)
+
+
+def _alone(model, name: str, cache: PagedKVCache, args: tuple, kw: dict, own, hooks, wrapped):
+    """The forward on the paged cache run by itself (decode graphs where they apply)."""
     if hooks:
         _patching.warn_once(
             "oxygen_torch: decode steps run without CUDA graphs: the model has forward hooks"
