@@ -97,14 +97,17 @@ def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, a
         groups = -(-130 // blocks)
         assert groups > 1 and r["split"] == [{"calls_split": 1, "groups_run": groups}], r["split"]
         # calls from threads at once: each thread's tokens are stock's, one call after another
-        for phase in ("threads", "contended"):
+        for phase, stock in (("threads", "threads"), ("contended", "contended"),
+                             ("swapped", "contended")):  # fmt: skip
             assert not r[phase]["errors"], (r["rank"], r[phase]["errors"])
-            assert r[phase]["tokens"] == r[f"stock_{phase}"]["tokens"], (r["rank"], phase)
+            assert r[phase]["tokens"] == r[f"stock_{stock}"]["tokens"], (r["rank"], phase)
         merged = max(max(s["batch_sizes"], default=0) for s in r["threads_sched"])
         assert merged > 3  # a step took rows of more than one call (the widest call has 3)
         assert sum(s["preemptions"] for s in r["contended_sched"]) > 0
-    for phase in ("threads_sched", "contended_sched"):  # the same steps on every rank
-        assert all(r[phase] == ranks[0][phase] for r in ranks), phase
+        assert sum(s["swaps"] for s in r["swapped_sched"]) > 0  # the tier took them
+        assert r["tier"] and r["tier"][0]["bytes_down"] == r["tier"][0]["bytes_up"] > 0
+    for phase in ("threads_sched", "contended_sched", "swapped_sched", "tier"):
+        assert all(r[phase] == ranks[0][phase] for r in ranks), phase  # the same on every rank
     first = ranks[0]["oxygen"]
     for r in ranks[1:]:
         for name in first:

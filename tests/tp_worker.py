@@ -134,7 +134,8 @@ def run_threads(model, plan: dict, seed: int, concurrent: bool) -> dict:
 def sched_stats(model) -> list:
     return sorted(
         ({"steps": m.scheduler.stats.steps, "batch_sizes": m.scheduler.stats.batch_sizes,
-          "preemptions": m.scheduler.stats.preemptions} for m in batched._mergers[model].values()),
+          "preemptions": m.scheduler.stats.preemptions, "swaps": m.scheduler.stats.swaps}
+         for m in batched._mergers[model].values()),
         key=lambda s: s["steps"],
     )  # fmt: skip
 
@@ -170,6 +171,14 @@ def main(path: str, out_path: str, seed: int) -> None:
         oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20})
         result["contended"] = run_threads(model, CONTENDED, seed, concurrent=True)
         result["contended_sched"] = sched_stats(model)
+        # the same with a CPU tier: the preempted calls' KV (this rank's share) is swapped out
+        oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20},
+                           pool={"cpu_tier_bytes": 64 << 20})  # fmt: skip
+        result["swapped"] = run_threads(model, CONTENDED, seed, concurrent=True)
+        result["swapped_sched"] = sched_stats(model)
+        tiers = [p["cpu_tier"] for p in kv_pool_stats() if p["cpu_tier"]]
+        result["tier"] = [{k: t[k] for k in ("migrations_down", "bytes_down", "bytes_up")}
+                          for t in tiers]  # fmt: skip
     finally:
         _patching.log.removeHandler(handler)
     result["warned_not_merged"] = any("is tensor-parallel" in m for m in seen)
