@@ -37,6 +37,8 @@ from .policy import Account
 from .stats import METRICS
 from .task import Task
 
+FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls rank 0's step names
+
 
 class KVBudgetError(RuntimeError):
     """A request needs more KV blocks than the whole pool holds."""
@@ -269,13 +271,13 @@ class StepScheduler:
             raise
         self._run(chunks)
 
-    def _awaited(self, plan: dict, timeout_s: float = 300.0) -> dict:
+    def _awaited(self, plan: dict) -> dict:
         """The calls a plan names, by key, once each has a request waiting, as on rank 0 (which
         preempts only calls waiting in submit; lock held)."""
         keys = (
             set(plan["preempt"]) | {k for k, _ in plan["errors"]} | {c[0] for c in plan["chunks"]}
         )
-        end = time.monotonic() + timeout_s
+        end = time.monotonic() + FOLLOW_TIMEOUT_S
         while True:
             calls = {c.key: c for c in self._calls}
             missing = [k for k in keys if k not in calls or not self._waiting(calls[k])]
@@ -285,8 +287,8 @@ class StepScheduler:
                 names = sorted(map(str, missing))
                 raise RuntimeError(
                     f"oxygen_torch: rank 0's step names generate() calls {names} that this rank "
-                    f"has not made within {timeout_s:.0f} s: every rank must make the same calls "
-                    "from the same threads (named alike)"
+                    f"has not made within {FOLLOW_TIMEOUT_S:g} s: every rank must make the "
+                    "same calls from the same threads (named alike)"
                 )
             self._cond.wait(self._wait_s())
 
