@@ -64,6 +64,7 @@ class Work:
     pos: torch.Tensor  # [B, q] int64, host
     keep: int
     done: int = 0  # columns served by earlier steps
+    alone: object = None  # coordinated: runs the forward by itself (a step of one whole call)
 
 
 class Merger:
@@ -89,9 +90,13 @@ class Merger:
             and (kw.get("logits_to_keep") is None or isinstance(kw.get("logits_to_keep"), int))
         )
 
-    def forward(self, call, name: str, cache: PagedKVCache, kw: dict):
-        """One forward of `call` (its cache under `name`), served by a merged step."""
-        return self.scheduler.submit(call, self._parse(cache, name, kw))
+    def forward(self, call, name: str, cache: PagedKVCache, kw: dict, alone=None):
+        """One forward of `call` (its cache under `name`), served by a merged step. `alone()`
+        runs it by itself: under coordinated steps, a step that is this whole forward alone
+        runs it so (decode graphs included, as a call alone does without tensor parallelism)."""
+        work = self._parse(cache, name, kw)
+        work.alone = alone if self.coordinated else None
+        return self.scheduler.submit(call, work)
 
     def solo(self, call, run):
         """A forward the merge cannot take (`run()`), as a step of its own (coordinated)."""
@@ -201,9 +206,10 @@ class Merger:
         model = self._model()
         if model is None:
             raise RuntimeError("oxygen_torch: the model of these generate() calls is gone")
-        if chunks[0].part == "solo":
+        if chunks[0].part == "solo" or self._whole_alone(chunks):
             req = chunks[0].request
-            req.result, req.done = req.payload.run(), True
+            run = req.payload.run if chunks[0].part == "solo" else req.payload.alone
+            req.result, req.done = run(), True
             return True
         for ch in chunks:
             self._bind(model, ch.request.payload.cache, ch.request.payload.real.shape[0])
@@ -236,6 +242,20 @@ class Merger:
         self._record(chunks)  # (after the step: a failed one leaves its preempted to recompute)
         self._deliver(chunks, logits, keeps)
         return True
+
+    @staticmethod
+    def _whole_alone(chunks: list[Chunk]) -> bool:
+        """A coordinated step that is one call's whole forward, nothing recomputed or swapped:
+        it runs by itself (every rank decides alike: the same state, the same chunks)."""
+        if len(chunks) != 1:
+            return False
+        ch = chunks[0]
+        work, call = ch.request.payload, ch.request.call
+        return (
+            getattr(work, "alone", None) is not None and work.done == 0
+            and ch.part[0] == work.real.shape[1] and not call.preempted
+            and work.cache._core._swapped is None
+        )  # fmt: skip
 
     # --- merged decode steps through CUDA graphs (merged_graphs.py) ----------------------------
 
