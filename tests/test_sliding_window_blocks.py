@@ -280,9 +280,11 @@ def test_a_hybrid_model_gives_nothing_back_and_equals_stock(oxygen):
     assert _freed() == freed0
 
 
-def test_the_prefix_cache_keeps_no_row_that_gave_blocks_back(oxygen):
-    """Row 0 (28 real tokens + 30 new) gives blocks back, row 1 (10 + 30) does not: only row 1
-    is kept. The same call again gives the same tokens."""
+def test_a_row_that_gives_blocks_back_keeps_its_prompt_in_the_prefix_cache_first(oxygen):
+    """Row 0 (28 real tokens + 30 new) gives blocks back: just before it first does, its
+    prompt's whole block joins the prefix cache; row 1 (10 + 30, nothing given back) is kept
+    whole after the call. The same call again starts on row 0's cached block, with the same
+    tokens."""
     hf_prefix.clear()
     ids, mask = batch(b=2, n=28, seed=6, pads=(0, 18))
     model = tiny("mistral")
@@ -293,10 +295,12 @@ def test_the_prefix_cache_keeps_no_row_that_gave_blocks_back(oxygen):
     assert got.past_key_values._core.seqs.dropped[0] > 0
     assert got.past_key_values._core.seqs.dropped[1] == 0
     (pc,) = [p["prefix_cache"] for p in pool_stats() if p["prefix_cache"] is not None]
-    assert pc["cached_blocks"] == 39 // BT  # row 1's 39 stored tokens: 2 whole blocks
-    assert torch.equal(_generate(model, ids, mask, 30), ref)
+    # row 0's prompt: 28 // 16 = 1 whole block; row 1's 39 stored tokens: 2 whole blocks
+    assert pc["cached_blocks"] == 28 // BT + 39 // BT
+    again = _generate(model, ids, mask, 30, return_dict_in_generate=True)
+    assert torch.equal(again.sequences, ref)
     (pc2,) = [p["prefix_cache"] for p in pool_stats() if p["prefix_cache"] is not None]
-    assert pc2["misses"] == pc["misses"] + 2  # row 0 found nothing: the batch starts at 0
+    assert pc2["hit_tokens"] > pc["hit_tokens"]  # row 0 started on its cached prompt block
 
 
 def test_a_call_that_starts_on_cached_blocks_gives_them_back_behind_the_window(oxygen):

@@ -72,6 +72,9 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
         self.fresh_prefill = check_setting("PagedKVCore", fresh_prefill)  # kv.fresh_prefill
         self.window = window
+        # callable(core, rows) run (pool lock held) before rows first give blocks back behind the
+        # window: the prefix cache keeps their prompt's blocks then (integrations/hf/prefix.py)
+        self.before_drop = None
         self.pool: KVPool | None = None
         self.seqs: SequenceBlocks | None = None
         self.history: History | None = None  # tokens held, kept for a recompute (the engine)

@@ -35,6 +35,9 @@ class WindowMixin:
             return
         freed, cols = 0, []
         with self.pool.lock:
+            first = [b for b in due if not seqs.dropped[b]]
+            if first and self.before_drop is not None:
+                self.before_drop(self, first)
             for b in due:
                 c, f = seqs.drop_before(b, self._window_start(seqs.lens[b]))
                 freed += f

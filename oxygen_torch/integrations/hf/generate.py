@@ -11,6 +11,7 @@ SDPA by itself, see attention.py). Nothing is written to the model or its config
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ... import _patching
@@ -187,6 +188,8 @@ def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache)
     if cols and _chunk(call, cfg, cols) is not None:
         cols = 0
     cache.prefix_prompt = prompt
+    # a row about to give blocks back behind its window keeps its prompt in the cache first
+    cache._core.before_drop = functools.partial(prefix_cache.keep_prompt, prompt)
     return prefix_cache.start_on_cache(
         prompt, cache, geometry, limit=cols, record=cfg.scheduler.merge
     )

@@ -13,10 +13,11 @@ but on the left, inputs_embeds, position_ids given, assisted decoding: the call 
 nor fills the cache.
 
 After the call, each row's whole blocks are kept: the prompt's, and without beams also the
-tokens it generated (the next turn of a chat starts with them); not a row that gave back blocks
-behind its sliding window (kv/window.py): a chain starts at token 0. Keys carry the model (one id
-per model object: another model of the same shape shares the pool, not its K/V), the precision
-and the tiles. The cache assumes a model's weights do not change;
+tokens it generated (the next turn of a chat starts with them). A row that gives back blocks
+behind its sliding window (kv/window.py) keeps its prompt's whole blocks (those computed by
+then) just before it first does, and nothing after the call: a chain starts at token 0. Keys
+carry the model (one id per model object: another model of the same shape shares the pool, not
+its K/V), the precision and the tiles. The cache assumes a model's weights do not change;
 `oxygen_torch.clear_prefix_cache()` drops it after they do.
 """
 
@@ -180,6 +181,19 @@ def keep(prompt: Prompt, cache: PagedKVCache, out) -> None:
             n = min(len(tokens), seqs.lens[r])
             pc.insert(prompt.ns, tokens[:n], seqs.blocks[r])
         pc.sweep()
+
+
+def keep_prompt(prompt: Prompt, core, rows: list[int]) -> None:
+    """A core's before_drop (pool lock held): rows about to give their first blocks back
+    behind the window keep their prompt's whole blocks computed so far."""
+    seqs, pc = core.seqs, prompt.pool.prefix
+    if pc is None or core.pool is not prompt.pool or len(seqs) != len(prompt.rows) * prompt.expand:
+        return
+    for r in rows:
+        if r % prompt.expand:
+            continue  # every row of a prompt starts with the same prompt blocks
+        tokens = prompt.rows[r // prompt.expand]
+        pc.insert(prompt.ns, tokens[: min(len(tokens), seqs.lens[r])], seqs.blocks[r])
 
 
 def clear() -> int:
