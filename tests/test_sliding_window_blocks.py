@@ -355,3 +355,29 @@ def test_on_the_gpu_greedy_equals_stock_and_each_row_holds_its_window(oxygen, ar
     assert torch.equal(got.sequences, ref)
     assert max(used.seen[1:]) <= 2 * BOUND  # after the prefill
     assert all(d >= 2 for d in got.past_key_values._core.seqs.dropped)
+
+
+def test_a_window_model_is_not_split_for_blocks_it_gives_back(oxygen):
+    """19 rows of up to 12 tokens + 200 new on a pool of 255 blocks of 16 tokens: stored whole
+    they need 19 x 14 = 266 blocks, so a full-attention model's call runs as row groups
+    (kv.oversubscribe); with a window of 12 on every layer a row holds 3 blocks at most, so the
+    call runs whole. Both give stock's tokens."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 128, (19, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::4, :3] = 0  # left padding on every fourth row
+    ids = ids * mask
+    cfg = load_config(kv={"block_tokens": 16, "arena_bytes": 8 << 20})
+
+    def splits() -> int:
+        return sum(p["oversubscribed"]["calls_split"] for p in pool_stats())
+
+    for arch, split in (("mistral", 0), ("mistral_full", 1)):
+        model = tiny(arch)
+        ref = _generate(model, ids, mask, 200)
+        hf.apply(model, cfg)
+        before = splits()
+        assert torch.equal(_generate(model, ids, mask, 200), ref), arch
+        assert splits() - before == split, arch
+    (small,) = [p for p in pool_stats() if p["blocks_total"] == 255]
+    assert small["peak_blocks_used"] <= 255

@@ -9,7 +9,9 @@ else num_return_sequences) need `expand * ceil((real_r + new - 1) / block_tokens
 call is oversubscribed when the sum over rows exceeds the pool's blocks (what the engine's
 admission measures a request against: KVBudgetError). Exact for rows that run to
 max_new_tokens; an upper bound when an EOS stops them, beams share blocks, or the prefix cache
-gives a prompt's blocks.
+gives a prompt's blocks. A model whose every layer has one sliding window (kv/window.py) holds a
+row's window, margin and partial block at most once its prompt is in (the prompt whole, or a
+prefill chunk more than the window, while it is).
 
 The prompt rows (each with its expanded rows: a family stays together) are cut, in order, into
 groups that each need at most half the pool when the multi-task engine merges calls
@@ -80,7 +82,8 @@ class Verdict:
         """`err` (a KV error of the whole call) with why the call was not split."""
         return type(err)(
             f"{err}; this generate() needs up to {self.need} KV blocks of {self.block_tokens} "
-            f"tokens (prompt + max_new_tokens per row), the KV pool holds {self.budget}, and it "
+            f"tokens (prompt + max_new_tokens per row, or a sliding window's worth), the KV pool "
+            f"holds {self.budget}, and it "
             f"was not split into row groups: {self.reason}"
         )
 
@@ -104,7 +107,8 @@ def judge(model, cfg, args: tuple, kwargs: dict, merged: bool) -> Verdict | None
     if batch * expand * -(-(width + new - 1) // bt) <= budget:
         return None  # fits even counting padding: no look at the mask (a device sync)
     real = _real_tokens(call, batch, width)
-    needs = [expand * -(-(n + new - 1) // bt) for n in real]
+    held = _held_at_most(cache._core.window, bt, new, gen._chunk(call, cfg))
+    needs = [expand * held(n) for n in real]
     if sum(needs) <= budget:
         return None
     v = Verdict(pool, sum(needs), budget, bt, batch, expand, None)
@@ -116,6 +120,27 @@ def judge(model, cfg, args: tuple, kwargs: dict, merged: bool) -> Verdict | None
     largest = max(sum(needs[r] for r in g) for g in v.groups)
     v.concurrent = max(1, budget // largest) if merged else 1
     return v
+
+
+def _held_at_most(window: int | None, bt: int, new: int, chunk: int | None):
+    """blocks(real prompt tokens) a row holds at most: all it stores, or with a sliding window
+    on every layer (kv/window.py) its window, margin and partial block, and while the prompt is
+    prefilled its whole prompt (or a prefill chunk more than the window)."""
+
+    def stored(n: int) -> int:
+        return -(-(n + new - 1) // bt)
+
+    if window is None:
+        return stored
+    kept = -(-(window + bt) // bt) + 1
+
+    def held(n: int) -> int:
+        prompt = -(-n // bt) + 1
+        if chunk is not None:
+            prompt = min(prompt, kept + -(-chunk // bt))
+        return min(stored(n), max(kept, prompt))
+
+    return held
 
 
 def _on_paged_cache(model, call, kwargs: dict) -> bool:
