@@ -89,14 +89,16 @@ def worker(pool, seed: int, ops: int, live_max: int, lo: int, hi: int, errors: l
         errors.append(f"seed {seed}: {exc!r}")
 
 
-def replay(ops: list[list], capacity: int) -> dict:
+def replay(ops: list[list], capacity: int, hysteresis_us: int = 0) -> dict:
     """Replay an alloc/free trace (benchmarks/workloads.py, record_trace.py) on a host pool, every
     block stamped at its malloc and checked at its free. The pool's figures at the end, with
-    `overwritten` (blocks whose content changed) and the mapped bytes after empty_cache()."""
+    `overwritten` (blocks whose content changed) and the mapped bytes after empty_cache().
+    hysteresis_us 0: the pool's default (idle pages age by wall time, so the figures depend on
+    how fast the replay runs); 1: idle pages go at the next operation, whatever the speed."""
     from oxygen_torch.pool import VirtualPool
 
     bad = 0
-    with VirtualPool(backend="host", capacity=capacity) as pool:
+    with VirtualPool(backend="host", capacity=capacity, hysteresis_us=hysteresis_us) as pool:
         ptrs: dict[int, int] = {}
         for op, size, i, stream in ops:
             if op == "a":

@@ -51,12 +51,16 @@ def test_family_trace_fragments_little_and_keeps_contents(seed):
     base = replay_best_fit_no_unmap(ops)
     if not enough_descriptors(base["peak_mapped_bytes"] // (2 * MiB) + 64):
         pytest.skip("replay needs more open memfds than RLIMIT_NOFILE allows here")
-    s = host_random.replay(ops, capacity=base["peak_mapped_bytes"] + 64 * MiB)
-    assert s["overwritten"] == 0 and s["mapped_after_empty_cache"] == 0
-    assert s["peak_allocated_bytes"] == base["peak_allocated_bytes"]
-    assert s["num_ooms"] == 0 and s["num_bad_frees"] == 0
-    # 0.2-1.0 % here; 0.2-1.9 % with one slab page per size class (seed 0: 1.91 %)
-    assert s["fragmentation"] <= min(0.015, base["fragmentation"]), (s["fragmentation"], base)
+    cap = base["peak_mapped_bytes"] + 64 * MiB
+    # Idle pages age by wall time (the pool's 2 ms hysteresis), so at the default the replay's
+    # speed moves the figure (seed 0: 1.0-1.3 % on an idle machine, 1.6 % once under CI's
+    # load). With a 1 us hysteresis it does not depend on the machine: 0.2-0.7 %.
+    for hysteresis_us, most in ((1, 0.015), (0, base["fragmentation"])):
+        s = host_random.replay(ops, capacity=cap, hysteresis_us=hysteresis_us)
+        assert s["overwritten"] == 0 and s["mapped_after_empty_cache"] == 0
+        assert s["peak_allocated_bytes"] == base["peak_allocated_bytes"]
+        assert s["num_ooms"] == 0 and s["num_bad_frees"] == 0
+        assert s["fragmentation"] <= most, (hysteresis_us, s["fragmentation"], base)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
