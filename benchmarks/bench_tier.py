@@ -452,7 +452,7 @@ def _oversub_stats() -> list:
 # --- prefix cache -------------------------------------------------------------------------------
 
 
-def _demote_all() -> int:
+def demote_all() -> int:
     """Moves every cached block only the prefix cache holds down to the CPU tier."""
     from oxygen_torch.kv.pool import _pools, _pools_lock
 
@@ -495,7 +495,7 @@ def prefix(mode: str) -> dict:
     times, tokens = [], []
     for u in users:
         if mode == "prefix_cpu":
-            _demote_all()
+            demote_all()
         out, dt = ttft(u if floor else torch.cat([system, u], 1))
         times.append(dt)
         tokens.append(int(out[0, -1]))
@@ -511,7 +511,7 @@ def prefix(mode: str) -> dict:
     for t in range(TURNS if not floor else 0):
         conv = torch.cat([conv, prompts(1, USER, seed=500 + t)], 1)
         if mode == "prefix_cpu":
-            _demote_all()
+            demote_all()
         with torch.no_grad():
             out, dt = timed(
                 lambda c=conv: model.generate(

@@ -37,6 +37,7 @@ import statistics
 import time
 
 import torch
+from bench_tier import demote_all  # (benchmarks/ is the script's own directory)
 
 MODES = ("off", "miss", "hit", "tier")
 SHAPE = dict(
@@ -92,20 +93,6 @@ def build(device: str, dtype: torch.dtype, prefix: bool, tier_bytes: int):
         pool={"cpu_tier_bytes": tier_bytes},
     )
     return hf.apply(model, cfg)
-
-
-def demote_all() -> int:
-    """Moves every cached block only the prefix cache holds down to the CPU tier."""
-    from oxygen_torch.kv.pool import _pools, _pools_lock
-
-    with _pools_lock:
-        pools = list(_pools.values())
-    moved = 0
-    for p in pools:
-        with p.lock:
-            if p.prefix is not None:
-                moved += p.prefix.demote(p.prefix.num_hot)
-    return moved
 
 
 def prefix_counts() -> dict:
