@@ -39,3 +39,21 @@ def fresh_compile():
     oc.reset_stats()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def oxygen():
+    """A test that applies oxygen to transformers models: warnings said once are said again
+    for it, and afterwards the models get stock attention back and the KV pools go (with their
+    prefix caches and CPU tiers: a later test sizes its own), so no test sees another's pools
+    (files that need more define their own `oxygen`)."""
+    from oxygen_torch import _patching
+    from oxygen_torch.integrations.hf import integration as hf
+    from oxygen_torch.integrations.hf import prefix as hf_prefix
+    from oxygen_torch.kv.pool import release_pools
+
+    _patching.forget_warnings()
+    yield
+    hf_prefix.clear()
+    hf.disable_hf()
+    release_pools()

@@ -17,7 +17,6 @@ import transformers as T
 from test_hf_generate import COMMON
 
 import oxygen_torch
-from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.engine.policy import WFQ, Account
 from oxygen_torch.engine.task import Task, current, parse
@@ -95,13 +94,6 @@ def together_as_alone(model, kws: list[dict], label: str = "") -> None:
 
 def schedulers(model):
     return [m.scheduler for m in batched._mergers.get(model, {}).values()]
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf.disable_hf()
 
 
 @pytest.mark.parametrize("threads", [2, 5, 16])

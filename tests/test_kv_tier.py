@@ -12,7 +12,6 @@ import torch
 from test_engine import llama, prompt, schedulers, together_as_alone
 
 import oxygen_torch
-from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
@@ -86,13 +85,6 @@ def test_migration_down_and_up_preserves_every_byte(host_pool):
     assert stats["bytes_down"] == stats["bytes_up"] == 7 * tier.block_bytes
     with pool.lock:
         pool.manager.decref(again)
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf.disable_hf()
 
 
 def _burst(tier_bytes: int, graphs: bool = False):

@@ -17,7 +17,6 @@ import transformers as T
 from test_engine import in_threads, llama, schedulers
 
 import oxygen_torch
-from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import oversubscribe
@@ -26,13 +25,6 @@ from oxygen_torch.kv.block_manager import KVCacheFull
 
 SMALL = {"block_tokens": 256, "arena_bytes": 8 << 20}  # 15 blocks
 LARGE = {"block_tokens": 256, "arena_bytes": 64 << 20}  # 127 blocks
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf.disable_hf()
 
 
 def pair(arch: str, merge: bool = True, small: dict | None = None, **pool):

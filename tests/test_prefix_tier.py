@@ -19,7 +19,6 @@ from test_prefix_cache import BT, Counted, _prompts, _reference, _tokens
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
-from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
@@ -200,14 +199,6 @@ def test_a_full_tier_drops_cold_nodes_lru_k_with_one_warning(host_pool, caplog):
 
 
 # --- a swap-out comes first --------------------------------------------------------------------
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf_prefix.clear()
-    hf.disable_hf()
 
 
 def test_a_swap_out_takes_the_slots_of_cold_cached_blocks(oxygen):

@@ -16,10 +16,8 @@ import torch
 from test_hf_generate import tiny
 from test_prefix_cache import BT, _prompts, _reference, _tokens
 
-from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
-from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 
@@ -90,14 +88,6 @@ def test_no_mutation_leaves_a_stale_walk(tier_pool, seed):
 
 
 # --- through generate() ------------------------------------------------------------------
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf_prefix.clear()
-    hf.disable_hf()
 
 
 def _mutate(pool, how: str) -> int:

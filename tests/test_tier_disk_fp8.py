@@ -324,13 +324,6 @@ def test_fp32_and_fp8_pools_are_not_lowered():
         release_pools()
 
 
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf.disable_hf()
-
-
 def _burst(arch, pool_cfg):
     """tests/test_kv_tier.py's burst: six calls whose KV does not fit at once (blocks of 128
     tokens, 256 KiB each in float32): younger calls are preempted."""
