@@ -16,7 +16,6 @@ from test_engine import generate, in_threads, schedulers
 from test_hf_generate import COMMON, batch
 from test_kv_paged_cache import _dense_out
 
-from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
@@ -64,6 +63,16 @@ class Rows:
         self.k, self.v = [self.k[j] for j in order], [self.v[j] for j in order]
 
 
+def _past_the_window(batch: int, seed: int) -> Rows:
+    """Rows that prefilled 40 tokens and decoded 20 (every step checked): blocks given back."""
+    torch.manual_seed(seed)
+    rows = Rows(batch)
+    rows.step(40)
+    for _ in range(20):
+        rows.step(1)
+    return rows
+
+
 def _refcounts_are_uses(core: PagedKVCore, others=()) -> None:
     uses: dict[int, int] = {}
     for c in (core, *others):
@@ -103,11 +112,7 @@ def test_rows_give_back_blocks_behind_the_window_and_attend_as_dense():
 
 
 def test_fork_swap_and_prefill_chunks_after_blocks_were_given_back():
-    torch.manual_seed(1)
-    rows = Rows(2)
-    rows.step(40)
-    for _ in range(20):
-        rows.step(1)
+    rows = _past_the_window(2, seed=1)
     core = rows.core
     base = core.pool.manager.num_used
     twin = core.fork()  # shares the held blocks, not the given-back entries
@@ -128,11 +133,7 @@ def test_fork_swap_and_prefill_chunks_after_blocks_were_given_back():
 
 
 def test_crop_inside_the_margin_works_and_below_the_kept_window_fails():
-    torch.manual_seed(2)
-    rows = Rows(1)
-    rows.step(40)
-    for _ in range(20):
-        rows.step(1)
+    rows = _past_the_window(1, seed=2)
     core = rows.core
     d = core.seqs.dropped[0]
     assert d == 2  # 60 tokens: the window from 49, one block of margin: blocks 0 and 1 go
@@ -208,14 +209,6 @@ def _used() -> int:
 
 def _freed() -> int:
     return sum(p["window_freed_blocks"] for p in pool_stats())
-
-
-@pytest.fixture
-def oxygen():
-    _patching.forget_warnings()
-    yield
-    hf_prefix.clear()
-    hf.disable_hf()
 
 
 def _generate(model, ids, mask, new, **kw):
