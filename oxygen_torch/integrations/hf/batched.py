@@ -95,7 +95,7 @@ class Merger:
         runs it by itself: under coordinated steps, a step that is this whole forward alone
         runs it so (decode graphs included, as a call alone does without tensor parallelism)."""
         work = self._parse(cache, name, kw)
-        work.alone = alone if self.coordinated else None
+        work.alone = alone  # (given for coordinated calls only)
         return self.scheduler.submit(call, work)
 
     def solo(self, call, run):

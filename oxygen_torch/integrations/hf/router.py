@@ -58,17 +58,19 @@ def _paged_call(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
     merge = getattr(cache, "merge", None)
     if merge is not None:  # a generate() registered with the model's step scheduler
         merger, call = merge
-        grad = torch.is_grad_enabled()
+        alone = None
+        if merger.coordinated:  # tensor parallel: run where rank 0 puts it, maybe on another thread
+            grad = torch.is_grad_enabled()
 
-        def alone():  # tensor parallel: run where rank 0 puts it, maybe on another thread
-            merger.record_alone(cache, kw, args)  # its tokens, for a recompute
-            context.begin_forward()
-            with torch.set_grad_enabled(grad):
-                return _alone(model, name, cache, args, kw, own, hooks, wrapped)
+            def alone():
+                merger.record_alone(cache, kw, args)  # its tokens, for a recompute
+                context.begin_forward()
+                with torch.set_grad_enabled(grad):
+                    return _alone(model, name, cache, args, kw, own, hooks, wrapped)
 
         if not (hooks or wrapped) and merger.wanted(kw, args):  # (a merged step skips both)
             return merger.forward(call, name, cache, kw, alone)
-        if merger.coordinated:  # a step of its own
+        if alone is not None:  # a step of its own
             return merger.solo(call, alone)
         merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
     return _alone(model, name, cache, args, kw, own, hooks, wrapped)
