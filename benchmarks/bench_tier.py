@@ -146,11 +146,15 @@ def tier_stats() -> dict:
 # --- migration ------------------------------------------------------------------------------
 
 
-def _bench(fn, iters: int = 5) -> float:
-    fn()
+def _bench(fn, iters: int = 5, setup=None) -> float:
+    """Median seconds of fn() (device synchronized on both ends); setup() runs before each
+    call, untimed."""
     ts = []
-    for _ in range(iters):
-        ts.append(timed(fn)[1])
+    for i in range(iters + 1):
+        if setup is not None:
+            setup()
+        t = timed(fn)[1]
+        ts += [t] if i else []  # the first call warms
     return statistics.median(ts)
 
 
@@ -176,10 +180,10 @@ def migration() -> dict:
         slots: list = []
 
         def down(mine=mine, slots=slots):
-            tier.release(slots)
             slots[:] = tier.down(mine)
 
-        t_down = _bench(down)
+        # the last move's slots are released before each timed move (not a part of it)
+        t_down = _bench(down, setup=lambda slots=slots: tier.release(slots))
         t_up = _bench(lambda mine=mine, slots=slots: tier.up(slots, mine))
         tier.release(slots)
         nbytes = n * bb
@@ -228,10 +232,9 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         slots: list = []
 
         def down(slots=slots):
-            tier.release(slots)
             slots[:] = tier.down(mine)
 
-        t_down = _bench(down)
+        t_down = _bench(down, setup=lambda slots=slots: tier.release(slots))
         t_up = _bench(lambda slots=slots: tier.up(slots, mine))
         tier.release(slots)
         n = len(mine) * bb

@@ -151,39 +151,44 @@ class CPUTier:
         # each block's (row, half): the open rows' free halves first, then fresh rows
         places = [(r, 1 - self._mask[r] // 2) for r in opened]
         fresh = [heapq.heappop(self._rows) for _ in range(need)]
-        places += [(r, h) for r in fresh for h in range(2 if lowered else 1)][: n - len(opened)]
-        for r, h in places:
-            self._mask[r] |= 1 << h if lowered else FULL
-            self._last[r] = self._clock
+        if lowered:
+            places += [(r, h) for r in fresh for h in (0, 1)][: n - len(opened)]
+            for r, h in places:
+                self._mask[r] |= 1 << h
+                self._last[r] = self._clock
+        else:
+            places += [(r, 0) for r in fresh]
+            for r in fresh:
+                self._mask[r], self._last[r] = FULL, self._clock
         self._open.difference_update(opened)
-        slots = [r * self._halves + h for r, h in places]
+        per_row = 2 if lowered else 1
         try:
             self._put([self._where[r] for r in opened], places[: len(opened)], staged, lowered)
             done = len(opened)
             for i in range(0, need, self.num_slots):  # at most a CPU tier's rows at a time
                 chunk = fresh[i : i + self.num_slots]
                 self._make_room(len(chunk))
-                for r in chunk:
-                    self._where[r] = p = heapq.heappop(self._cpu_free)
-                    self._row_at[p] = r
-                ours = set(chunk)
-                k = sum(1 for r, _ in places[done:] if r in ours)
-                pos = [self._where[r] for r, _ in places[done : done + k]]
+                at = [heapq.heappop(self._cpu_free) for _ in chunk]
+                k = min(per_row * len(chunk), n - done)  # the chunk's rows hold places done..+k
+                pos = at if not lowered else [at[j // 2] for j in range(k)]
+                # the copies first: the bookkeeping below overlaps them
                 self._put(pos, places[done : done + k], staged[done : done + k], lowered)
+                for r, p in zip(chunk, at):
+                    self._where[r], self._row_at[p] = p, r
                 done += k
         except TierFull:  # the disk failed: rows not placed go back as they are, the rest freed
             unplaced = {r for r in fresh if self._where[r] is None}
             for r in unplaced:
                 self._mask[r] = 0
                 heapq.heappush(self._rows, r)
-            self.release([s for s in slots if s // self._halves not in unplaced])
+            self.release([r * self._halves + h for r, h in places if r not in unplaced])
             raise
         if lowered:
             self._open.update(r for r, _ in places if self._mask[r] != 3)
         self.counts["migrations_down"] += 1
         self.counts["bytes_down"] += staged.numel() if lowered else n * self.block_bytes
         self.counts["lowered_blocks"] += n if lowered else 0
-        return slots
+        return [r * self._halves + h for r, h in places]
 
     def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
         """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
