@@ -14,6 +14,13 @@ time. The buffer (`Staging`, 64 MiB at
 most) is allocated once, on the first move, and kept: allocating a move's worth of staging from
 the pool would map and unmap its pages on every move (46 us a 2 MiB page on the H200).
 
+On a GPU a move down goes by a kernel instead (`DOWN_BY_KERNEL`, triton_kernels/block_copy.py):
+the SMs gather the blocks and store them straight into the pinned rows, with no staging and no
+copy engine. A device-to-host copy on a copy engine holds back every later one of the process:
+a decode step's one-element read (generate()'s stopping check) waited 2.3 ms behind a 128 MiB
+move queued on the H200, 65 us otherwise (benchmarks/diag_copy_engines.py). Moves up stay on the
+copy engine: host-to-device copies beside a decode step did not slow it.
+
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 """
 
@@ -21,6 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from .._patching import warn_once
+
+# moves down on a GPU by a kernel of DOWN_PROGRAMS programs (the SMs it takes from the work
+# beside it), not by the copy engines; False, or a host link the GPU cannot store to: copies
+DOWN_BY_KERNEL = True
+DOWN_PROGRAMS = 16
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
@@ -123,10 +136,45 @@ def _pieces_of(n: int, block_bytes: int):
     return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
 
 
+def _words(view: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The view and the host rows' slice for it, in the view's integer type when the rows'
+    offsets allow it, else both as bytes."""
+    e = view.element_size()
+    if host.stride(0) % e == 0 and host.storage_offset() % e == 0 and host.shape[1] % e == 0:
+        return view, host.view(view.dtype)
+    return view.view(torch.uint8), host
+
+
+def _kernel_down(views, idx, host: torch.Tensor, rows: list[int]) -> bool:
+    """down() by the kernel (on the current stream); False where it cannot run here (warned
+    once, and every later move goes by copies)."""
+    global DOWN_BY_KERNEL
+    from ..triton_kernels.block_copy import blocks_to_rows
+
+    at = torch.tensor(rows, dtype=torch.int64).pin_memory().to(idx.device, non_blocking=True)
+    off = 0
+    try:
+        for v in views:
+            w = _width(v)
+            src, dst = _words(v, host[:, off : off + w])
+            blocks_to_rows(src, idx, dst, at, DOWN_PROGRAMS)
+            off += w
+    except (ValueError, RuntimeError) as exc:  # the launcher cannot reach the host rows
+        DOWN_BY_KERNEL = False
+        warn_once(
+            f"oxygen_torch: KV blocks go down to the CPU tier by copies, not by a kernel: {exc!r}"
+        )
+        return False
+    return True
+
+
 def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=None) -> None:
-    """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
-    a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
-    copy overlaps the next one's gather (on the current stream, which comes after them all)."""
+    """host[rows[i]] = the bytes of block idx[i] (idx on the device): on a GPU by a kernel
+    (DOWN_BY_KERNEL), else through the staging buffer, a piece (COPY_BYTES) at a time. `copy`:
+    a second stream for the copies, so that each piece's copy overlaps the next one's gather (on
+    the current stream, which comes after them all)."""
+    if copy is not None and DOWN_BY_KERNEL and _kernel_down(views, idx, host, rows):
+        return
     cur = torch.cuda.current_stream(idx.device) if copy is not None else None
     for lo, hi, buf in stage.chunks(len(rows)):
         if copy is not None:
