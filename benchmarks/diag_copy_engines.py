@@ -50,7 +50,9 @@ def pct(xs, q):
 
 
 class Traffic:
-    """A thread streaming PIECE-sized pinned copies on its own stream: 'down', 'up' or 'both'."""
+    """A thread streaming PIECE-sized pinned copies on its own stream: 'down', 'up' or 'both';
+    'kdown': the same bytes down by the tier's kernel (16 programs storing into pinned rows),
+    'kdown_up': that, then up by copies."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -60,16 +62,24 @@ class Traffic:
         self.moved = 0
 
     def _run(self):
+        from oxygen_torch.triton_kernels.block_copy import blocks_to_rows
+
         s = torch.cuda.Stream()
+        n = TRAFFIC // (512 << 10)
+        view = self.dense.view(torch.int64).view(n, 1, -1)
+        rows = self.host.view(torch.int64).view(n, -1)
         with torch.cuda.stream(s):
+            idx = torch.arange(n, device="cuda")
             while not self.stop.is_set():
+                if self.kind.startswith("kdown"):
+                    blocks_to_rows(view, idx, rows, idx, 16)
                 for lo in range(0, TRAFFIC, PIECE):
                     if self.kind in ("down", "both"):
                         self.host[lo : lo + PIECE].copy_(self.dense[lo : lo + PIECE], True)
-                    if self.kind in ("up", "both"):
+                    if self.kind in ("up", "both", "kdown_up"):
                         self.dense[lo : lo + PIECE].copy_(self.host[lo : lo + PIECE], True)
                 s.synchronize()
-                self.moved += TRAFFIC * (2 if self.kind == "both" else 1)
+                self.moved += TRAFFIC * (2 if self.kind in ("both", "kdown_up") else 1)
 
     def __enter__(self):
         self.t0 = time.perf_counter()
@@ -115,7 +125,7 @@ def latencies(n: int = 300) -> dict:
             f()
     assert torch.equal(small_dev.cpu(), small_host)
     out = {}
-    for traffic in ("none", "down", "up", "both"):
+    for traffic in ("none", "down", "kdown", "kdown_up"):
         ctx = Traffic(traffic) if traffic != "none" else contextlib.nullcontext()
         with ctx as tr:
             for name, f in ops.items():
@@ -182,37 +192,58 @@ def tpot() -> dict:
         tn = statistics.median(bench_tier.timed(lambda: gen(128))[1] for _ in range(3))
         return (tn - t1) / 127 * 1e3
 
-    from oxygen_torch.integrations.hf import graphs
-
-    out = {}
-    plain_send = graphs.Staging.send
-
-    def kernel_send(self):  # the decode graph's table upload by a kernel reading pinned memory
-        host, _, done = self._bufs[self._turn]
-        self._turn ^= 1
-        kernel_copy(self.device_buf, host)
-        done.record()
-
-    for how, send in (("copy", plain_send), ("kernel", kernel_send)):
-        graphs.Staging.send = send
-        alone = one()
-        out[how] = {"alone_ms": alone}
-        for traffic in ("down", "up", "both"):
-            with Traffic(traffic) as tr:
-                t = one()
-            out[how][traffic] = dict(ms=t, rise=t / alone - 1, GBps=tr.gbps)
-            print(
-                f"upload by {how}: TPOT alone {alone:.2f} ms; beside {traffic} copies "
-                f"({tr.gbps:.1f} GB/s) {t:.2f} ms: {100 * (t / alone - 1):+.1f} %",
-                flush=True,
-            )
-    graphs.Staging.send = plain_send
+    alone = one()
+    out = {"alone_ms": alone}
+    for traffic in ("down", "up", "both", "kdown", "kdown_up"):
+        with Traffic(traffic) as tr:
+            t = one()
+        out[traffic] = dict(ms=t, rise=t / alone - 1, GBps=tr.gbps)
+        print(f"TPOT alone {alone:.2f} ms; beside {traffic} ({tr.gbps:.1f} GB/s) {t:.2f} ms: "
+              f"{100 * (t / alone - 1):+.1f} %", flush=True)  # fmt: skip
     return out
+
+
+def tier_host() -> dict:
+    """The host's own time in the tier's moves (no other thread): a cycle of 256 blocks down,
+    up, released, waited for, under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    from oxygen_torch.kv.pool import PoolKey, get_pool
+
+    key = PoolKey(torch.device("cuda"), 16, 8, 64, torch.bfloat16, 16, "auto", 1 << 30, 2 << 20)
+    pool = get_pool(key)
+    tier = pool.cpu_tier(300 * pool.block_bytes())
+    with pool.lock:
+        blocks = pool.manager.allocate(256)
+
+    def cycle():
+        slots = tier.down(blocks)
+        tier.up(slots, blocks)
+        tier.release(slots)
+        tier.wait()
+
+    for _ in range(3):
+        cycle()
+    t = time.perf_counter()
+    for _ in range(10):
+        cycle()
+    wall = (time.perf_counter() - t) / 10
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        cycle()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    print(f"tier cycle alone: {wall * 1e3:.2f} ms wall\n{buf.getvalue()}", flush=True)
+    return {"cycle_ms": wall * 1e3}
 
 
 def main():
     res = {"tpot": tpot()}  # first: enable() comes before the first CUDA allocation
-    res.update(latency=latencies(), bandwidth=kernel_bandwidth())
+    res.update(latency=latencies(), bandwidth=kernel_bandwidth(), tier_host=tier_host())
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "diag_copy_engines.json"), "w") as f:
             json.dump(res, f, indent=1)
