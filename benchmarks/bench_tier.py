@@ -222,16 +222,14 @@ def migration() -> dict:
 
 
 def _pieces(tier, mine: list[int], bb: int) -> list:
-    """down / up GB/s of one move by how it goes: down by the kernel (transfer.DOWN_BY_KERNEL)
-    with 8 to 64 programs, and by copies in pieces of 64, 16 and 4 MiB (transfer.COPY_BYTES: a
-    piece's copy overlaps the next one's gather); up always by copies, in those pieces."""
+    """down / up GB/s of one move by the size of its pieces (transfer.COPY_BYTES: a piece's copy
+    overlaps the next one's gather), the pieces down paced (transfer.PACE_DOWN: each gather waits
+    for the last piece's copy, so the copy engine sees one piece at a time) or not."""
     from oxygen_torch.kv import transfer
 
-    saved, rows = (transfer.COPY_BYTES, transfer.DOWN_BY_KERNEL, transfer.DOWN_PROGRAMS), []
-    ways = [(True, p, 16) for p in (8, 16, 32, 64)] + [(False, 0, m) for m in (64, 16, 4)]
-    for kernel, programs, mib in ways:
-        transfer.DOWN_BY_KERNEL, transfer.DOWN_PROGRAMS = kernel, programs
-        transfer.COPY_BYTES = mib * MIB
+    saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN), []
+    for paced, mib in ((True, 16), (True, 8), (True, 4), (False, 16)):
+        transfer.PACE_DOWN, transfer.COPY_BYTES = paced, mib * MIB
         slots: list = []
 
         def down(slots=slots):
@@ -241,23 +239,21 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_up = _bench(lambda slots=slots: tier.up(slots, mine))
         tier.release(slots)
         n = len(mine) * bb
-        way = f"kernel, {programs} programs" if kernel else f"copies, {mib} MiB pieces"
-        rows.append(
-            dict(blocks=len(mine), down=way, copy_MiB=mib, down_GBps=n / t_down / 1e9,
-                 up_GBps=n / t_up / 1e9)
-        )  # fmt: skip
-        say(f"{len(mine)} blocks, down by {way}: down {n / t_down / 1e9:.1f} GB/s, up (copies, "
-            f"{mib} MiB pieces) {n / t_up / 1e9:.1f} GB/s")  # fmt: skip
-    transfer.COPY_BYTES, transfer.DOWN_BY_KERNEL, transfer.DOWN_PROGRAMS = saved
+        way = f"{mib} MiB pieces, {'paced' if paced else 'not paced'}"
+        rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced,
+                         down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9))  # fmt: skip
+        say(f"{len(mine)} blocks in {way}: down {n / t_down / 1e9:.1f} GB/s, up "
+            f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
+    transfer.COPY_BYTES, transfer.PACE_DOWN = saved
     return rows
 
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
     up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
-    are shared). Churns: the tier's moves, down by the kernel (16 and 32 programs) and by
-    copies (16 MiB pieces), up by copies; and the same bytes as bare pinned copies in one piece
-    each way (no Python between them: the copy engines' share alone)."""
+    are shared). Churns: the tier's moves in 16 and 4 MiB pieces, down paced (the default) and
+    not; and the same bytes as bare pinned copies in one piece each way (no Python between them:
+    the copy engines' share alone)."""
     from oxygen_torch.kv import transfer
 
     model = build_model()
@@ -331,14 +327,11 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             churn_host_ms_per_cycle=1e3 * host_s[0] / max(1, cycles[0]),
         )
 
-    churns, saved = {}, (transfer.DOWN_BY_KERNEL, transfer.DOWN_PROGRAMS)
-    for programs in (16, 32):
-        transfer.DOWN_PROGRAMS = programs
-        churns[f"tier, down by kernel ({programs} programs)"] = busy(tier_cycle)
-    transfer.DOWN_BY_KERNEL, transfer.DOWN_PROGRAMS = saved
-    transfer.DOWN_BY_KERNEL = False
-    churns["tier, down by copies (16 MiB)"] = busy(tier_cycle)
-    transfer.DOWN_BY_KERNEL = saved[0]
+    churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN)
+    for paced, mib in ((True, 16), (True, 4), (False, 16)):
+        transfer.PACE_DOWN, transfer.COPY_BYTES = paced, mib * MIB
+        churns[f"tier, {mib} MiB pieces, {'paced' if paced else 'not paced'}"] = busy(tier_cycle)
+    transfer.COPY_BYTES, transfer.PACE_DOWN = saved
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes))
     for name, c in churns.items():
         say(
@@ -346,7 +339,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             f"({name}: {c['migrated_GBps_meanwhile']:.1f} GB/s moved meanwhile, "
             f"{c['churn_host_ms_per_cycle']:.2f} ms host time a cycle): {100 * c['rise']:+.1f} %"
         )
-    first = churns["tier, down by kernel (16 programs)"]
+    first = churns["tier, 16 MiB pieces, paced"]
     return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns)
 
 
@@ -703,13 +696,12 @@ def table(r: dict) -> str:
         if m.get("pieces"):
             out += [
                 "",
-                "| one move, down by | blocks | down GB/s | up GB/s (copies in pieces of) |",
+                "| one move in | blocks | down GB/s | up GB/s |",
                 "|---|---|---|---|",
             ]
             for x in m["pieces"]:
                 out.append(
-                    f"| {x['down']} | {x['blocks']} | {x['down_GBps']:.1f} | "
-                    f"{x['up_GBps']:.1f} ({x['copy_MiB']} MiB) |"
+                    f"| {x['down']} | {x['blocks']} | {x['down_GBps']:.1f} | {x['up_GBps']:.1f} |"
                 )
         t = m.get("tpot")
         if t:

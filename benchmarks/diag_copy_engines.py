@@ -44,6 +44,39 @@ def kernel_copy(dst: torch.Tensor, src: torch.Tensor, block: int = 1024) -> None
     _copy_words[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block)
 
 
+TILE = 1024
+
+
+@triton.jit
+def _blocks_to_rows(
+    src, idx, dst, rows, n, regions, width, s_block, s_region, s_row, TILE: tl.constexpr
+):
+    tiles = tl.cdiv(width, TILE)
+    total = n * regions * tiles
+    offs = tl.arange(0, TILE)
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        t = item % tiles
+        r = (item // tiles) % regions
+        i = item // (tiles * regions)
+        b = tl.load(idx + i).to(tl.int64)
+        row = tl.load(rows + i).to(tl.int64)
+        col = t * TILE + offs
+        m = col < width
+        x = tl.load(src + b * s_block + r * s_region + col, mask=m)
+        tl.store(dst + row * s_row + r * width + col, x, mask=m)
+
+
+def blocks_to_rows(view, idx, dst, rows, programs: int) -> None:
+    """dst[rows[i]] = every region of block idx[i] of `view` [N, R, W], stored by `programs`
+    programs walking (block, region, tile) items: into pinned host rows, no copy engine."""
+    n, (_, regions, width) = idx.numel(), view.shape
+    grid = (max(1, min(programs, n * regions * triton.cdiv(width, TILE))),)
+    _blocks_to_rows[grid](
+        view, idx, dst, rows, n, regions, width,
+        view.stride(0), view.stride(1), dst.stride(0), TILE=TILE,
+    )  # fmt: skip
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -52,7 +85,8 @@ def pct(xs, q):
 class Traffic:
     """A thread streaming PIECE-sized pinned copies on its own stream: 'down', 'up' or 'both';
     'kdown': the same bytes down by the tier's kernel (16 programs storing into pinned rows),
-    'kdown_up': that, then up by copies."""
+    'kdown_up': that, then up by copies; 'down_paced': copies down, a small kernel on another
+    stream between two (as transfer.PACE_DOWN does)."""
 
     def __init__(self, kind: str):
         self.kind = kind
@@ -62,19 +96,23 @@ class Traffic:
         self.moved = 0
 
     def _run(self):
-        from oxygen_torch.triton_kernels.block_copy import blocks_to_rows
-
         s = torch.cuda.Stream()
         n = TRAFFIC // (512 << 10)
         view = self.dense.view(torch.int64).view(n, 1, -1)
         rows = self.host.view(torch.int64).view(n, -1)
+        gap, tiny = torch.cuda.Stream(), torch.zeros(1, device="cuda")
         with torch.cuda.stream(s):
             idx = torch.arange(n, device="cuda")
             while not self.stop.is_set():
                 if self.kind.startswith("kdown"):
                     blocks_to_rows(view, idx, rows, idx, 16)
                 for lo in range(0, TRAFFIC, PIECE):
-                    if self.kind in ("down", "both"):
+                    if self.kind == "down_paced":  # as transfer.PACE_DOWN: a kernel between
+                        gap.wait_stream(s)
+                        with torch.cuda.stream(gap):
+                            tiny.add_(1)
+                        s.wait_stream(gap)
+                    if self.kind in ("down", "both", "down_paced"):
                         self.host[lo : lo + PIECE].copy_(self.dense[lo : lo + PIECE], True)
                     if self.kind in ("up", "both", "kdown_up"):
                         self.dense[lo : lo + PIECE].copy_(self.host[lo : lo + PIECE], True)
@@ -125,7 +163,7 @@ def latencies(n: int = 300) -> dict:
             f()
     assert torch.equal(small_dev.cpu(), small_host)
     out = {}
-    for traffic in ("none", "down", "kdown", "kdown_up"):
+    for traffic in ("none", "down", "down_paced", "kdown"):
         ctx = Traffic(traffic) if traffic != "none" else contextlib.nullcontext()
         with ctx as tr:
             for name, f in ops.items():
@@ -194,7 +232,7 @@ def tpot() -> dict:
 
     alone = one()
     out = {"alone_ms": alone}
-    for traffic in ("down", "up", "both", "kdown", "kdown_up"):
+    for traffic in ("down", "down_paced", "up", "both"):
         with Traffic(traffic) as tr:
             t = one()
         out[traffic] = dict(ms=t, rise=t / alone - 1, GBps=tr.gbps)

@@ -34,16 +34,15 @@ def _agreement(out: dict, ref: list) -> float:
     return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
 
 
-# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers; down by
-# the kernel (3 programs: each walks many blocks) or by copies
+# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers, the
+# pieces down paced (each gather after the last copy) or not
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
-@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("paced", [True, False])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
-    oxygen, monkeypatch, staging_blocks, copy_blocks, kernel
+    oxygen, monkeypatch, staging_blocks, copy_blocks, paced
 ):
     dev = torch.device("cuda")
-    monkeypatch.setattr(transfer, "DOWN_BY_KERNEL", kernel)
-    monkeypatch.setattr(transfer, "DOWN_PROGRAMS", 3 if staging_blocks else 16)
+    monkeypatch.setattr(transfer, "PACE_DOWN", paced)
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
     if staging_blocks:
@@ -62,7 +61,6 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
         cache.index_copy_(0, idx, data)
         want.append(data)
     slots = tier.down(blocks)  # the host does not wait for it
-    assert transfer.DOWN_BY_KERNEL == kernel  # the kernel ran (no fallback to copies)
     with pool.lock:
         # freed behind the copy: taking them back at once orders this stream after it
         pool.manager.decref(blocks, after=tier.fence())

@@ -14,12 +14,12 @@ time. The buffer (`Staging`, 64 MiB at
 most) is allocated once, on the first move, and kept: allocating a move's worth of staging from
 the pool would map and unmap its pages on every move (46 us a 2 MiB page on the H200).
 
-On a GPU a move down goes by a kernel instead (`DOWN_BY_KERNEL`, triton_kernels/block_copy.py):
-the SMs gather the blocks and store them straight into the pinned rows, with no staging and no
-copy engine. A device-to-host copy on a copy engine holds back every later one of the process:
-a decode step's one-element read (generate()'s stopping check) waited 2.3 ms behind a 128 MiB
-move queued on the H200, 65 us otherwise (benchmarks/diag_copy_engines.py). Moves up stay on the
-copy engine: host-to-device copies beside a decode step did not slow it.
+A move down is paced (`PACE_DOWN`): each piece's gather waits for the last piece's copy, so the
+copy engine sees one piece at a time. A device-to-host copy queued on it holds back every later
+one of the process, whatever its stream: a decode step's one-element read (generate()'s stopping
+check) waited 2.3 ms behind 128 MiB of queued copies on the H200, 55-65 us idle, and TPOT rose
+35-68 % beside them; interleaved with other work it did not wait (benchmarks/diag_copy_engines.py).
+Moves up are not paced: host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 """
@@ -28,16 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from .._patching import warn_once
-
-# moves down on a GPU by a kernel of DOWN_PROGRAMS programs (the SMs it takes from the work
-# beside it), not by the copy engines; False, or a host link the GPU cannot store to: copies
-DOWN_BY_KERNEL = True
-DOWN_PROGRAMS = 16
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
 COPY_BYTES = 16 << 20
+PACE_DOWN = True  # a move down's pieces go to the copy engine one at a time (see above)
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
@@ -136,50 +131,18 @@ def _pieces_of(n: int, block_bytes: int):
     return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
 
 
-def _words(view: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The view and the host rows' slice for it, in the view's integer type when the rows'
-    offsets allow it, else both as bytes."""
-    e = view.element_size()
-    if host.stride(0) % e == 0 and host.storage_offset() % e == 0 and host.shape[1] % e == 0:
-        return view, host.view(view.dtype)
-    return view.view(torch.uint8), host
-
-
-def _kernel_down(views, idx, host: torch.Tensor, rows: list[int]) -> bool:
-    """down() by the kernel (on the current stream); False where it cannot run here (warned
-    once, and every later move goes by copies)."""
-    global DOWN_BY_KERNEL
-    from ..triton_kernels.block_copy import blocks_to_rows
-
-    at = torch.tensor(rows, dtype=torch.int64).pin_memory().to(idx.device, non_blocking=True)
-    off = 0
-    try:
-        for v in views:
-            w = _width(v)
-            src, dst = _words(v, host[:, off : off + w])
-            blocks_to_rows(src, idx, dst, at, DOWN_PROGRAMS)
-            off += w
-    except (ValueError, RuntimeError) as exc:  # the launcher cannot reach the host rows
-        DOWN_BY_KERNEL = False
-        warn_once(
-            f"oxygen_torch: KV blocks go down to the CPU tier by copies, not by a kernel: {exc!r}"
-        )
-        return False
-    return True
-
-
 def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=None) -> None:
-    """host[rows[i]] = the bytes of block idx[i] (idx on the device): on a GPU by a kernel
-    (DOWN_BY_KERNEL), else through the staging buffer, a piece (COPY_BYTES) at a time. `copy`:
-    a second stream for the copies, so that each piece's copy overlaps the next one's gather (on
-    the current stream, which comes after them all)."""
-    if copy is not None and DOWN_BY_KERNEL and _kernel_down(views, idx, host, rows):
-        return
+    """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
+    a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
+    copy overlaps the next one's gather (on the current stream, which comes after them all);
+    paced (PACE_DOWN), a gather waits for the last piece's copy instead."""
     cur = torch.cuda.current_stream(idx.device) if copy is not None else None
     for lo, hi, buf in stage.chunks(len(rows)):
         if copy is not None:
             cur.wait_stream(copy)  # the last chunk's copies have read the buffer
         for a, b in _pieces_of(hi - lo, stage.block_bytes):
+            if copy is not None and PACE_DOWN and a:
+                cur.wait_stream(copy)  # paced: this piece's copy queues once the last one is done
             gather(views, idx[lo + a : lo + b], out=buf[a:b])
             if copy is None:
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
