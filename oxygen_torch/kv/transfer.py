@@ -14,12 +14,14 @@ time. The buffer (`Staging`, 64 MiB at
 most) is allocated once, on the first move, and kept: allocating a move's worth of staging from
 the pool would map and unmap its pages on every move (46 us a 2 MiB page on the H200).
 
-A move down is paced (`PACE_DOWN`): each piece's gather waits for the last piece's copy, so the
-copy engine sees one piece at a time. A device-to-host copy queued on it holds back every later
-one of the process, whatever its stream: a decode step's one-element read (generate()'s stopping
-check) waited 2.3 ms behind 128 MiB of queued copies on the H200, 55-65 us idle, and TPOT rose
-35-68 % beside them; interleaved with other work it did not wait (benchmarks/diag_copy_engines.py).
-Moves up are not paced: host-to-device copies beside a decode step did not slow it.
+A device-to-host copy queued on a copy engine holds back every later one of the process,
+whatever its stream: on the H200 a decode step's one-element read (generate()'s stopping check)
+waited 2.3 ms behind 128 MiB of queued copies (55-65 us idle), and TPOT rose 35-117 % beside
+them. So a move down is paced (`PACE_DOWN`): each piece's copy waits, through a one-element
+kernel on a third stream, for the last piece's copy. The copy engine then sees one piece at a
+time and serves other streams' copies between two: paced, the read waited 0.2 ms and TPOT rose
+2 % beside 48 GB/s of copies (benchmarks/diag_copy_engines.py). Moves up are not paced:
+host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 """
@@ -108,11 +110,24 @@ class Staging:
         self.block_bytes, self.device = block_bytes, device
         self.blocks = max(1, nbytes // block_bytes)  # blocks a chunk holds
         self._buf: torch.Tensor | None = None
+        self._gap: torch.cuda.Stream | None = None  # pace()'s stream and its kernel's tensor
+        self._tick: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Device bytes the buffer holds (0 before the first move)."""
         return self._buf.numel() if self._buf is not None else 0
+
+    def pace(self, copy: torch.cuda.Stream) -> None:
+        """The next copy queued on `copy` starts once its copies so far are done, through a
+        kernel on a stream of its own: the copy engine serves other streams in that gap."""
+        if self._gap is None:
+            self._gap = torch.cuda.Stream(self.device)
+            self._tick = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._gap.wait_stream(copy)
+        with torch.cuda.stream(self._gap):
+            self._tick.add_(1)
+        copy.wait_stream(self._gap)
 
     def chunks(self, n: int):
         """(lo, hi, buffer [hi - lo, block bytes]) covering n blocks, a buffer's worth at a time."""
@@ -135,19 +150,19 @@ def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=N
     """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
     a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
     copy overlaps the next one's gather (on the current stream, which comes after them all);
-    paced (PACE_DOWN), a gather waits for the last piece's copy instead."""
+    paced (PACE_DOWN), each copy after a gap the copy engine may serve other streams in."""
     cur = torch.cuda.current_stream(idx.device) if copy is not None else None
     for lo, hi, buf in stage.chunks(len(rows)):
         if copy is not None:
             cur.wait_stream(copy)  # the last chunk's copies have read the buffer
         for a, b in _pieces_of(hi - lo, stage.block_bytes):
-            if copy is not None and PACE_DOWN and a:
-                cur.wait_stream(copy)  # paced: this piece's copy queues once the last one is done
             gather(views, idx[lo + a : lo + b], out=buf[a:b])
             if copy is None:
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
                 continue
             copy.wait_stream(cur)  # after this piece's gather
+            if PACE_DOWN and a:  # (a chunk's first copy waits for a gather after the last copy)
+                stage.pace(copy)
             with torch.cuda.stream(copy):
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
     if copy is not None:
