@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import in_threads
+from test_engine import in_threads, schedulers
 from test_hf_generate import tiny
 
 from oxygen_torch import _patching
@@ -17,6 +17,7 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import BlockManager, pool_stats
+from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.prefix import PrefixCache
 
 BT = 16
@@ -235,3 +236,43 @@ def test_threads_share_a_system_prompt(prefix_on):
     stats, used = _stats()
     assert stats["hits"] >= sum(kw["input_ids"].shape[0] for kw in calls)
     assert used == stats["cached_blocks"]
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["gpu_hit", "cpu_tier_hit"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_calls_arriving_together_each_start_on_the_cached_system_prompt(arch, tier, oxygen):
+    """Ten one-row calls released at once after one call cached the system prompt (a serving
+    burst; bench_tier.py's prefix_concurrent): the engine merges their steps, and every merged
+    call still starts on the cache -- one hit each, only its own turn embedded -- with the
+    tokens of the same calls without the cache. tier: every cached block is in the CPU tier
+    when the burst comes; the first call brings the chain up, the others find it there."""
+    system = [t % 127 + 1 for t in _tokens(12, 3 * BT + 5)]
+    calls = []
+    for s in range(10):
+        ids, mask = _prompts(40 + s, system, users=[2 + s], pads=[0])
+        calls.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    ref = _reference(arch, calls)
+    cfg = load_config(prefix_cache=True, pool={"cpu_tier_bytes": (64 << 20) if tier else 0})
+    model = hf.apply(tiny(arch), cfg)
+    seen = Counted(model)
+    with torch.no_grad():
+        warm, warm_mask = _prompts(39, system, users=[4], pads=[0])
+        model.generate(input_ids=warm, attention_mask=warm_mask, max_new_tokens=1)
+        if tier:
+            (pool,) = [p for p in kv_pool._pools.values() if p.prefix is not None]
+            with pool.lock:
+                assert pool.prefix.demote(pool.prefix.num_hot) == 3
+        before, _ = _stats()
+        seen.take()
+        out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in calls])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    after, used = _stats()
+    burst = {k: after[k] - before[k] for k in ("hits", "misses", "cpu_hit_blocks")}
+    assert burst == {"hits": len(calls), "misses": 0, "cpu_hit_blocks": 3 if tier else 0}
+    # each call computed its turn past the system prompt's 3 whole blocks, then 2 decode steps
+    assert seen.take() == sum(kw["input_ids"].shape[1] - 3 * BT + 2 for kw in calls)
+    (sched,) = schedulers(model)
+    assert max(sched.stats.batch_sizes) > 1  # several calls' sequences in one forward
+    assert used == after["hot_blocks"]  # nothing but the cache holds a block: no leak
