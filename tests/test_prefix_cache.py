@@ -97,6 +97,22 @@ def test_budget_and_pool_pressure_give_blocks_back():
 # --- generate() on the cache ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "rows, want",
+    [
+        ([[1, 1, 1, 1], [1, 1, 1, 1]], [0, 0]),  # no padding
+        ([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], [2, 0, 1]),  # left padding
+        ([[1, 1, 1, 0], [1, 1, 1, 1]], None),  # right padding
+        ([[1, 0, 1, 1]], None),  # a hole
+        ([[0, 0, 0, 0], [1, 1, 1, 1]], None),  # a row of padding only
+    ],
+)
+def test_the_cache_serves_left_padded_prompts_only(rows, want):
+    mask = torch.tensor(rows)
+    assert hf_prefix._left_padding(mask, mask.shape) == want
+    assert hf_prefix._left_padding(mask, (mask.shape[0], mask.shape[1] + 1)) is None
+
+
 def _prompts(seed: int, system: list[int], users: list[int], pads: list[int]):
     """Rows of [left padding, the shared system prompt, a user turn of its own]."""
     g = torch.Generator().manual_seed(seed)
@@ -236,6 +252,37 @@ def test_threads_share_a_system_prompt(prefix_on):
     stats, used = _stats()
     assert stats["hits"] >= sum(kw["input_ids"].shape[0] for kw in calls)
     assert used == stats["cached_blocks"]
+
+
+def test_a_suffix_still_chunked_takes_nothing_from_the_cache(oxygen):
+    """transformers' chunked prefill starts from column 0: a call whose suffix after the cached
+    columns would still be prefilled in chunks (kv.prefill_chunk_tokens) takes none of them and
+    counts a miss; one whose suffix fits in one pass starts on them. The tokens of the cache
+    off."""
+    system = [t % 127 + 1 for t in _tokens(13, 3 * BT)]
+    calls = []
+    for seed, user in ((60, 2 * BT + 8), (61, 10)):  # suffixes of 40 (> 32: chunked) and 10
+        ids, mask = _prompts(seed, system, users=[user], pads=[0])
+        calls.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    ref = _reference("llama", calls)
+    model = hf.apply(tiny("llama"), load_config(prefix_cache=True, prefill_chunk_tokens=2 * BT))
+    seen = Counted(model)
+    with torch.no_grad():
+        warm, warm_mask = _prompts(62, system, users=[4], pads=[0])
+        model.generate(input_ids=warm, attention_mask=warm_mask, max_new_tokens=1)
+        seen.take()
+        before, _ = _stats()
+        chunked = model.generate(**calls[0])
+        n_chunked = seen.take()
+        mid, _ = _stats()
+        hit = model.generate(**calls[1])
+        n_hit = seen.take()
+        after, _ = _stats()
+    assert torch.equal(chunked, ref[0]) and torch.equal(hit, ref[1])
+    assert (mid["hits"] - before["hits"], mid["misses"] - before["misses"]) == (0, 1)
+    assert (after["hits"] - mid["hits"], after["misses"] - mid["misses"]) == (1, 0)
+    assert n_chunked == calls[0]["input_ids"].shape[1] + 2  # the whole prompt, then 2 decodes
+    assert n_hit == calls[1]["input_ids"].shape[1] - 3 * BT + 2
 
 
 @pytest.mark.parametrize("tier", [False, True], ids=["gpu_hit", "cpu_tier_hit"])
