@@ -16,6 +16,10 @@ mode's memory cap is its own):
   (generate(max_new_tokens=1)) on a miss (prefix cache off), a GPU hit and a CPU-tier hit (every
   cached block moved down before each request); then an 8-turn chat. Goals: GPU hit >= 10x
   lower TTFT than a miss, CPU-tier hit >= 3x lower; hot-zone hit ratio >= 0.85 (GPU-hit run).
+  One by one at batch 1, generate()'s host time sets TTFT (prefix_floor: the turn alone, no
+  cache). prefix_concurrent_miss / prefix_concurrent / prefix_concurrent_cpu: the 64 requests
+  arriving together, one thread each (the engine merges their forwards): each call's TTFT from
+  the common release, the burst's wall time, and whether every call started on the cache.
 - long: one 131,072-token prompt, 32 new tokens, under the 24 GiB cap: stock dynamic (does it
   fit?) and oxygen (chunked prefill): TTFT and time per output token.
 
@@ -41,12 +45,13 @@ import traceback
 import torch
 
 GIB, MIB = 1 << 30, 1 << 20
+CONCURRENT = ("prefix_concurrent_miss", "prefix_concurrent", "prefix_concurrent_cpu")
 CAP_BYTES = 24 * GIB
 PARTS = {
     "migration": ("migration",),
     "disk": ("disk_lowering",),
     "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
-    "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu", "prefix_floor"),
+    "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu", "prefix_floor", *CONCURRENT),
     "long": ("long_hf", "long_oxygen", "long_window_hf", "long_window_oxygen"),
     "profile": ("prefix_profile",),
 }
@@ -469,6 +474,13 @@ def demote_all() -> int:
     return moved
 
 
+def _prefix_counts() -> dict | None:
+    """The prefix cache's figures (kv_stats()' prefix_cache), None when it is off."""
+    from oxygen_torch.kv import pool_stats
+
+    return next((p["prefix_cache"] for p in pool_stats() if p["prefix_cache"]), None)
+
+
 def prefix(mode: str) -> dict:
     """TTFT of the 64 user turns after the shared system prompt: a miss (no cache), a GPU hit, a
     CPU-tier hit (everything demoted first); prefix_floor: the user turn alone, no system prompt
@@ -524,14 +536,121 @@ def prefix(mode: str) -> dict:
         chat.append(dt)
         conv = out
     res["chat_turn_ms"] = [c * 1e3 for c in chat]
-    from oxygen_torch.kv import pool_stats
-
-    res["prefix_cache"] = next((p["prefix_cache"] for p in pool_stats() if p["prefix_cache"]), None)
+    res["prefix_cache"] = _prefix_counts()
     res["tier"] = tier_stats()
     say(
         f"{mode}: TTFT median {res['ttft_ms']:.1f} ms, worst {res['ttft_ms_worst']:.1f} ms; "
         f"chat turns {', '.join(f'{c:.0f}' for c in res['chat_turn_ms'])} ms"
     )
+    return res
+
+
+def _burst(model, inputs: list[torch.Tensor]) -> tuple[list[float], float, list[int]]:
+    """Each prompt generate(max_new_tokens=1)'d by a thread of its own, all released by one
+    barrier. Returns each call's TTFT (the barrier to its token on the host), the burst's wall
+    time (the first release to the last return) and each call's token."""
+    n = len(inputs)
+    barrier, errors = threading.Barrier(n), []
+    starts, ends, tokens = [0.0] * n, [0.0] * n, [0] * n
+    masks = [torch.ones_like(p) for p in inputs]
+
+    def call(i: int) -> None:
+        barrier.wait()
+        starts[i] = time.perf_counter()
+        try:
+            with torch.no_grad():
+                out = model.generate(
+                    inputs[i], attention_mask=masks[i], max_new_tokens=1, do_sample=False
+                )
+            tokens[i] = int(out[0, -1])  # (on the host: the call's device work is done)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            errors.append(exc)
+        ends[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return [e - s for s, e in zip(starts, ends)], max(ends) - min(starts), tokens
+
+
+def _step_stats(model) -> tuple[int, int, list[int]]:
+    """(merged steps, tokens they computed, sequences per step) of `model`'s step schedulers."""
+    from oxygen_torch.integrations.hf import batched
+
+    stats = [m.scheduler.stats for m in batched._mergers.get(model, {}).values()]
+    sizes = [b for s in stats for b in s.batch_sizes]
+    return sum(s.steps for s in stats), sum(s.tokens for s in stats), sizes
+
+
+def prefix_concurrent(mode: str) -> dict:
+    """The 64 user turns arriving together (a serving load): 64 threads call generate(system +
+    turn, max_new_tokens=1) at once and the engine merges their forwards step by step (at most
+    scheduler.max_step_tokens a step). _miss: the prefix cache off; the hit modes first warm it
+    with one call holding the system prompt (_cpu: every cached block demoted to the CPU tier
+    before the burst). A burst of other turns warms the merged paths first. That every call
+    started on the cache is checked twice: the burst's prefix-cache hits (one per call), and the
+    tokens the model's embedding saw (each turn's 100, not the system prompt's 2,000)."""
+    import oxygen_torch
+
+    on = mode != "prefix_concurrent_miss"
+    tier = 4 * GIB if mode == "prefix_concurrent_cpu" else 0
+    oxygen_torch.enable(
+        kv={"prefix_cache": on, "prefix_cache_bytes": 4 * GIB}, pool={"cpu_tier_bytes": tier}
+    )
+    model = build_model()
+    embedded: list[int] = []  # (list.append: atomic across the calling threads)
+    model.model.embed_tokens.register_forward_hook(lambda m, a, o: embedded.append(a[0].numel()))
+    system = prompts(1, SYSTEM, seed=7)
+
+    def turns(seed: int) -> list[torch.Tensor]:
+        return [torch.cat([system, prompts(1, USER, seed=seed + i)], 1) for i in range(REQUESTS)]
+
+    _burst(model, turns(99)[:1])  # warm; fills the cache with the system prompt (on)
+    _burst(model, turns(300))  # warm: the merged steps' kernels and paths
+    if mode == "prefix_concurrent_cpu":
+        demote_all()
+    before, steps0 = dict(_prefix_counts() or {}), _step_stats(model)
+    embedded.clear()
+    times, wall, tokens = _burst(model, turns(100))  # the turns prefix() runs one by one
+    after, steps1 = _prefix_counts() or {}, _step_stats(model)
+    sizes = steps1[2][len(steps0[2]) :]
+    res = dict(
+        mode=mode,
+        requests=REQUESTS,
+        ttft_ms=statistics.median(times) * 1e3,
+        ttft_ms_worst=max(times) * 1e3,
+        wall_ms=wall * 1e3,
+        tokens=tokens,
+        embedded=sum(embedded),
+        merged_steps=steps1[0] - steps0[0],
+        merged_tokens=steps1[1] - steps0[1],
+        largest_step_seqs=max(sizes, default=0),
+    )
+    if on:
+        res["burst"] = {
+            k: after.get(k, 0) - before.get(k, 0)
+            for k in ("hits", "misses", "hit_tokens", "gpu_hit_blocks", "cpu_hit_blocks")
+        }
+        # every call computed only what follows the system prompt's whole blocks
+        bt = oxygen_torch.active_config().kv.block_tokens
+        own = REQUESTS * (SYSTEM + USER - SYSTEM // bt * bt)
+        b = res["burst"]
+        res["all_hit"] = (b["hits"], b["misses"], res["embedded"]) == (REQUESTS, 0, own)
+    say(
+        f"{mode}: {REQUESTS} calls at once: TTFT median {res['ttft_ms']:.1f} ms, worst "
+        f"{res['ttft_ms_worst']:.1f} ms, burst {res['wall_ms']:.1f} ms; {res['merged_steps']} "
+        f"merged steps (largest {res['largest_step_seqs']} sequences), {res['embedded']} tokens "
+        f"embedded ({REQUESTS} x {SYSTEM + USER} in the prompts)"
+    )
+    if on:
+        say(
+            f"{mode}: every call started on the prefix cache: "
+            f"{'yes' if res['all_hit'] else 'NO'} (the burst's figures {res['burst']})"
+        )
     return res
 
 
@@ -647,6 +766,8 @@ def run_mode(mode: str) -> dict:
             return {"mode": mode, **disk_lowering()}
         if mode in PARTS["capacity"]:
             return capacity(mode)
+        if mode in CONCURRENT:
+            return prefix_concurrent(mode)
         if mode in PARTS["prefix"]:
             return prefix(mode)
         if mode == "prefix_profile":
@@ -755,7 +876,7 @@ def table(r: dict) -> str:
                 f"| {x['mode']} | {x.get('batch', '')} | {'yes' if ok else 'no: ' + err} | "
                 f"{tps or 0:.0f} | {ratio} |"
             )
-    pre = [r[k] for k in PARTS["prefix"] if k in r]
+    pre = [r[k] for k in PARTS["prefix"] if k in r and k not in CONCURRENT]
     if pre:
         miss = r.get("prefix_miss", {}).get("ttft_ms")
         out += [
@@ -785,6 +906,7 @@ def table(r: dict) -> str:
                 f"| {x['mode']} | {x['ttft_ms']:.1f} | {x['ttft_ms_worst']:.1f} | {ratio} | "
                 f"{turns} | {hits} | {hot} | {same} |"
             )
+    out += _concurrent_table(r)
     lg = [r[k] for k in PARTS["long"] if k in r]
     if lg:
         out += [
@@ -807,6 +929,45 @@ def table(r: dict) -> str:
                 err = x.get("error", "").strip().splitlines()[-1][:100]
                 out.append(f"| {x['mode']} | no: {err} | | | | |")
     return "\n".join(out)
+
+
+def _concurrent_table(r: dict) -> list[str]:
+    """The bursts of concurrent calls (CONCURRENT), each against the burst of misses."""
+    rows = [r[k] for k in CONCURRENT if k in r]
+    if not rows:
+        return []
+    miss = r.get("prefix_concurrent_miss", {})
+    out = [
+        "",
+        f"| prefix, {rows[0].get('requests', REQUESTS)} calls at once | TTFT median ms | worst | "
+        "burst ms | miss / this: median, burst | tokens embedded | merged steps (largest) | "
+        "prefix hits / misses in the burst | last tokens = miss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        if "error" in x:
+            out.append(
+                f"| {x['mode']} | error: {x['error'].strip().splitlines()[-1][:80]} ||||||||"
+            )
+            continue
+        ratio = "-"
+        if "ttft_ms" in miss:
+            ratio = f"{miss['ttft_ms'] / x['ttft_ms']:.1f}x, {miss['wall_ms'] / x['wall_ms']:.1f}x"
+        hits = "-"
+        if x.get("burst"):
+            b = x["burst"]
+            hits = f"{b['hits']} / {b['misses']}" + ("" if x["all_hit"] else " (NOT every call)")
+        same = "-"
+        if miss.get("tokens"):
+            same = (
+                f"{sum(a == b for a, b in zip(x['tokens'], miss['tokens']))}/{len(miss['tokens'])}"
+            )
+        out.append(
+            f"| {x['mode']} | {x['ttft_ms']:.1f} | {x['ttft_ms_worst']:.1f} | {x['wall_ms']:.1f} | "
+            f"{ratio} | {x['embedded']} | {x['merged_steps']} ({x['largest_step_seqs']}) | "
+            f"{hits} | {same} |"
+        )
+    return out
 
 
 def main() -> None:

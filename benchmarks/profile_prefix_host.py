@@ -54,7 +54,6 @@ WATCH = (
     ("integrations/hf/generate.py", "_start_on_prefix"),
     ("integrations/hf/generate.py", "finish"),
     ("integrations/hf/prefix.py", "prompt_of"),
-    ("integrations/hf/prefix.py", "cached_columns"),
     ("integrations/hf/prefix.py", "start_on_cache"),
     ("integrations/hf/prefix.py", "keep"),
     ("integrations/hf/prefix.py", "_columns"),

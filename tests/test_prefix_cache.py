@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import in_threads
+from test_engine import in_threads, schedulers
 from test_hf_generate import tiny
 
 from oxygen_torch import _patching
@@ -17,6 +17,7 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import BlockManager, pool_stats
+from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.prefix import PrefixCache
 
 BT = 16
@@ -94,6 +95,22 @@ def test_budget_and_pool_pressure_give_blocks_back():
 
 
 # --- generate() on the cache ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows, want",
+    [
+        ([[1, 1, 1, 1], [1, 1, 1, 1]], [0, 0]),  # no padding
+        ([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], [2, 0, 1]),  # left padding
+        ([[1, 1, 1, 0], [1, 1, 1, 1]], None),  # right padding
+        ([[1, 0, 1, 1]], None),  # a hole
+        ([[0, 0, 0, 0], [1, 1, 1, 1]], None),  # a row of padding only
+    ],
+)
+def test_the_cache_serves_left_padded_prompts_only(rows, want):
+    mask = torch.tensor(rows)
+    assert hf_prefix._left_padding(mask, mask.shape) == want
+    assert hf_prefix._left_padding(mask, (mask.shape[0], mask.shape[1] + 1)) is None
 
 
 def _prompts(seed: int, system: list[int], users: list[int], pads: list[int]):
@@ -235,3 +252,74 @@ def test_threads_share_a_system_prompt(prefix_on):
     stats, used = _stats()
     assert stats["hits"] >= sum(kw["input_ids"].shape[0] for kw in calls)
     assert used == stats["cached_blocks"]
+
+
+def test_a_suffix_still_chunked_takes_nothing_from_the_cache(oxygen):
+    """transformers' chunked prefill starts from column 0: a call whose suffix after the cached
+    columns would still be prefilled in chunks (kv.prefill_chunk_tokens) takes none of them and
+    counts a miss; one whose suffix fits in one pass starts on them. The tokens of the cache
+    off."""
+    system = [t % 127 + 1 for t in _tokens(13, 3 * BT)]
+    calls = []
+    for seed, user in ((60, 2 * BT + 8), (61, 10)):  # suffixes of 40 (> 32: chunked) and 10
+        ids, mask = _prompts(seed, system, users=[user], pads=[0])
+        calls.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    ref = _reference("llama", calls)
+    model = hf.apply(tiny("llama"), load_config(prefix_cache=True, prefill_chunk_tokens=2 * BT))
+    seen = Counted(model)
+    with torch.no_grad():
+        warm, warm_mask = _prompts(62, system, users=[4], pads=[0])
+        model.generate(input_ids=warm, attention_mask=warm_mask, max_new_tokens=1)
+        seen.take()
+        before, _ = _stats()
+        chunked = model.generate(**calls[0])
+        n_chunked = seen.take()
+        mid, _ = _stats()
+        hit = model.generate(**calls[1])
+        n_hit = seen.take()
+        after, _ = _stats()
+    assert torch.equal(chunked, ref[0]) and torch.equal(hit, ref[1])
+    assert (mid["hits"] - before["hits"], mid["misses"] - before["misses"]) == (0, 1)
+    assert (after["hits"] - mid["hits"], after["misses"] - mid["misses"]) == (1, 0)
+    assert n_chunked == calls[0]["input_ids"].shape[1] + 2  # the whole prompt, then 2 decodes
+    assert n_hit == calls[1]["input_ids"].shape[1] - 3 * BT + 2
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["gpu_hit", "cpu_tier_hit"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_calls_arriving_together_each_start_on_the_cached_system_prompt(arch, tier, oxygen):
+    """Ten one-row calls released at once after one call cached the system prompt (a serving
+    burst; bench_tier.py's prefix_concurrent): the engine merges their steps, and every merged
+    call still starts on the cache -- one hit each, only its own turn embedded -- with the
+    tokens of the same calls without the cache. tier: every cached block is in the CPU tier
+    when the burst comes; the first call brings the chain up, the others find it there."""
+    system = [t % 127 + 1 for t in _tokens(12, 3 * BT + 5)]
+    calls = []
+    for s in range(10):
+        ids, mask = _prompts(40 + s, system, users=[2 + s], pads=[0])
+        calls.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    ref = _reference(arch, calls)
+    cfg = load_config(prefix_cache=True, pool={"cpu_tier_bytes": (64 << 20) if tier else 0})
+    model = hf.apply(tiny(arch), cfg)
+    seen = Counted(model)
+    with torch.no_grad():
+        warm, warm_mask = _prompts(39, system, users=[4], pads=[0])
+        model.generate(input_ids=warm, attention_mask=warm_mask, max_new_tokens=1)
+        if tier:
+            (pool,) = [p for p in kv_pool._pools.values() if p.prefix is not None]
+            with pool.lock:
+                assert pool.prefix.demote(pool.prefix.num_hot) == 3
+        before, _ = _stats()
+        seen.take()
+        out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in calls])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    after, used = _stats()
+    burst = {k: after[k] - before[k] for k in ("hits", "misses", "cpu_hit_blocks")}
+    assert burst == {"hits": len(calls), "misses": 0, "cpu_hit_blocks": 3 if tier else 0}
+    # each call computed its turn past the system prompt's 3 whole blocks, then 2 decode steps
+    assert seen.take() == sum(kw["input_ids"].shape[1] - 3 * BT + 2 for kw in calls)
+    (sched,) = schedulers(model)
+    assert max(sched.stats.batch_sizes) > 1  # several calls' sequences in one forward
+    assert used == after["hot_blocks"]  # nothing but the cache holds a block: no leak

@@ -87,6 +87,29 @@ def test_no_mutation_leaves_a_stale_walk(tier_pool, seed):
     assert hits > 10 and misses > 10  # the script found both
 
 
+def test_a_walk_remembered_before_an_insert_goes_on_past_its_end(tier_pool):
+    """A row walked while only its first block was cached, then the rest of its chain inserted
+    (another call that finished it): the row's next walk finds every block, not the one it
+    remembered, and an insert of other tokens leaves the remembered walk right as far as it
+    goes."""
+    pool, pc = tier_pool, tier_pool.prefix
+    row = _tokens(400, 3 * BT + 2)
+    other = row[:BT] + _tokens(401, 2 * BT)  # shares the first block
+    with pool.lock:
+        first = pool.manager.allocate(1)
+        pc.insert("ns", row[:BT], first)
+        assert pc.lookup("ns", row) == first
+        blocks = pool.manager.allocate(3)
+        assert pc.insert("ns", row, blocks) == 2  # (the first block was cached)
+        assert pc.peek("ns", row) == first + blocks[1:] == _truth(pc, "ns", row)
+        assert pc.lookup("ns", row) == first + blocks[1:]
+        others = pool.manager.allocate(3)
+        assert pc.insert("ns", other, others) == 2
+        assert pc.lookup("ns", row) == first + blocks[1:]
+        assert pc.lookup("ns", other) == first + others[1:3] == _truth(pc, "ns", other)
+        pool.manager.decref(first + blocks + others)
+
+
 # --- through generate() ------------------------------------------------------------------
 
 

@@ -20,10 +20,12 @@ sweep (`sweep`) moves the coldest down when the pool's device use passes `thresh
 at most `hot_ratio`; a chain's first block goes down last.
 
 Walks are memoized: a generate() call asks about the same rows several times (promote, peek,
-lookup, then insert with the generated tokens appended), and walking a 2,000-token prompt builds
-and hashes a key per block. `_walk` keeps the last walks until a node is added or removed (the
-`version` counter); a walk's nodes are live objects, so a node going cold or warm (its block or
-slot) does not invalidate it -- callers read `slot` as they go.
+lookup, then insert with the generated tokens appended), later calls start with the same system
+prompt, and walking a 2,000-token prompt builds and hashes a key per block. `_walk` keeps the
+last walks until a node is removed; a node added (the `version` counter) leaves them right as
+far as they go, so a walk remembered before it goes on past its end instead of being returned.
+A walk's nodes are live objects, so a node going cold or warm (its block or slot) does not
+invalidate it -- callers read `slot` as they go.
 
 Not thread-safe by itself: every method runs under the owning pool's lock.
 """
@@ -61,8 +63,10 @@ class PrefixCache:
         self._next_id = 0
         self._pinned: set[int] = set()  # nodes a promotion is bringing up: not given back
         self._cold = 0  # nodes in a tier slot
-        self.version = 0  # bumped whenever a node is added or removed: memoized walks go
-        self._walks: list[tuple[Hashable, list[int], list[_Node]]] = []  # (ns, tokens, nodes)
+        self.version = 0  # bumped whenever a node is added or removed
+        # memoized walks: (ns, tokens, nodes, the version they were walked at); cleared when a
+        # node is removed
+        self._walks: list[tuple[Hashable, list[int], list[_Node], int]] = []
         self.clock = 0
         self.tier = None  # kv/tier.py CPUTier: cold nodes live there (None: no cold zone)
         self.heat = None  # kv/heat.py Heat of the pool's blocks (with the tier)
@@ -104,25 +108,33 @@ class PrefixCache:
 
     # --- finding and keeping ---------------------------------------------------------------
 
-    def _changed(self) -> None:
-        """A node was added or removed: every memoized walk may be wrong."""
+    def _added(self) -> None:
+        """A node was added: a memoized walk may now stop short (it is still right as far as it
+        goes)."""
+        self.version += 1
+
+    def _removed(self) -> None:
+        """A node was removed: every memoized walk may be wrong."""
         self.version += 1
         self._walks.clear()
 
     def _walk(self, ns: Hashable, tokens: Sequence[int]) -> list[_Node]:
         """The cached nodes (hot or cold) of `tokens`' whole blocks, from the first up to the
         first block not cached. Memoized: a walk of tokens that start with a remembered walk's
-        found blocks goes on from its last node. The list is shared: do not change it."""
+        found blocks goes on from its last node; a walk of the same tokens with no node added
+        since is the answer. The list is shared: do not change it."""
         bt = self.block_tokens
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         nodes: list[_Node] = []
-        for w_ns, w_tokens, w_nodes in self._walks:
+        for w_ns, w_tokens, w_nodes, w_version in reversed(self._walks):  # the newest first
             n = len(w_nodes) * bt
-            if w_ns == ns and n > len(nodes) * bt and len(tokens) >= n:
-                if tokens[:n] == w_tokens[:n]:  # (one C-level compare, no keys built)
-                    if len(tokens) == len(w_tokens) and tokens == w_tokens:
-                        return w_nodes
-                    nodes = w_nodes
+            if w_ns != ns or n <= len(nodes) * bt or len(tokens) < n:
+                continue
+            # its last found block first: another prompt's walk differs there, mostly
+            if tokens[n - bt : n] == w_tokens[n - bt : n] and tokens[:n] == w_tokens[:n]:
+                if w_version == self.version and tokens[n:] == w_tokens[n:]:
+                    return w_nodes
+                nodes = w_nodes
         nodes = list(nodes)
         parent = nodes[-1].id if nodes else self._root(ns)
         for i in range(len(nodes), len(tokens) // bt):
@@ -133,7 +145,7 @@ class PrefixCache:
             parent = node.id
         if len(self._walks) >= WALKS:
             del self._walks[0]
-        self._walks.append((ns, list(tokens), nodes))
+        self._walks.append((ns, list(tokens), nodes, self.version))
         return nodes
 
     def _hot(self, ns: Hashable, tokens: Sequence[int]) -> list[_Node]:
@@ -192,7 +204,7 @@ class PrefixCache:
                 self._nodes[key], self._by_id[node.id] = node, node
                 if parent in self._by_id:
                     self._by_id[parent].children.add(node.id)
-                self._changed()
+                self._added()
                 added += 1
             elif node.slot is not None:  # warm again for free: the sequence computed it
                 self.manager.incref([blocks[i]])
@@ -211,8 +223,8 @@ class PrefixCache:
         """Brings the cold nodes of each row's chain up to fresh device blocks (one transfer),
         shallowest first; where the pool has no room, the rest stays cold (a chain is cut at
         its first cold node). Returns the blocks brought up."""
-        if self.tier is None:
-            return 0
+        if self.tier is None or not self._cold:
+            return 0  # (nothing cold anywhere: no walk needed to know)
         depth: dict[int, int] = {}
         for tokens in rows:
             for d, node in enumerate(self._walk(ns, tokens)):
@@ -319,7 +331,7 @@ class PrefixCache:
         """Takes node nid out (a leaf): its device reference or tier slot goes back."""
         node = self._by_id.pop(nid)
         del self._nodes[node.key]
-        self._changed()
+        self._removed()
         parent = self._by_id.get(node.parent)
         if parent is not None:
             parent.children.discard(nid)
@@ -378,7 +390,7 @@ class PrefixCache:
         n, self._cold = len(self._by_id), 0
         self._nodes.clear()
         self._by_id.clear()
-        self._changed()
+        self._removed()
         if slots:
             self.tier.release(slots)
         if blocks:

@@ -184,14 +184,12 @@ def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache)
     prompt = prefix_cache.prompt_of(model, call, cache, geometry)
     if prompt is None:
         return 0
-    cols = prefix_cache.cached_columns(prompt)
-    if cols and _chunk(call, cfg, cols) is not None:
-        cols = 0
     cache.prefix_prompt = prompt
     # a row about to give blocks back behind its window keeps its prompt in the cache first
     cache._core.before_drop = functools.partial(prefix_cache.keep_prompt, prompt)
+    chunked = lambda cols: _chunk(call, cfg, cols) is not None  # noqa: E731
     return prefix_cache.start_on_cache(
-        prompt, cache, geometry, limit=cols, record=cfg.scheduler.merge
+        prompt, cache, geometry, chunked=chunked, record=cfg.scheduler.merge
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +76,11 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
         pad = call.opt("pad_token_id")
         if pad is not None and bool((ids == pad).any()):
             return None
-        mask = torch.ones_like(ids)
-    if mask.shape != ids.shape:
-        return None
-    mask = mask.detach().to("cpu", torch.bool)
-    if bool((mask.to(torch.int8).diff(dim=1) < 0).any()) or not bool(mask[:, -1].all()):
-        return None  # padding that is not on the left, or a row of padding only
+        pads = [0] * ids.shape[0]
+    else:
+        pads = _left_padding(mask, ids.shape)
+        if pads is None:
+            return None
     pool = get_pool(cache._core.pool_key(*geometry))
     pc = pool.prefix_cache(kv.prefix_cache_bytes)
     if pc is None:
@@ -92,10 +92,22 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
     core = cache._core
     beams = (call.opt("num_beams") or 1) > 1
     expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
-    pads = (~mask).sum(1).tolist()
     rows = [r[p:] for r, p in zip(ids.detach().cpu().tolist(), pads)]
     ns = (_serial(model), int(core.precision), core.tiles, core.kv_dtype)
     return Prompt(ns, rows, pads, ids.shape[1], expand, beams, pool)
+
+
+def _left_padding(mask: torch.Tensor, shape) -> list[int] | None:
+    """Each row's left padding by its attention mask; None when a row is padded anywhere but on
+    the left, or is padding only."""
+    if mask.shape != shape:
+        return None
+    mask = mask.detach().to("cpu", torch.bool)
+    if bool(mask.all()):  # no padding (a single prompt, mostly): one op says so
+        return [0] * shape[0]
+    if bool((mask.to(torch.int8).diff(dim=1) < 0).any()) or not bool(mask[:, -1].all()):
+        return None
+    return (~mask).sum(1).tolist()
 
 
 def _columns(prompt: Prompt) -> tuple[int, list[int]]:
@@ -108,22 +120,21 @@ def _columns(prompt: Prompt) -> tuple[int, list[int]]:
     return max(0, min(cols, prompt.width - 1)), found
 
 
-def cached_columns(prompt: Prompt) -> int:
-    """L: the prompt columns the cache can give every row now (0: none)."""
-    with prompt.pool.lock:
-        return _columns(prompt)[0]
-
-
 def start_on_cache(
-    prompt: Prompt, cache: PagedKVCache, geometry, *, limit: int, record: bool
+    prompt: Prompt, cache: PagedKVCache, geometry, *, chunked: Callable[[int], bool], record: bool
 ) -> int:
-    """Puts the cached columns (at most `limit`; 0 = a miss, the cache left untouched) into the
-    call's fresh cache and counts the lookups; returns L. `record`: the engine may preempt the
-    call, so its core's History starts with the cached tokens."""
+    """Puts the columns L the cache holds of every row into the call's fresh cache, in one pass
+    under the pool lock, and counts the lookups; returns L (0: a miss, the cache left
+    untouched). `chunked(L)`: whether the suffix after L columns would still be prefilled in
+    chunks; such a call takes none (transformers' chunked prefill starts from column 0).
+    `record`: the engine may preempt the call, so its core's History starts with the cached
+    tokens."""
     pool, pc = prompt.pool, prompt.pool.prefix
     bt, core = pool.key.block_tokens, cache._core
     with pool.lock:
-        cols = min(_columns(prompt)[0], limit)
+        cols = _columns(prompt)[0]
+        if cols and chunked(cols):
+            cols = 0
         takes = [max(0, cols - p) for p in prompt.pads]
         blocks = [pc.lookup(prompt.ns, row, use=m) for row, m in zip(prompt.rows, takes)]
         if cols == 0:
