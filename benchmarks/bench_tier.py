@@ -228,12 +228,12 @@ def migration() -> dict:
 
 def _pieces(tier, mine: list[int], bb: int) -> list:
     """down / up GB/s of one move by the size of its pieces (transfer.COPY_BYTES: a piece's copy
-    overlaps the next one's gather), the pieces down paced (transfer.PACE_DOWN: each gather waits
+    overlaps the next one's gather), the pieces down paced (transfer.PACE_DOWN: each copy waits
     for the last piece's copy, so the copy engine sees one piece at a time) or not."""
     from oxygen_torch.kv import transfer
 
     saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN), []
-    for paced, mib in ((True, 16), (True, 8), (True, 4), (False, 16)):
+    for paced, mib in (("kernel", 16), ("gather", 16), ("kernel", 4), ("", 16)):
         transfer.PACE_DOWN, transfer.COPY_BYTES = paced, mib * MIB
         slots: list = []
 
@@ -244,7 +244,7 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_up = _bench(lambda slots=slots: tier.up(slots, mine))
         tier.release(slots)
         n = len(mine) * bb
-        way = f"{mib} MiB pieces, {'paced' if paced else 'not paced'}"
+        way = f"{mib} MiB pieces, " + (f"paced by {paced}" if paced else "not paced")
         rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced,
                          down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9))  # fmt: skip
         say(f"{len(mine)} blocks in {way}: down {n / t_down / 1e9:.1f} GB/s, up "
@@ -256,9 +256,9 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
     up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
-    are shared). Churns: the tier's moves in 16 and 4 MiB pieces, down paced (the default) and
-    not; and the same bytes as bare pinned copies in one piece each way (no Python between them:
-    the copy engines' share alone)."""
+    are shared). Churns: the tier's moves in 16 MiB pieces, down paced by a kernel (the
+    default), by the gathers, and not paced, twice in turn; and the same bytes as bare pinned
+    copies in one piece each way (no Python between them: the copy engines' share alone)."""
     from oxygen_torch.kv import transfer
 
     model = build_model()
@@ -333,9 +333,11 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
         )
 
     churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN)
-    for paced, mib in ((True, 16), (True, 4), (False, 16)):
-        transfer.PACE_DOWN, transfer.COPY_BYTES = paced, mib * MIB
-        churns[f"tier, {mib} MiB pieces, {'paced' if paced else 'not paced'}"] = busy(tier_cycle)
+    for rnd in ("", " (again)"):  # twice, in turn: a call's noise against the differences
+        for paced in ("kernel", "gather", ""):
+            transfer.PACE_DOWN = paced
+            name = "tier, 16 MiB pieces, " + (f"paced by {paced}" if paced else "not paced")
+            churns[name + rnd] = busy(tier_cycle)
     transfer.COPY_BYTES, transfer.PACE_DOWN = saved
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes))
     for name, c in churns.items():
@@ -344,7 +346,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             f"({name}: {c['migrated_GBps_meanwhile']:.1f} GB/s moved meanwhile, "
             f"{c['churn_host_ms_per_cycle']:.2f} ms host time a cycle): {100 * c['rise']:+.1f} %"
         )
-    first = churns["tier, 16 MiB pieces, paced"]
+    first = churns["tier, 16 MiB pieces, paced by kernel"]
     return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns)
 
 

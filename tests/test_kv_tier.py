@@ -87,6 +87,18 @@ def test_migration_down_and_up_preserves_every_byte(host_pool):
         pool.manager.decref(again)
 
 
+def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
+    from oxygen_torch.kv import transfer
+
+    tier = host_pool.cpu_tier(2 * MiB)
+    with host_pool.lock:
+        blocks = host_pool.manager.allocate(2)
+    monkeypatch.setattr(transfer, "PACE_DOWN", "fast")
+    with pytest.raises(ValueError, match="PACE_DOWN 'fast' is not one of"):
+        tier.down(blocks)
+    assert tier.stats()["bytes_down"] == tier.stats()["slots_used"] == 0
+
+
 def _burst(tier_bytes: int, graphs: bool = False):
     """31 KV blocks of 128 tokens; six calls of six rows start at one block a row (prompts of
     about 100 tokens: five calls admitted at once) and cross into a second during decode, so

@@ -35,9 +35,9 @@ def _agreement(out: dict, ref: list) -> float:
 
 
 # 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers, the
-# pieces down paced (each gather after the last copy) or not
+# pieces down paced (a kernel on a third stream, or the gather, between two copies) or not
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
-@pytest.mark.parametrize("paced", [True, False])
+@pytest.mark.parametrize("paced", ["kernel", "gather", ""])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     oxygen, monkeypatch, staging_blocks, copy_blocks, paced
 ):

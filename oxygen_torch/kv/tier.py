@@ -117,6 +117,7 @@ class CPUTier:
         lowers and the tier is under pressure). TierFull: nothing changed."""
         if not blocks:
             return []
+        transfer.check_pace()
         n, lowered = len(blocks), low_priority and self.lowering and self._pressed(len(blocks))
         opened = sorted(self._open)[:n] if lowered else []
         need = -(-(n - len(opened)) // 2) if lowered else n  # fresh rows

@@ -17,10 +17,12 @@ the pool would map and unmap its pages on every move (46 us a 2 MiB page on the 
 A device-to-host copy queued on a copy engine holds back every later one of the process,
 whatever its stream: on the H200 a decode step's one-element read (generate()'s stopping check)
 waited 2.3 ms behind 128 MiB of queued copies (55-65 us idle), and TPOT rose 35-117 % beside
-them. So a move down is paced (`PACE_DOWN`): each piece's copy waits, through a one-element
-kernel on a third stream, for the last piece's copy. The copy engine then sees one piece at a
-time and serves other streams' copies between two: paced, the read waited 0.2 ms and TPOT rose
-2 % beside 48 GB/s of copies (benchmarks/diag_copy_engines.py). Moves up are not paced:
+them. So a move down is paced (`PACE_DOWN`): each piece's copy waits for the last piece's copy
+through other work, so the copy engine sees one piece at a time and serves other streams'
+copies between two. "kernel": a one-element kernel on a third stream comes between two copies
+(the gathers stay ahead); bare copies paced so, the read waited 0.2 ms and TPOT rose 2 % beside
+48 GB/s (benchmarks/diag_copy_engines.py). "gather": each piece's gather waits for the last
+copy. Moves up are not paced:
 host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
@@ -34,7 +36,9 @@ STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
 COPY_BYTES = 16 << 20
-PACE_DOWN = True  # a move down's pieces go to the copy engine one at a time (see above)
+PACE_DOWN = "kernel"  # how a move down's pieces go to the copy engine one at a time (see above):
+# "kernel", "gather", or "" (not paced)
+_PACES = ("kernel", "gather", "")
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
@@ -146,6 +150,12 @@ def _pieces_of(n: int, block_bytes: int):
     return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
 
 
+def check_pace() -> None:
+    """PACE_DOWN names a known pacing (ValueError otherwise); a tier checks before a move."""
+    if PACE_DOWN not in _PACES:
+        raise ValueError(f"transfer.PACE_DOWN {PACE_DOWN!r} is not one of {_PACES}")
+
+
 def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=None) -> None:
     """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
     a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
@@ -156,13 +166,15 @@ def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=N
         if copy is not None:
             cur.wait_stream(copy)  # the last chunk's copies have read the buffer
         for a, b in _pieces_of(hi - lo, stage.block_bytes):
+            if copy is not None and PACE_DOWN == "gather" and a:
+                cur.wait_stream(copy)
             gather(views, idx[lo + a : lo + b], out=buf[a:b])
             if copy is None:
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
                 continue
             copy.wait_stream(cur)  # after this piece's gather
-            if PACE_DOWN and a:  # (a chunk's first copy waits for a gather after the last copy)
-                stage.pace(copy)
+            if PACE_DOWN == "kernel" and a:  # (a chunk's first copy comes after a gather that
+                stage.pace(copy)  # waited for the last copy)
             with torch.cuda.stream(copy):
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
     if copy is not None:
