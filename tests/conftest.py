@@ -5,6 +5,7 @@ set before any @triton.jit function is defined, so it is set here, before the te
 Tests marked `cuda` are skipped cleanly there; on the H200 they run.
 """
 
+import gc
 import os
 
 import pytest
@@ -54,6 +55,7 @@ def oxygen():
 
     _patching.forget_warnings()
     yield
+    gc.collect()  # caches left in reference cycles give their blocks back (else a pool stays busy)
     hf_prefix.clear()
     hf.disable_hf()
     release_pools()
