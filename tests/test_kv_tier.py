@@ -97,6 +97,8 @@ def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
     with pytest.raises(ValueError, match="PACE_DOWN 'fast' is not one of"):
         tier.down(blocks)
     assert tier.stats()["bytes_down"] == tier.stats()["slots_used"] == 0
+    with host_pool.lock:
+        host_pool.manager.decref(blocks)
 
 
 def _burst(tier_bytes: int, graphs: bool = False):
