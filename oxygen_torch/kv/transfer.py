@@ -22,8 +22,7 @@ through other work, so the copy engine sees one piece at a time and serves other
 copies between two. "kernel": a one-element kernel on a third stream comes between two copies
 (the gathers stay ahead); bare copies paced so, the read waited 0.2 ms and TPOT rose 2 % beside
 48 GB/s (benchmarks/diag_copy_engines.py). "gather": each piece's gather waits for the last
-copy. Moves up are not paced:
-host-to-device copies beside a decode step did not slow it.
+copy. Moves up are not paced: host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 """
