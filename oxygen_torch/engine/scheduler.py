@@ -38,6 +38,10 @@ from .stats import METRICS
 from .task import Task
 
 FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls rank 0's step names
+# A thread waiting in submit() is woken by a notify (a submit, a leave, a step's end) or by the
+# gather deadline; this is only the longest it sleeps between two looks (no wake-up is lost by
+# design: 64 threads polling every gather_ms / 4 cost the host more than their steps did)
+IDLE_WAIT_S = 0.05
 
 
 class KVBudgetError(RuntimeError):
@@ -181,16 +185,19 @@ class StepScheduler:
             self._cond.notify_all()
             try:
                 while not req.done:
-                    if self._stepping:
-                        self._cond.wait(self._wait_s())
-                    elif self.coordinator is not None and not self.coordinator.leader:
+                    if self._stepping:  # its end notifies
+                        self._cond.wait(IDLE_WAIT_S)
+                        continue
+                    if self.coordinator is not None and not self.coordinator.leader:
                         self._follow()
-                    elif not self._should_step():
-                        self._cond.wait(self._wait_s())
+                        continue
+                    due = self._step_due()
+                    if due > 0:  # a submit, a leave, or the gather deadline
+                        self._cond.wait(due)
                     elif not self._step():
                         # nothing fits (the KV a request needs is held by a call still in its
                         # own code): wait for a submit, a leave or a step, lock released
-                        self._cond.wait(self._wait_s())
+                        self._cond.wait(IDLE_WAIT_S)
             finally:
                 if call.queued is req:
                     call.queued = None
@@ -199,19 +206,23 @@ class StepScheduler:
             raise req.error
         return req.result
 
-    def _should_step(self) -> bool:
+    def _step_due(self) -> float:
+        """0 when a step should start now: a request is queued and every call is either
+        waiting in submit or marked late, or the oldest request has waited gather_ms (the calls
+        still awaited are then marked late). Else the seconds until that deadline (IDLE_WAIT_S
+        when nothing is queued)."""
         queued = [c for c in self._calls if self._waiting(c)]
         if not queued:
-            return False
+            return IDLE_WAIT_S
         awaited = [c for c in self._calls if (c.queued is None or c.queued.done) and not c.late]
         if not awaited:
-            return True
-        oldest = min(c.queued.arrived for c in queued)
-        if time.monotonic() - oldest >= self.cfg.gather_ms / 1000:
+            return 0.0
+        left = min(c.queued.arrived for c in queued) + self.cfg.gather_ms / 1000 - time.monotonic()
+        if left <= 0:
             for c in awaited:  # steps go on without them until they submit again
                 c.late = True
-            return True
-        return False
+            return 0.0
+        return max(left, 1e-4)
 
     @staticmethod
     def _waiting(call: Call) -> bool:
@@ -219,9 +230,6 @@ class StepScheduler:
         may not have woken up yet to take its result)."""
         req = call.queued
         return req is not None and not req.taken and not req.done
-
-    def _wait_s(self) -> float:
-        return max(self.cfg.gather_ms / 1000 / 4, 1e-4)
 
     # --- one step (the leading thread, holding the lock except while the forward runs) -------
 
@@ -290,7 +298,7 @@ class StepScheduler:
                     f"has not made within {FOLLOW_TIMEOUT_S:g} s: every rank must make the "
                     "same calls from the same threads (named alike)"
                 )
-            self._cond.wait(self._wait_s())
+            self._cond.wait(IDLE_WAIT_S)
 
     def _run(self, chunks: list[Chunk]) -> bool:
         """Runs the chosen chunks as one step (lock held, released while the forward runs)."""
