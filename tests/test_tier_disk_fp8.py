@@ -21,6 +21,7 @@ from test_engine import llama, prompt, schedulers, together_as_alone
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.tier import PRESSURE, CPUTier, TierFull
@@ -38,6 +39,18 @@ def make_pool(dtype=torch.bfloat16, device="cpu"):
 def pool():
     yield make_pool()
     release_pools()
+
+
+@pytest.fixture(autouse=True)
+def _no_pool_left():
+    """Closes the pools a test left busy (blocks it took and never gave back): release_pools()
+    keeps those, and a later test file would find their arenas open."""
+    yield
+    release_pools()
+    with kv_pool._pools_lock:
+        for key, p in list(kv_pool._pools.items()):
+            p.close()
+            del kv_pool._pools[key]
 
 
 def caches(pool):

@@ -182,7 +182,13 @@ class StepScheduler:
         req = Request(call, payload)
         with self._cond:
             call.queued, call.late = req, False
-            self._cond.notify_all()
+            # No notify: this thread looks itself, right below, at what a submit can change (a
+            # step now due, a waiting call to preempt), and a woken thread would only look again
+            # (64 threads woken at every submit cost the host more than the steps did). A
+            # coordinated follower waits for submits (_awaited): it is woken.
+            if self.coordinator is not None:
+                self._cond.notify_all()
+            served = False
             try:
                 while not req.done:
                     if self._stepping:  # its end notifies
@@ -198,10 +204,12 @@ class StepScheduler:
                         # nothing fits (the KV a request needs is held by a call still in its
                         # own code): wait for a submit, a leave or a step, lock released
                         self._cond.wait(IDLE_WAIT_S)
+                served = True
             finally:
                 if call.queued is req:
                     call.queued = None
-                self._cond.notify_all()
+                if not served:  # a step that raised in this thread: the others look again
+                    self._cond.notify_all()
         if req.error is not None:
             raise req.error
         return req.result
