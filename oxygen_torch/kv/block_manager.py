@@ -248,8 +248,9 @@ class SequenceBlocks:
     def release(self) -> None:
         """Drops every sequence (the cache ended or was dropped)."""
         for i in range(len(self.blocks)):
-            if self.held(i):
-                self.manager.decref(self.held(i))
+            held = self.held(i)
+            if held:
+                self.manager.decref(held)
         self.blocks = []
         self.lens = []
         self.dropped = []

@@ -31,6 +31,7 @@ from .step_attention import AttendMixin
 from .storage import GUARD_BLOCK, debug_checks_enabled
 from .swap import swap_in
 from .table import BlockTableMixin
+from .transfer import to_device
 from .window import WindowMixin
 
 MiB = 1 << 20
@@ -133,8 +134,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return t.clone()
-        # pinned + non_blocking: the host does not wait for the copy (nor for queued kernels)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)  # the host waits neither for the copy nor queued kernels
 
     def _check_geometry(self, k: torch.Tensor) -> None:
         key = self.pool.key

@@ -257,7 +257,7 @@ class CPUTier:
         if self._side is None:
             return idx
         with torch.cuda.stream(self._side):
-            return idx.pin_memory().to(self.device, non_blocking=True)
+            return transfer.to_device(idx, self.device)
 
     def _lowered(self, blocks: list[int]) -> torch.Tensor:
         """The blocks lowered to fp8 on their device, as uint8 [n, codes + scales] on the host."""

@@ -40,6 +40,15 @@ PACE_DOWN = "kernel"  # how a move down's pieces go to the copy engine one at a 
 _PACES = ("kernel", "gather", "")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor t on `device`, queued on the current stream and not waited for: from pinned
+    memory, since a copy from pageable memory waits for the stream's queued work, holding the
+    host and the interpreter lock. On the host, t itself."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
     """(position in `rows`, first row, length) of each run of consecutive rows, in order."""
     out: list[tuple[int, int, int]] = []

@@ -35,6 +35,7 @@ from ...engine.task import PRIORITIES, Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
 from ...kv.swap import swap_out
+from ...kv.transfer import to_device
 from . import compat, graphs, merged_graphs
 from .attention import new_columns
 from .cache import PagedKVCache, PagedLayer
@@ -377,12 +378,8 @@ class Merger:
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 values on the device without holding the host: from pinned memory (a copy from
-    pageable memory waits for the stream's queued work first)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    """int64 values on the device without holding the host (kv/transfer.py to_device)."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _real_and_positions(core, kw: dict, shape) -> tuple[torch.Tensor | None, torch.Tensor]:
