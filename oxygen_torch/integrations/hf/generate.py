@@ -187,7 +187,10 @@ def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache)
     cache.prefix_prompt = prompt
     # a row about to give blocks back behind its window keeps its prompt in the cache first
     cache._core.before_drop = functools.partial(prefix_cache.keep_prompt, prompt)
-    chunked = lambda cols: _chunk(call, cfg, cols) is not None  # noqa: E731
+
+    def chunked(cols: int) -> bool:  # the suffix after `cols` still prefilled in chunks
+        return _chunk(call, cfg, cols) is not None
+
     return prefix_cache.start_on_cache(
         prompt, cache, geometry, chunked=chunked, record=cfg.scheduler.merge
     )
