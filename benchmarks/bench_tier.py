@@ -52,11 +52,19 @@ PARTS = {
     "disk": ("disk_lowering",),
     "capacity": ("hf_dynamic", "hf_offloaded", "oxygen_gpu", "oxygen_tier"),
     "prefix": ("prefix_miss", "prefix_gpu", "prefix_cpu", "prefix_floor", *CONCURRENT),
-    "long": ("long_hf", "long_oxygen", "long_window_hf", "long_window_oxygen"),
+    "long": (
+        "long_hf",
+        "long_oxygen",
+        "long_window_hf",
+        "long_window_oxygen",
+        "long_hybrid_hf",
+        "long_hybrid_oxygen",
+    ),
     "profile": ("prefix_profile",),
 }
 TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240,
-             "long_window_hf": 240, "long_window_oxygen": 240}  # fmt: skip
+             "long_window_hf": 240, "long_window_oxygen": 240, "long_hybrid_hf": 240,
+             "long_hybrid_oxygen": 240}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 # (batch, prompt, new) per capacity mode; smoke: tiny
@@ -84,14 +92,26 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
-def build_model(max_pos: int = 8192, window: int | None = None):
+def hybrid_types(layers: int) -> list[str]:
+    """Gemma-3's pattern: every sixth layer sees every token, the others slide."""
+    return ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+
+
+def build_model(max_pos: int = 8192, window: int | None = None, hybrid: bool = False):
     """The Llama-1.1B shape (smoke: tiny); `window`: a Mistral of that shape, every layer
-    attending to the last `window` tokens."""
+    attending to the last `window` tokens; with `hybrid`, a Qwen2 of that shape whose layers
+    slide but every sixth (hybrid_types)."""
     from oxygen_torch.tools.demo_models import LLAMA_1B, TINY_LLAMA, random_llama
 
     shape = TINY_LLAMA if SMOKE else LLAMA_1B
     dtype = torch.float32 if SMOKE else torch.bfloat16
     extra = dict(family="mistral", sliding_window=window) if window else {}
+    if window and hybrid:
+        types = hybrid_types(shape["num_hidden_layers"])
+        if SMOKE:  # the tiny shape's 4 layers: one full layer all the same
+            types = ["sliding_attention"] * 3 + ["full_attention"]
+        extra = dict(family="qwen2", use_sliding_window=True, sliding_window=window,
+                     max_window_layers=0, layer_types=types)  # fmt: skip
     return random_llama(
         shape, dtype=dtype, device=DEVICE, init_on_device=not SMOKE,
         max_position_embeddings=max_pos, **extra,
@@ -717,13 +737,16 @@ class Clock:
 
 def long(mode: str) -> dict:
     """One 131,072-token prompt under the cap. long_window_*: a Mistral of the same shape whose
-    every layer has a 4,096-token window (oxygen keeps only the window's blocks in the pool)."""
+    every layer has a 4,096-token window (oxygen keeps only the window's blocks in the pool);
+    long_hybrid_*: a Qwen2 of that shape whose layers have that window but every sixth, which
+    sees every token (oxygen keeps every block for those, and unmaps the sliding layers' pages
+    behind the window)."""
     reserved = 0
-    window = WINDOW if "window" in mode else None
+    window = WINDOW if "window" in mode or "hybrid" in mode else None
     if mode.endswith("oxygen"):
         reserved = kv_arena_bytes(1, LONG_P + LONG_N + 16)
         oxygen_capped(kv={"arena_bytes": reserved})
-    model = build_model(max_pos=LONG_P + 64, window=window)
+    model = build_model(max_pos=LONG_P + 64, window=window, hybrid="hybrid" in mode)
     cap_torch(reserved)
     ids = prompts(1, LONG_P, seed=3)
     res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
@@ -739,7 +762,11 @@ def long(mode: str) -> dict:
         gen(2)  # warm-up: kernels compiled, pages mapped (and a first OOM shows here)
         sync()
         clock.start()
-        out = gen(LONG_N, stopping_criteria=[clock])
+        out = gen(LONG_N, stopping_criteria=[clock], return_dict_in_generate=True)
+        kv_mapped_at_end = 0
+        if mode.endswith("oxygen"):  # the finished call's cache still holds its blocks
+            kv_mapped_at_end = out.past_key_values._core.pool.mapped_bytes()
+        out = out.sequences
         ttft, tpot = clock.figures()
         res.update(ok=True, ttft_s=ttft, tpot_ms=tpot * 1e3, tokens=out[0, LONG_P:].tolist())
         if DEVICE == "cuda":
@@ -750,7 +777,9 @@ def long(mode: str) -> dict:
             (p,) = [p for p in pool_stats() if p["peak_blocks_used"]]
             res.update(kv_peak_blocks=p["peak_blocks_used"],
                        kv_peak_mapped_GiB=p["peak_mapped_bytes"] / GIB,
-                       window_freed_blocks=p["window_freed_blocks"])  # fmt: skip
+                       window_freed_blocks=p["window_freed_blocks"],
+                       window_narrowed_blocks=p["window_narrowed_blocks"],
+                       kv_mapped_at_end_GiB=kv_mapped_at_end / GIB)  # fmt: skip
     except torch.OutOfMemoryError as exc:
         res.update(ok=False, error="OOM: " + str(exc).splitlines()[0][:160])
     say(f"{mode}: {res}")
@@ -914,7 +943,8 @@ def table(r: dict) -> str:
         out += [
             "",
             "| 131,072-token prompt, 24 GiB | fits | TTFT s | TPOT ms | peak torch GiB |"
-            " oxygen KV: peak blocks, peak mapped GiB, blocks freed behind the window |",
+            " oxygen KV: peak blocks, peak mapped GiB, mapped GiB at the end, blocks freed /"
+            " narrowed behind the window |",
             "|---|---|---|---|---|---|",
         ]
         for x in lg:
@@ -922,7 +952,8 @@ def table(r: dict) -> str:
                 kv = "-"
                 if "kv_peak_blocks" in x:
                     kv = (f"{x['kv_peak_blocks']}, {x['kv_peak_mapped_GiB']:.2f}, "
-                          f"{x['window_freed_blocks']}")  # fmt: skip
+                          f"{x.get('kv_mapped_at_end_GiB', 0):.2f}, {x['window_freed_blocks']} / "
+                          f"{x.get('window_narrowed_blocks', 0)}")  # fmt: skip
                 out.append(
                     f"| {x['mode']} | yes | {x['ttft_s']:.2f} | {x['tpot_ms']:.2f} | "
                     f"{x.get('peak_torch_GiB', 0):.1f} | {kv} |"

@@ -230,9 +230,9 @@ def test_emptied_pages_wait_for_their_event_and_can_be_reused_before():
     )
     st.on_alloc([2, 4])  # pages 1 and 2
     ev = Event()
-    st._page_live[1] -= 1  # free blocks 2 and 4 as on_free does on a GPU: retire, no unmap
-    st._page_live[2] -= 1
-    st._retired.append((ev, [1, 2]))
+    st._all.live[1] -= 1  # free blocks 2 and 4 as on_free does on a GPU: retire, no unmap
+    st._all.live[2] -= 1
+    st._retired.append((ev, st._all, [1, 2]))
     st._reap()
     assert {1, 2} <= backing.mapped  # kernels queued before the free may still read them
     st.on_alloc([3])  # page 1 comes back into use while still mapped: no second map

@@ -250,6 +250,10 @@ class KVConfig:
     # runs as groups of rows that fit, merged by the engine, and returns what one call would;
     # False: it runs whole and fails as the pool fills (integrations/hf/oversubscribe.py)
     oversubscribe: bool = True
+    # a hybrid model (some layers slide, the others see every token: Gemma-2/3, gpt-oss): the
+    # sliding layers' pages of blocks behind every row's window are unmapped, the blocks kept
+    # for the full-attention layers (kv/window.py); False: every layer keeps every block
+    hybrid_windows: bool = True
 
     def __post_init__(self):
         _check_types(self, "kv")

@@ -18,6 +18,7 @@ import torch
 
 from ..triton_kernels.precision import PrecisionMode
 from ..triton_kernels.tiling import Tiles
+from .storage import GUARD_BLOCK
 
 if TYPE_CHECKING:
     from ..config import KernelConfig
@@ -124,12 +125,17 @@ def _gathered_sdpa(
     lens = seq_lens.to(torch.int64)
     n_k = max(int(lens.max()), 1) if batch else 1
     idx = block_table[:, : -(-n_k // bt)].to(torch.int64)  # [B, nblk]
-    k = gather_blocks(k_cache, k_scale, idx, n_k, q.dtype)
-    v = gather_blocks(v_cache, v_scale, idx, n_k, q.dtype)
     if cu_seqlens_q is None:
         counts = torch.ones(batch, dtype=torch.int64)
     else:
         counts = cu_seqlens_q.to(torch.int64).diff()
+    if sliding_window:
+        # as the kernels: no block before a row's first window is read (a hybrid model's
+        # narrowed blocks have no sliding-layer pages: kv/window.py); the guard block stands in
+        first = (lens - counts - sliding_window + 1).clamp(min=0) // bt  # [B]
+        idx = idx.masked_fill(torch.arange(idx.shape[1])[None, :] < first[:, None], GUARD_BLOCK)
+    k = gather_blocks(k_cache, k_scale, idx, n_k, q.dtype)
+    v = gather_blocks(v_cache, v_scale, idx, n_k, q.dtype)
     m = max(int(counts.max()), 1) if batch else 1
     j = torch.arange(m)
     rows = j[None, :] < counts[:, None]  # [B, m]: the real query slots of a padded layout

@@ -10,6 +10,12 @@ A sequence may give back its leading blocks once no query will read them again (
 sliding window starts past them: `drop_before`). Their entries stay in its block list as
 GUARD_BLOCK, so a column is still a token position // block_tokens, and `dropped[i]` counts them;
 every reference count here skips them.
+
+A hybrid model's sequence (some layers slide, some see every token) keeps those blocks for its
+full-attention layers but no longer reads them through its sliding ones: it *narrows* its
+references to them (`narrow_before`; `narrowed[i]` counts them, from the first column). Once every
+reference to a block is narrowed, the manager tells the storage (`on_narrow`), which unmaps the
+block's pages in the sliding layers' regions when nothing else lies on them (kv/storage.py).
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ class BlockManager:
     tier's move down, kv/tier.py) count as free but go back to the heap only once the event has
     passed; an allocation that needs them sooner makes the current stream wait for the event
     (`event.wait()`, no host wait) and takes them then.
+
+    Narrowed references (`narrow`, `incref(..., narrowed=True)`, `decref(..., narrowed=True)`):
+    a holder that needs only the block's full-attention layers. `on_narrow(ids)` runs when the
+    last reference that needed a block whole goes while others remain. A whole reference to a
+    block only narrowed ones hold is refused: its sliding layers' pages may be gone.
     """
 
     def __init__(
@@ -45,6 +56,7 @@ class BlockManager:
         first_id: int = 0,
         on_alloc: Callable[[list[int]], None] | None = None,
         on_free: Callable[[list[int]], None] | None = None,
+        on_narrow: Callable[[list[int]], None] | None = None,
     ):
         if num_blocks <= first_id:
             raise ValueError(f"num_blocks: {num_blocks} leaves no block after first_id {first_id}")
@@ -54,8 +66,10 @@ class BlockManager:
         self._fenced: list[tuple[object, list[int]]] = []  # (event, blocks): free once passed
         self._num_fenced = 0
         self._ref = [0] * num_blocks
+        self._narrow = [0] * num_blocks  # narrowed references among _ref
         self._on_alloc = on_alloc
         self._on_free = on_free
+        self._on_narrow = on_narrow
         self.peak_used = 0
         self.reclaimer = None  # has reclaimable() -> int and evict(n) -> int
 
@@ -102,24 +116,56 @@ class BlockManager:
         self.peak_used = max(self.peak_used, self.num_used)
         return ids
 
-    def incref(self, blocks: Iterable[int]) -> None:
+    def is_narrow(self, block: int) -> bool:
+        """Whether every reference to the block is narrowed (its sliding layers' pages may be
+        unmapped: nothing may read or copy them)."""
+        return 0 < self._narrow[block] == self._ref[block]
+
+    def incref(self, blocks: Iterable[int], narrowed: bool = False) -> None:
         for b in blocks:
             if self._ref[b] <= 0:
                 raise RuntimeError(f"block {b}: incref of a free block")
+            if not narrowed and self._narrow[b] == self._ref[b] > 0:
+                raise RuntimeError(
+                    f"block {b}: a whole reference to a block only narrowed references hold "
+                    "(its sliding layers' pages may be unmapped)"
+                )
             self._ref[b] += 1
+            self._narrow[b] += narrowed
 
-    def decref(self, blocks: Iterable[int], after=None) -> list[int]:
-        """Drops one reference from each block; returns the blocks that became free. `after`: an
-        event (query(), wait()) of copies still reading them; None: nothing does."""
+    def narrow(self, blocks: Iterable[int]) -> None:
+        """One whole reference to each block becomes a narrowed one (its holder left it behind
+        its sliding window)."""
+        gone = []
+        for b in blocks:
+            if self._narrow[b] >= self._ref[b]:
+                raise RuntimeError(f"block {b}: narrow without a whole reference")
+            self._narrow[b] += 1
+            if self._narrow[b] == self._ref[b]:
+                gone.append(b)
+        if gone and self._on_narrow is not None:
+            self._on_narrow(gone)
+
+    def decref(self, blocks: Iterable[int], after=None, narrowed: bool = False) -> list[int]:
+        """Drops one reference from each block (`narrowed`: a narrowed one); returns the blocks
+        that became free. `after`: an event (query(), wait()) of copies still reading them;
+        None: nothing does."""
         if self._fenced:
             self._unfence()
-        freed = []
+        freed, gone = [], []
         for b in blocks:
             if self._ref[b] <= 0:
                 raise RuntimeError(f"block {b}: decref of a free block")
+            if narrowed and self._narrow[b] <= 0:
+                raise RuntimeError(f"block {b}: narrowed decref without a narrowed reference")
             self._ref[b] -= 1
+            self._narrow[b] -= narrowed
             if self._ref[b] == 0:
                 freed.append(b)
+            elif not narrowed and self._narrow[b] == self._ref[b]:
+                gone.append(b)
+        if gone and self._on_narrow is not None:
+            self._on_narrow(gone)
         if freed and after is not None and not after.query():
             self._fenced.append((after, freed))
             self._num_fenced += len(freed)
@@ -155,7 +201,8 @@ class SequenceBlocks:
     shared between sequences (fork, reorder); `reserve` copies a shared, partly filled last block
     before it is written (copy-on-write) and reports the copy so the caller moves the data.
     `dropped[i]`: sequence i's leading entries given back (GUARD_BLOCK in its list, never
-    referenced).
+    referenced). `narrowed[i]`: its leading columns (the dropped ones included) whose references
+    are narrowed (a hybrid model's rows, behind their sliding window: `narrow_before`).
     """
 
     def __init__(self, manager: BlockManager, block_tokens: int, batch: int = 0):
@@ -164,6 +211,7 @@ class SequenceBlocks:
         self.blocks: list[list[int]] = [[] for _ in range(batch)]
         self.lens: list[int] = [0] * batch
         self.dropped: list[int] = [0] * batch
+        self.narrowed: list[int] = [0] * batch
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -190,6 +238,31 @@ class SequenceBlocks:
         blocks[d:upto] = [GUARD_BLOCK] * (upto - d)
         self.dropped[seq] = upto
         return list(range(d, upto)), len(freed)
+
+    def narrow_before(self, seq: int, pos: int) -> int:
+        """Narrows sequence seq's references to its blocks that lie wholly before token position
+        `pos` (its sliding layers read them no more; its full-attention layers still do). The
+        block holding the last token is always kept whole. Returns how many were narrowed."""
+        blocks, w = self.blocks[seq], max(self.narrowed[seq], self.dropped[seq])
+        upto = min(pos // self.block_tokens, len(blocks) - 1)
+        if upto <= w:
+            return 0
+        self.manager.narrow(blocks[w:upto])
+        self.narrowed[seq] = upto
+        return upto - w
+
+    def refs(self, seq: int, lo: int = 0) -> tuple[list[int], list[int]]:
+        """Sequence seq's held blocks from column lo: (narrowed references, whole ones)."""
+        blocks, d = self.blocks[seq], max(self.dropped[seq], lo)
+        w = max(self.narrowed[seq], d)
+        return blocks[d:w], blocks[w:]
+
+    def _let_go(self, seq: int, lo: int = 0) -> None:
+        narrow, whole = self.refs(seq, lo)
+        if narrow:
+            self.manager.decref(narrow, narrowed=True)
+        if whole:
+            self.manager.decref(whole)
 
     def reserve(self, seq: int, extra: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """Makes room for `extra` more tokens of sequence `seq`.
@@ -226,9 +299,10 @@ class SequenceBlocks:
         keep = -(-new_len // self.block_tokens)
         blocks = self.blocks[seq]
         if keep < len(blocks):
-            self.manager.decref(blocks[max(keep, self.dropped[seq]) :])
+            self._let_go(seq, keep)
             del blocks[keep:]
         self.dropped[seq] = min(self.dropped[seq], keep)
+        self.narrowed[seq] = min(self.narrowed[seq], keep)
         self.lens[seq] = min(self.lens[seq], new_len)
 
     def select(self, order: list[int]) -> None:
@@ -236,21 +310,23 @@ class SequenceBlocks:
 
         Shared blocks gain a reference per extra user; blocks no longer used are freed.
         """
-        old_held = [self.held(j) for j in range(len(self.blocks))]
+        old = [self.refs(j) for j in range(len(self.blocks))]
         self.blocks = [list(self.blocks[j]) for j in order]
         self.lens = [self.lens[j] for j in order]
         self.dropped = [self.dropped[j] for j in order]
+        self.narrowed = [self.narrowed[j] for j in order]
         for j in order:
-            self.manager.incref(old_held[j])
-        for b in old_held:
-            self.manager.decref(b)
+            self.manager.incref(old[j][0], narrowed=True)
+            self.manager.incref(old[j][1])
+        for narrow, whole in old:
+            self.manager.decref(narrow, narrowed=True)
+            self.manager.decref(whole)
 
     def release(self) -> None:
         """Drops every sequence (the cache ended or was dropped)."""
         for i in range(len(self.blocks)):
-            held = self.held(i)
-            if held:
-                self.manager.decref(held)
+            self._let_go(i)
         self.blocks = []
         self.lens = []
         self.dropped = []
+        self.narrowed = []

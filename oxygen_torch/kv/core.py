@@ -11,7 +11,8 @@ real tokens equals attention over the padded layout with the padding masked (pos
 already in the rotary embedding of K). `length` still counts padding, as transformers does.
 
 When every layer attends to the same sliding window, each step first gives back the blocks
-behind it (kv/window.py).
+behind it; when only some do (a hybrid model), it narrows them: the sliding layers' pages of
+those blocks go, the full-attention layers keep them (kv/window.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
     """KV cache of a batch of sequences in a shared KVPool. One table serves all layers.
 
     window: the sliding window every layer attends with (None: some layer, or all, attend to
-    every token); the blocks behind it are given back (kv/window.py)."""
+    every token); the blocks behind it are given back (kv/window.py).
+    narrow_window, window_layers: a hybrid model's sliding window and the layers that attend
+    with it (the others see every token); the blocks behind it are narrowed (kv/window.py)."""
 
     def __init__(
         self,
@@ -57,9 +60,21 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         tiles: Tiles | None = None,
         fresh_prefill: str = "auto",
         window: int | None = None,
+        narrow_window: int | None = None,
+        window_layers: tuple[int, ...] = (),
     ):
-        if window is not None and window < 1:
-            raise ValueError(f"PagedKVCore: window {window} is not a positive token count")
+        for name, w in (("window", window), ("narrow_window", narrow_window)):
+            if w is not None and w < 1:
+                raise ValueError(f"PagedKVCore: {name} {w} is not a positive token count")
+        if narrow_window is not None and (
+            window is not None
+            or not window_layers
+            or not all(0 <= i < num_layers for i in window_layers)
+        ):
+            raise ValueError(
+                f"PagedKVCore: narrow_window needs window_layers among {num_layers} layers and "
+                f"no uniform window (got window={window}, window_layers={window_layers})"
+            )
         if kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"PagedKVCore: kv_dtype {kv_dtype!r} is not allowed; allowed: "
@@ -73,6 +88,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         self.tiles = tiles  # the kernels' tiles (kernel.block_m/n, attention_type, profile)
         self.fresh_prefill = check_setting("PagedKVCore", fresh_prefill)  # kv.fresh_prefill
         self.window = window
+        self.narrow_window = narrow_window
+        self.window_layers = tuple(sorted(set(window_layers))) if narrow_window else ()
         # callable(core, rows) run (pool lock held) before rows first give blocks back behind the
         # window: the prefix cache keeps their prompt's blocks then (integrations/hf/prefix.py)
         self.before_drop = None
@@ -118,7 +135,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             )
         return PoolKey(
             device, self.num_layers, hkv, d, stored or dtype, self.block_tokens, self.backing,
-            self.arena_bytes, self.page_size,
+            self.arena_bytes, self.page_size, self.window_layers,
         )  # fmt: skip
 
     def bind(self, batch: int, hkv: int, d: int, dtype: torch.dtype, device) -> None:
@@ -328,6 +345,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             tiles=self.tiles,
             fresh_prefill=self.fresh_prefill,
             window=self.window,
+            narrow_window=self.narrow_window,
+            window_layers=self.window_layers,
         )
         if self.seqs is None:
             return other
@@ -339,8 +358,11 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             other.seqs.blocks = [list(b) for b in self.seqs.blocks]
             other.seqs.lens = list(self.seqs.lens)
             other.seqs.dropped = list(self.seqs.dropped)
+            other.seqs.narrowed = list(self.seqs.narrowed)
             for b in range(len(other.seqs)):
-                self.pool.manager.incref(other.seqs.held(b))
+                narrow, whole = self.seqs.refs(b)
+                self.pool.manager.incref(narrow, narrowed=True)
+                self.pool.manager.incref(whole)
         other.length, other._layer_len = self.length, list(self._layer_len)
         other._pad_frontier = self._pad_frontier
         other.history = self.history.copy() if self.history is not None else None

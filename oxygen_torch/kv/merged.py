@@ -21,6 +21,7 @@ from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
 from .swap import swap_in
+from .window import check_narrow_window
 
 
 @dataclass
@@ -135,6 +136,8 @@ class MergedStep:
     def attend(self, layer, q, plan, *, scale, sliding_window, k=None, v=None) -> torch.Tensor:
         """q: [1, Hq, T, D] -> [1, T, Hq, D]. k, v (the packed new K/V) are not read: every row
         attends over the blocks, where write() stored them."""
+        if self.pool.key.window_layers:  # a hybrid pool: the kernel may not read narrowed pages
+            check_narrow_window(layer, sliding_window, [p.core for p in self.parts])
         st = self.pool.storage
         qq = q[0].transpose(0, 1)  # [T, Hq, D]
         if plan.cu_seqlens_q is not None:  # prefill chunks beside decode rows: always paged

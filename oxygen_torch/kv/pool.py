@@ -36,6 +36,9 @@ class PoolKey:
     backing: str
     arena_bytes: int
     page_size: int
+    # a hybrid model's sliding layers: their pages keep only blocks some row still reads
+    # through its window (kv/window.py); () for every other model
+    window_layers: tuple[int, ...] = ()
 
 
 class KVPool:
@@ -46,8 +49,9 @@ class KVPool:
         nbytes = key.arena_bytes or default_arena_bytes(key.device)
         backing = make_backing(key.backing, nbytes, key.device, key.page_size)
         self.storage = KVStorage(
-            backing, key.num_layers, key.num_kv_heads, key.head_dim, key.dtype, key.block_tokens
-        )
+            backing, key.num_layers, key.num_kv_heads, key.head_dim, key.dtype, key.block_tokens,
+            key.window_layers,
+        )  # fmt: skip
         # fp8 K/V: one fp32 scale per (block, kv head) and layer, in a storage of their own whose
         # pages are mapped with the blocks they serve (k_scale(layer) / v_scale(layer))
         self.scales: KVStorage | None = None
@@ -59,7 +63,7 @@ class KVPool:
             nbytes = 2 * key.num_layers * per_region * key.page_size
             self.scales = KVStorage(
                 make_backing(key.backing, nbytes, key.device, key.page_size),
-                key.num_layers, key.num_kv_heads, 1, torch.float32, 1,
+                key.num_layers, key.num_kv_heads, 1, torch.float32, 1, key.window_layers,
             )  # fmt: skip
             self._k_scales = [t.view(t.shape[0], t.shape[2])[:n] for t in self.scales.k]
             self._v_scales = [t.view(t.shape[0], t.shape[2])[:n] for t in self.scales.v]
@@ -68,6 +72,7 @@ class KVPool:
             first_id=GUARD_BLOCK + 1,
             on_alloc=self._on_alloc,
             on_free=self._on_free,
+            on_narrow=self._on_narrow if key.window_layers else None,
         )
         # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
         self.lock = threading.RLock()
@@ -77,6 +82,7 @@ class KVPool:
         # generate() calls too large for this pool run as row groups (kv.oversubscribe)
         self.oversubscribed = {"calls_split": 0, "groups_run": 0}
         self.window_freed_blocks = 0  # freed behind sliding windows (kv/window.py)
+        self.window_narrowed_blocks = 0  # narrowed behind a hybrid model's windows (likewise)
 
     def cpu_tier(
         self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
@@ -147,6 +153,11 @@ class KVPool:
         if self.scales is not None:
             self.scales.on_free(blocks)
 
+    def _on_narrow(self, blocks: list[int]) -> None:
+        self.storage.on_narrow(blocks)
+        if self.scales is not None:
+            self.scales.on_narrow(blocks)
+
     def k_scale(self, layer: int) -> torch.Tensor | None:
         """fp8 pools: layer's K scales [num_blocks, kv_heads] fp32; None otherwise."""
         return self._k_scales[layer] if self._k_scales else None
@@ -177,6 +188,10 @@ class KVPool:
             "cpu_tier": self.tier.stats() if self.tier is not None else None,
             "oversubscribed": dict(self.oversubscribed),
             "window_freed_blocks": self.window_freed_blocks,
+            "window_narrowed_blocks": self.window_narrowed_blocks,
+            "window_layers": len(self.key.window_layers),
+            "window_mapped_bytes": s.window_mapped_bytes()
+            + (self.scales.window_mapped_bytes() if self.scales is not None else 0),
         }
 
     def close(self) -> None:

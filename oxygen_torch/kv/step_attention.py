@@ -28,7 +28,7 @@ class AttendMixin:
         """q: [B, Hq, q_len, D] -> attention output [B, q_len, Hq, D] (padding rows are 0).
         k, v: the step's new K/V [B, Hkv, q_len, D] as written (a fresh prefill may attend
         them directly; without them the step reads the cache)."""
-        self._check_window(sliding_window)
+        self._check_window(layer, sliding_window)
         st = self.pool.storage
         batch, hq, q_len, d = q.shape
         if self.debug:
@@ -87,9 +87,10 @@ class AttendMixin:
                 "PagedKVCache: this cache skipped padding (oxygen attention); it cannot be read "
                 "back densely by another attention implementation"
             )
-        if any(self.seqs.dropped):
+        if any(self.seqs.dropped) or any(self.seqs.narrowed):
             raise NotImplementedError(
-                "PagedKVCache: this cache gave back the blocks behind its sliding window "
+                "PagedKVCache: this cache gave back (or narrowed) the blocks behind its sliding "
+                "window "
                 "(oxygen attention); it cannot be read back densely by another attention "
                 "implementation"
             )

@@ -108,7 +108,13 @@ def debug_checks_enabled(flag: bool = False) -> bool:
 
 
 class KVStorage:
-    """Per-layer K/V caches over a backing, with page mapping driven by block allocation."""
+    """Per-layer K/V caches over a backing, with page mapping driven by block allocation.
+
+    window_layers: layers (a hybrid model's sliding ones) whose regions keep a block's pages only
+    while some reference needs them whole: `on_narrow(blocks)` says no reference reads those
+    blocks through a window layer any more (every holder left them behind its window), and their
+    pages in the window layers' regions are unmapped once no such block is left on them. The
+    other layers' regions keep every allocated block (kv/window.py)."""
 
     def __init__(
         self,
@@ -118,6 +124,7 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         block_tokens: int,
+        window_layers: tuple[int, ...] = (),
     ):
         self.backing = backing
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -133,11 +140,18 @@ class KVStorage:
                 f"kv.arena_bytes: {backing.capacity} bytes hold no block for {num_layers} layers x "
                 f"{self.block_bytes} bytes per block (need ≥ {regions * page * 2} bytes)"
             )
-        self._page_live = [0] * self.region_pages  # live blocks touching each region page
-        self._mapped: set[int] = set()  # region pages mapped (in every region)
-        self._retired: list = []  # (event or None, pages): emptied, unmapped when the GPU is past
+        if any(not 0 <= layer < num_layers for layer in window_layers):
+            raise ValueError(f"KVStorage: window layers {window_layers} of {num_layers} layers")
+        windowed = set(window_layers) if len(set(window_layers)) < num_layers else set()
+        # two sets of regions: every allocated block's pages are mapped in `_all`'s, only the
+        # pages of blocks held whole (`_whole`) in `_win`'s (empty without window layers)
+        pages = self.region_pages
+        self._all = _Regions([r for r in range(regions) if r // 2 not in windowed], pages)
+        self._win = _Regions([r for r in range(regions) if r // 2 in windowed], pages)
+        self._whole = bytearray(self.num_blocks) if self._win.regions else None
+        self._retired: list = []  # (event or None, regions, pages): unmapped once the GPU is past
         self._device = getattr(backing, "device", torch.device("cpu"))
-        self.mapped_region_pages = self.peak_region_pages = 0
+        self.peak_pages = 0
         self.on_alloc([GUARD_BLOCK])
         flat = backing.tensor()
         region_bytes = self.region_pages * page
@@ -147,6 +161,9 @@ class KVStorage:
         for r in range(regions):
             t = flat[r * region_bytes : r * region_bytes + used].view(dtype).view(shape)
             (self.k if r % 2 == 0 else self.v).append(t)
+
+    def _mapped_pages(self) -> int:
+        return sum(len(g.mapped) * len(g.regions) for g in (self._all, self._win))
 
     def block_view(self) -> torch.Tensor:
         """[num_blocks, 2 x num_layers, block width]: block b of every region (address order:
@@ -170,88 +187,59 @@ class KVStorage:
         page = self.backing.page_size
         return range(start // page, (start + self.block_bytes - 1) // page + 1)
 
-    def _apply(self, pages: list[int], fn) -> None:
-        """fn(first, count) over contiguous runs of region pages, in every region."""
-        pages.sort()
-        runs, i = [], 0
-        while i < len(pages):
-            j = i
-            while j + 1 < len(pages) and pages[j + 1] == pages[j] + 1:
-                j += 1
-            runs.append((pages[i], j - i + 1))
-            i = j + 1
-        for r in range(2 * self.num_layers):
-            for first, count in runs:
-                fn(r * self.region_pages + first, count)
-
     def on_alloc(self, blocks: list[int]) -> None:
         self._reap()
-        need = []
-        for b in blocks:
-            for p in self._pages_of(b):
-                if self._page_live[p] == 0 and p not in self._mapped:
-                    need.append(p)
-                self._page_live[p] += 1
-        if not need:
-            return
-        need = sorted(set(need))
+        groups = (self._all, self._win) if self._whole is not None else (self._all,)
+        done = []
         try:
-            self._map(need)
+            for g in groups:
+                g.take(self, blocks)
+                done.append(g)
         except torch.OutOfMemoryError:
+            for g in done:
+                self._retire(g, g.drop(self, blocks))
             if not self._retired:
-                self._undo_alloc(blocks)
                 raise
             self._reap(force=True)  # pages waiting for in-flight kernels: wait, unmap, retry
-            try:
-                self._map(need)
-            except BaseException:
-                self._undo_alloc(blocks)
-                raise
+            self.on_alloc(blocks)
+            return
         except BaseException:
-            self._undo_alloc(blocks)
+            for g in done:
+                self._retire(g, g.drop(self, blocks))
             raise
-
-    def _undo_alloc(self, blocks: list[int]) -> None:
-        for b in blocks:
-            for p in self._pages_of(b):
-                self._page_live[p] -= 1
-
-    def _map(self, pages: list[int]) -> None:
-        try:
-            self._apply(list(pages), self.backing.map_pages)
-        except BaseException as exc:
-            for r in range(2 * self.num_layers):  # roll back the regions that did get mapped
-                for p in pages:
-                    if self.backing.is_mapped(r * self.region_pages + p):
-                        self.backing.unmap_pages(r * self.region_pages + p, 1)
-            if getattr(exc, "status", None) == _ERR_OOM:
-                raise torch.OutOfMemoryError(
-                    f"oxygen KV cache: no device memory for {len(pages)} more page(s) in each of "
-                    f"{2 * self.num_layers} regions; {self.mapped_bytes()} bytes of KV mapped "
-                    f"({exc})"
-                ) from exc
-            raise
-        self._mapped.update(pages)
-        self.mapped_region_pages = len(self._mapped)
-        self.peak_region_pages = max(self.peak_region_pages, self.mapped_region_pages)
+        if self._whole is not None:
+            for b in blocks:
+                self._whole[b] = 1
+        self.peak_pages = max(self.peak_pages, self._mapped_pages())
 
     def on_free(self, blocks: list[int]) -> None:
-        empty = set()
-        for b in blocks:
-            for p in self._pages_of(b):
-                self._page_live[p] -= 1
-                if self._page_live[p] == 0:
-                    empty.add(p)
-        if empty:
-            # On a GPU the host runs ahead: kernels already queued may still read these blocks,
-            # and touching an unmapped page poisons the context. Unmap once the stream is past
-            # this point (an event), or at once on the host, where ops are synchronous.
-            event = None
-            if self._device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self._device))
-            self._retired.append((event, sorted(empty)))
-            self._reap()
+        self._retire(self._all, self._all.drop(self, blocks))
+        if self._whole is not None:
+            self.on_narrow(blocks)
+
+    def on_narrow(self, blocks: list[int]) -> None:
+        """No reference reads these blocks through a window layer any more: their pages in the
+        window layers' regions go once no block held whole is left on them."""
+        whole = self._whole
+        if whole is None:
+            return
+        gone = [b for b in blocks if whole[b]]
+        for b in gone:
+            whole[b] = 0
+        self._retire(self._win, self._win.drop(self, gone))
+
+    def _retire(self, group: _Regions, empty: set[int]) -> None:
+        if not empty:
+            return
+        # On a GPU the host runs ahead: kernels already queued may still read these blocks, and
+        # touching an unmapped page poisons the context. Unmap once the stream is past this
+        # point (an event), or at once on the host, where ops are synchronous.
+        event = None
+        if self._device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        self._retired.append((event, group, sorted(empty)))
+        self._reap()
 
     def _reap(self, force: bool = False) -> None:
         """Unmaps retired pages that are still empty once their event has completed."""
@@ -260,20 +248,20 @@ class KVStorage:
         if force and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         keep = []
-        for event, pages in self._retired:
+        for event, group, pages in self._retired:
             if force or event is None or event.query():
-                gone = [p for p in pages if self._page_live[p] == 0 and p in self._mapped]
-                if gone:
-                    self._apply(gone, self.backing.unmap_pages)
-                    self._mapped.difference_update(gone)
+                group.unmap(self, [p for p in pages if group.live[p] == 0 and p in group.mapped])
             else:
-                keep.append((event, pages))
+                keep.append((event, group, pages))
         self._retired = keep
-        self.mapped_region_pages = len(self._mapped)
 
     def mapped_bytes(self, peak: bool = False) -> int:
-        pages = self.peak_region_pages if peak else self.mapped_region_pages
-        return pages * 2 * self.num_layers * self.backing.page_size
+        pages = self.peak_pages if peak else self._mapped_pages()
+        return pages * self.backing.page_size
+
+    def window_mapped_bytes(self) -> int:
+        """Bytes mapped in the window layers' regions (0 without window layers)."""
+        return len(self._win.mapped) * len(self._win.regions) * self.backing.page_size
 
     def check_blocks(self, blocks: torch.Tensor) -> None:
         """Debug: every block id is in range and its pages are mapped (a host sync)."""
@@ -284,5 +272,83 @@ class KVStorage:
                     f"oxygen KV debug: block id {b} out of range [0, {self.num_blocks})"
                 )
             for p in self._pages_of(b):
-                if p not in self._mapped or not self.backing.is_mapped(p):
+                if p not in self._all.mapped or not self.backing.is_mapped(p):
                     raise RuntimeError(f"oxygen KV debug: block {b} lies on unmapped page {p}")
+
+
+class _Regions:
+    """A set of a KVStorage's regions whose pages are mapped together: for each region page,
+    how many live blocks touch it, and whether it is mapped (in every region of the set)."""
+
+    def __init__(self, regions: list[int], region_pages: int):
+        self.regions = regions
+        self.region_pages = region_pages
+        self.live = [0] * region_pages if regions else []
+        self.mapped: set[int] = set()
+
+    def _apply(self, pages: list[int], fn) -> None:
+        """fn(first, count) over contiguous runs of region pages, in every region of the set."""
+        pages = sorted(pages)
+        runs, i = [], 0
+        while i < len(pages):
+            j = i
+            while j + 1 < len(pages) and pages[j + 1] == pages[j] + 1:
+                j += 1
+            runs.append((pages[i], j - i + 1))
+            i = j + 1
+        for r in self.regions:
+            for first, count in runs:
+                fn(r * self.region_pages + first, count)
+
+    def take(self, st: KVStorage, blocks: list[int]) -> None:
+        """Counts blocks live on their pages and maps the pages that were not (all or none)."""
+        need = set()
+        for b in blocks:
+            for p in st._pages_of(b):
+                if self.live[p] == 0 and p not in self.mapped:
+                    need.add(p)
+                self.live[p] += 1
+        if not need:
+            return
+        try:
+            self._map(st, sorted(need))
+        except BaseException:
+            self.untake(st, blocks)
+            raise
+
+    def untake(self, st: KVStorage, blocks: list[int]) -> None:
+        for b in blocks:
+            for p in st._pages_of(b):
+                self.live[p] -= 1
+
+    def drop(self, st: KVStorage, blocks: list[int]) -> set[int]:
+        """Counts blocks no longer live; returns the pages left with none."""
+        empty = set()
+        for b in blocks:
+            for p in st._pages_of(b):
+                self.live[p] -= 1
+                if self.live[p] == 0:
+                    empty.add(p)
+        return empty
+
+    def _map(self, st: KVStorage, pages: list[int]) -> None:
+        backing = st.backing
+        try:
+            self._apply(pages, backing.map_pages)
+        except BaseException as exc:
+            for r in self.regions:  # roll back the regions that did get mapped
+                for p in pages:
+                    if backing.is_mapped(r * self.region_pages + p):
+                        backing.unmap_pages(r * self.region_pages + p, 1)
+            if getattr(exc, "status", None) == _ERR_OOM:
+                raise torch.OutOfMemoryError(
+                    f"oxygen KV cache: no device memory for {len(pages)} more page(s) in each of "
+                    f"{len(self.regions)} regions; {st.mapped_bytes()} bytes of KV mapped ({exc})"
+                ) from exc
+            raise
+        self.mapped.update(pages)
+
+    def unmap(self, st: KVStorage, pages: list[int]) -> None:
+        if pages:
+            self._apply(pages, st.backing.unmap_pages)
+            self.mapped.difference_update(pages)

@@ -9,7 +9,9 @@ fresh device block, copies them up in one transfer, and puts the rows back as th
 reorder while swapped out reorders the rows in place (`select`). A swap-out takes precedence
 over the prefix cache's cold blocks: those are dropped (LRU-K) when the tier lacks its room.
 Entries a row gave back behind its sliding window (GUARD_BLOCK, kv/window.py) stay as they are:
-nothing is moved or referenced for them.
+nothing is moved or referenced for them. A core whose rows narrowed blocks (a hybrid model's,
+kv/window.py) is not swapped: those blocks' sliding layers' pages may be unmapped, so a gather
+of whole blocks may not read them (`swappable`).
 """
 
 from __future__ import annotations
@@ -37,13 +39,18 @@ class Swapped:
         return len({b for row in self.rows for b in row if b < 0})
 
 
+def swappable(core) -> bool:
+    """Whether swap_out may move the core: no row narrowed a block (kv/window.py)."""
+    return core.seqs is not None and not any(core.seqs.narrowed)
+
+
 def swap_out(core, low_priority: bool = False) -> int | None:
     """Moves the core's own blocks to the tier; returns the device blocks freed, or None (the
     tier lacks room, or its disk failed: nothing changed). `low_priority`: the tier may store
     them as fp8 (pool.tier_fp8_lowering)."""
     pool, seqs = core.pool, core.seqs
     tier = pool.tier
-    if tier is None or seqs is None or core._swapped is not None:
+    if tier is None or not swappable(core) or core._swapped is not None:
         return None
     with pool.lock:
         uses = Counter(b for r in range(len(seqs)) for b in seqs.held(r))

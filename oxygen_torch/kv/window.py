@@ -1,13 +1,22 @@
-"""Sliding-window layers keep only their window in the pool: a PagedKVCore whose every layer
-attends to the last `window` tokens gives back each row's blocks that lie wholly before that
-window, plus a margin, at the start of each step. Their table entries become GUARD_BLOCK; the
-paged kernels never read a key before the window start (paged_decode `lo`, paged_prefill
-`lo_true`), so they never read those entries.
+"""Sliding-window layers keep only their window in the pool.
+
+When every layer attends to the last `window` tokens, each row gives back its blocks that lie
+wholly before that window, plus a margin, at the start of each step. Their table entries become
+GUARD_BLOCK; the paged kernels never read a key before the window start (paged_decode `lo`,
+paged_prefill `lo_true`), so they never read those entries.
+
+A hybrid model (Gemma-2/3, gpt-oss, Qwen with max_window_layers: some layers slide, the others
+see every token) keeps those blocks for its full-attention layers, in the same table, but
+*narrows* its references to them (`narrow_window`, `window_layers`): once no reference reads a
+block through a sliding layer, the storage unmaps the block's pages in the sliding layers'
+regions when no other such block lies on them (kv/storage.py). The kernels of a sliding layer
+read nothing before its window, so they never touch those pages; nothing else may read them
+either: a swap-out of a row that narrowed blocks is refused (the engine recomputes it), and the
+dense read-back of another attention implementation fails. Whole 2 MiB pages go, so the saving
+is one of long rows: 4,096 tokens a page at the Llama-1.1B shape.
 
 The margin (one block) keeps a few tokens behind the window, so that a small crop (assisted
-decoding rejects a few draft tokens) still finds every key its window needs. One table serves
-every layer, so a model with any full-attention layer (hybrid: Gemma-2/3, Qwen with
-max_window_layers > 0) keeps every block: its cache gets no window.
+decoding rejects a few draft tokens) still finds every key its window needs.
 """
 
 from __future__ import annotations
@@ -17,29 +26,41 @@ from .storage import GUARD_BLOCK
 
 class WindowMixin:
     """Part of PagedKVCore: `window` (tokens every layer attends to, None: some layer sees
-    everything), `seqs`, `_table_host`, `pool`."""
+    everything), `narrow_window` and `window_layers` (a hybrid model's), `seqs`, `_table_host`,
+    `pool`."""
 
-    def _window_start(self, n: int) -> int:
+    def _window_start(self, n: int, window: int) -> int:
         """The first token position a row holding n tokens keeps: its next query (position n)
         reads keys from n - window + 1; the margin keeps one block more."""
-        return n - self.window + 1 - self.block_tokens
+        return n - window + 1 - self.block_tokens
+
+    def _behind(self) -> list[int]:
+        """Per row, its leading columns no sliding layer reads: given back or narrowed."""
+        seqs = self.seqs
+        return seqs.dropped if self.window is not None else seqs.narrowed
 
     def _drop_behind_window(self) -> None:
-        """Gives back every row's blocks wholly before its kept window (call before a step
-        reserves: those blocks can serve the step's new tokens)."""
-        if self.window is None or self.seqs is None:
+        """Gives back (or narrows) every row's blocks wholly before its kept window (call
+        before a step reserves: blocks given back can serve the step's new tokens)."""
+        window = self.window or self.narrow_window
+        if window is None or self.seqs is None:
             return
-        bt, seqs = self.block_tokens, self.seqs
-        due = [b for b, n in enumerate(seqs.lens) if self._window_start(n) // bt > seqs.dropped[b]]
+        bt, seqs, done = self.block_tokens, self.seqs, self._behind()
+        due = [b for b, n in enumerate(seqs.lens) if self._window_start(n, window) // bt > done[b]]
         if not due:
+            return
+        if self.window is None:
+            with self.pool.lock:
+                self._before_first(due)
+                self.pool.window_narrowed_blocks += sum(
+                    seqs.narrow_before(b, self._window_start(seqs.lens[b], window)) for b in due
+                )
             return
         freed, cols = 0, []
         with self.pool.lock:
-            first = [b for b in due if not seqs.dropped[b]]
-            if first and self.before_drop is not None:
-                self.before_drop(self, first)
+            self._before_first(due)
             for b in due:
-                c, f = seqs.drop_before(b, self._window_start(seqs.lens[b]))
+                c, f = seqs.drop_before(b, self._window_start(seqs.lens[b], window))
                 freed += f
                 cols.extend((b, col) for col in c)
             self.pool.window_freed_blocks += freed
@@ -49,28 +70,62 @@ class WindowMixin:
             self._mark_dirty(min(columns))
             self._mark_dirty(max(columns))
 
+    def _before_first(self, due: list[int]) -> None:
+        first = [b for b in due if not self._behind()[b]]
+        if first and self.before_drop is not None:
+            self.before_drop(self, first)
+
     def _check_crop(self, remove: int) -> None:
         """crop(remove) must leave every row the keys its next window reads."""
-        if self.window is None:
+        window = self.window or self.narrow_window
+        if window is None:
             return
         bt, seqs = self.block_tokens, self.seqs
-        for b, (n, d) in enumerate(zip(seqs.lens, seqs.dropped)):
-            first = max(0, n - remove) - self.window + 1  # the next query's first key
+        for b, (n, d) in enumerate(zip(seqs.lens, self._behind())):
+            first = max(0, n - remove) - window + 1  # the next query's first key
             if d and first < d * bt:
                 raise NotImplementedError(
                     f"PagedKVCache.crop: cannot cut {remove} tokens: row {b}'s sliding window "
-                    f"of {self.window} tokens would start at token {max(first, 0)}, but its "
-                    f"first {d * bt} tokens ({d} blocks, behind the window) were given back"
+                    f"of {window} tokens would start at token {max(first, 0)}, but its "
+                    f"first {d * bt} tokens ({d} blocks, behind the window) were "
+                    + ("given back" if self.window is not None else "narrowed")
                 )
 
-    def _check_window(self, sliding_window: int | None) -> None:
+    def _check_window(self, layer: int, sliding_window: int | None) -> None:
         """A layer attends with another window than the cache's: keep every block from now
-        on, or fail where some were given back already."""
-        if self.window is None or sliding_window == self.window:
-            return
-        if self.seqs is not None and any(self.seqs.dropped):
+        on, or fail where some were given back (or narrowed) already."""
+        if self.window is not None:
+            if sliding_window == self.window:
+                return
+            if self.seqs is not None and any(self.seqs.dropped):
+                raise NotImplementedError(
+                    f"PagedKVCache: a layer attends with sliding_window={sliding_window}, but "
+                    f"the cache gave back blocks behind every layer's window of {self.window} "
+                    "tokens"
+                )
+            self.window = None
+        elif self.narrow_window is not None and layer in self.window_layers:
+            if sliding_window is not None and sliding_window <= self.narrow_window:
+                return
+            if self.seqs is not None and any(self.seqs.narrowed):
+                raise NotImplementedError(
+                    f"PagedKVCache: layer {layer} attends with sliding_window={sliding_window}, "
+                    f"but the cache narrowed the blocks behind its sliding layers' window of "
+                    f"{self.narrow_window} tokens (their pages are unmapped)"
+                )
+            self.narrow_window = None
+
+
+def check_narrow_window(layer: int, sliding_window: int | None, cores) -> None:
+    """The merged step's guard (kv/merged.py): a sliding layer of a hybrid pool must not read
+    further back than any core narrowed its blocks."""
+    for core in cores:
+        nw = core.narrow_window
+        if nw is None or layer not in core.window_layers or not any(core.seqs.narrowed):
+            continue
+        if sliding_window is None or sliding_window > nw:
             raise NotImplementedError(
-                f"PagedKVCache: a layer attends with sliding_window={sliding_window}, but the "
-                f"cache gave back blocks behind every layer's window of {self.window} tokens"
+                f"oxygen merged step: layer {layer} attends with sliding_window="
+                f"{sliding_window}, but a call narrowed the blocks behind its window of {nw} "
+                "tokens (their sliding layers' pages are unmapped)"
             )
-        self.window = None

@@ -42,15 +42,19 @@ def random_llama(
 
     init_on_device builds the weights on the device (seconds instead of a minute on the host for
     the 1.1B shape); the same seed then gives other weights than a host build. family "mistral":
-    a MistralForCausalLM of the same shape (pass sliding_window=W for its window)."""
+    a MistralForCausalLM of the same shape (pass sliding_window=W for its window); "qwen2": a
+    Qwen2ForCausalLM (pass use_sliding_window=True, sliding_window=W and layer_types for a
+    hybrid model)."""
     import transformers as T
 
-    if family not in ("llama", "mistral"):
-        raise ValueError(f"random_llama: family {family!r} is not llama or mistral")
-    config, causal = {
+    families = {
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "mistral": (T.MistralConfig, T.MistralForCausalLM),
-    }[family]
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+    }
+    if family not in families:
+        raise ValueError(f"random_llama: family {family!r} is not one of {', '.join(families)}")
+    config, causal = families[family]
     cfg = config(**shape, max_position_embeddings=max_position_embeddings, **config_overrides)
     torch.manual_seed(0)
     with torch.device(device if init_on_device else "cpu"):

@@ -34,7 +34,7 @@ from ...engine.scheduler import Chunk, Request, Solo, StepScheduler
 from ...engine.task import PRIORITIES, Task
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
-from ...kv.swap import swap_out
+from ...kv.swap import swap_out, swappable
 from ...kv.transfer import to_device
 from . import compat, graphs, merged_graphs
 from .attention import new_columns
@@ -186,7 +186,13 @@ class Merger:
         if not any(core.seqs.blocks):  # preempted before (dropped): nothing to swap or free
             return 0
         tier = core.pool.cpu_tier_of(call.state.cache.cfg.pool)
-        if tier is not None:
+        if tier is not None and not swappable(core):
+            _patching.warn_once(
+                "oxygen_torch: a preempted call of a hybrid sliding-window model narrowed the "
+                "blocks behind its window (their sliding layers' pages are unmapped); such "
+                "calls are recomputed instead of swapped to the CPU tier"
+            )
+        elif tier is not None:
             freed = swap_out(core, low_priority=call.account.task.level < PRIORITIES["normal"])
             if freed is not None:
                 call.swapped = True

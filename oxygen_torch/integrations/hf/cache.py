@@ -7,7 +7,9 @@ stores them itself and returns the whole history densely, as DynamicCache does.
 
 All layers share one block table, so batch operations (beam reorder, crop, repeat) act once on
 the core, not per layer. For the same reason the blocks behind a sliding window are given back
-only when every layer is a sliding-window layer with one window (`uniform_window`).
+only when every layer is a sliding-window layer with one window (`uniform_window`); a hybrid
+model narrows them instead: its sliding layers' pages go, its full-attention layers keep the
+blocks (`hybrid_window`, kv.hybrid_windows; kv/window.py).
 """
 
 from __future__ import annotations
@@ -30,11 +32,22 @@ from .compat import layer_types
 
 def uniform_window(text_config, types: list[str]) -> int | None:
     """The sliding window every layer attends with, or None: some layer is not a sliding one
-    (a hybrid model: one table serves every layer, so no block can go) or there is no layer."""
+    (a hybrid model: see hybrid_window) or there is no layer."""
     window = getattr(text_config, "sliding_window", None) if text_config is not None else None
     if not types or not window or any(t != "sliding_attention" for t in types):
         return None
     return int(window)
+
+
+def hybrid_window(text_config, types: list[str]) -> tuple[int | None, tuple[int, ...]]:
+    """A hybrid model's sliding window and its sliding layers (some layers slide, the others
+    see every token): the blocks behind the window are narrowed (kv/window.py). (None, ()) for
+    any other model."""
+    window = getattr(text_config, "sliding_window", None) if text_config is not None else None
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not window or not layers or len(layers) == len(types):
+        return None, ()
+    return int(window), layers
 
 
 class PagedLayer(CacheLayerMixin):
@@ -105,6 +118,7 @@ class PagedKVCache(Cache):
         self.cfg = cfg
         self._config = config
         self._any_sliding = any(t != "full_attention" for t in types)
+        narrow, window_layers = hybrid_window(text, types) if cfg.kv.hybrid_windows else (None, ())
         self._core = PagedKVCore(
             len(types),
             block_tokens=block_tokens or cfg.kv.block_tokens,
@@ -119,6 +133,8 @@ class PagedKVCache(Cache):
             tiles=tiles_for(cfg.kernel, self._profile(config, cfg)),
             fresh_prefill=cfg.kv.fresh_prefill,
             window=uniform_window(text, types),
+            narrow_window=narrow,
+            window_layers=window_layers,
         )
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
@@ -168,7 +184,8 @@ class PagedKVCache(Cache):
                 return key_states, value_states  # oxygen::paged_step stores them
             context.hand_over(self, layer_idx, key_states, value_states)
             return key_states, value_states
-        self._core.window = None  # dense read-back: every block stays (kv/window.py)
+        # dense read-back: every block stays whole (kv/window.py)
+        self._core.window = self._core.narrow_window = None
         self._core.write(layer_idx, key_states, value_states)
         return self._core.dense(layer_idx)
 

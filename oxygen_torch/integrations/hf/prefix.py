@@ -186,7 +186,7 @@ def keep(prompt: Prompt, cache: PagedKVCache, out) -> None:
             b = r // prompt.expand
             if gen is None and r % prompt.expand:
                 continue  # beams: every row of a prompt starts with the same prompt blocks
-            if seqs.dropped[r]:
+            if seqs.dropped[r] or seqs.narrowed[r]:
                 continue  # its first blocks went behind the sliding window
             tokens = prompt.rows[b] + (gen[r] if gen is not None else [])
             n = min(len(tokens), seqs.lens[r])
