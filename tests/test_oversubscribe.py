@@ -18,6 +18,7 @@ from test_engine import in_threads, llama, schedulers
 
 import oxygen_torch
 from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import generate as gen
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import oversubscribe
 from oxygen_torch.kv import pool_stats
@@ -96,7 +97,7 @@ def test_an_oversubscribed_batch_gives_the_tokens_of_a_batch_that_fits(oxygen, c
     assert pool_of(127)["oversubscribed"]["calls_split"] == 0
     (line,) = [r for r in caplog.records if "row groups" in r.getMessage()]
     assert line.levelno == logging.INFO and f"{groups} row groups" in line.getMessage()
-    v = oversubscribe.judge(small, hf.config_of(small), (), kw, merge)
+    v = oversubscribe.judge(small, hf.config_of(small), gen._Call(small, (), kw), merge)
     assert [len(g) for g in v.groups] == ([7, 7, 6] if merge else [15, 5])
     assert v.concurrent == (2 if merge else 1) and (v.need, v.budget) == (20, 15)
     if not merge:

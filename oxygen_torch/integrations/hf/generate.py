@@ -27,12 +27,34 @@ NAME = "oxygen"
 
 
 class _Call:
-    """The generation options of one call: its kwargs over its generation config."""
+    """The generation options of one call: its kwargs over its generation config. Also what
+    the call asks about its model more than once (oversubscribe.judge, then plan, then the
+    prefix cache), found once."""
 
     def __init__(self, model, args: tuple, kwargs: dict):
-        self.kwargs = kwargs
+        self.model, self.kwargs = model, kwargs
         self.base = kwargs.get("generation_config") or model.generation_config
         self.inputs = kwargs.get("inputs", kwargs.get("input_ids", args[0] if args else None))
+        self._geometry = self._device_type = None
+        self._cache: PagedKVCache | None = None
+
+    def geometry(self) -> tuple:
+        """The model's K/V geometry (batched._geometry: what picks its KV pool)."""
+        if self._geometry is None:
+            self._geometry = _geometry(self.model)
+        return self._geometry
+
+    def device_type(self) -> str:
+        if self._device_type is None:
+            self._device_type = self.model.device.type
+        return self._device_type
+
+    def empty_cache(self, cfg: OxygenConfig) -> PagedKVCache:
+        """The call's PagedKVCache, still empty (new_cache), made once: judge reads its pool,
+        plan gives it to the call."""
+        if self._cache is None:
+            self._cache = new_cache(self.model, cfg, self)
+        return self._cache
 
     def opt(self, name: str):
         if name in self.kwargs:
@@ -123,11 +145,11 @@ def _stock_reason(model, call: _Call) -> str | None:
     return None
 
 
-def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, PagedKVCache | None]:
+def plan(model, cfg: OxygenConfig, call: _Call) -> tuple[dict, PagedKVCache | None]:
     """This call's kwargs on oxygen, and the PagedKVCache given to it (None: it runs stock)."""
-    call = _Call(model, args, kwargs)
+    kwargs = call.kwargs
     name = compat.cache_arg(type(model))
-    device = model.device.type
+    device = call.device_type()
     if name is None:
         _patching.warn_once(
             f"oxygen_torch: transformers {compat.VERSION}: {type(model).__name__}.forward takes "
@@ -145,7 +167,7 @@ def plan(model, cfg: OxygenConfig, args: tuple, kwargs: dict) -> tuple[dict, Pag
             f"oxygen_torch: head_dim {compat.head_dim(text)} has no kernel; stock attention is used"
         )
         return kwargs, None
-    cache = new_cache(model, cfg, call)
+    cache = call.empty_cache(cfg)
     cache.max_cache_len_hint = max(call.max_length() - 1, 0)
     out = {**kwargs, name: cache}
     if call.opt("cache_implementation") == "dynamic":  # ours is the dynamic cache
@@ -180,7 +202,7 @@ def _start_on_prefix(model, call: _Call, cfg: OxygenConfig, cache: PagedKVCache)
     from column 0, whatever the cache holds."""
     if not cfg.kv.prefix_cache:
         return 0
-    geometry = _geometry(model)
+    geometry = call.geometry()
     prompt = prefix_cache.prompt_of(model, call, cache, geometry)
     if prompt is None:
         return 0

@@ -114,10 +114,11 @@ def _generate(self, *args, **kwargs):
     tp = rank_plan.tp_size(self) > 1
     merged = cfg.scheduler.merge and (not tp or _coordinated(self))
     # (tensor parallel: row groups one after another, the same on every rank)
-    verdict = oversubscribe.judge(self, cfg, args, kwargs, merged and not tp)  # None: rows fit
+    call = gen._Call(self, args, kwargs)
+    verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
-    kwargs, cache = gen.plan(self, cfg, args, kwargs)
+    kwargs, cache = gen.plan(self, cfg, call)
     try:
         if cache is not None and merged:
             with batched.session(self, cache, current_task()):  # concurrent calls' steps merged

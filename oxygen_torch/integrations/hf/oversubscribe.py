@@ -50,7 +50,6 @@ from ...kv.pool import KVPool, get_pool
 from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
 from . import generate as gen
-from .batched import _geometry
 from .cache import PagedKVCache
 
 log = logging.getLogger("oxygen_torch")
@@ -88,19 +87,19 @@ class Verdict:
         )
 
 
-def judge(model, cfg, args: tuple, kwargs: dict, merged: bool) -> Verdict | None:
+def judge(model, cfg, call: gen._Call, merged: bool) -> Verdict | None:
     """The call's verdict when its rows do not all fit in the pool; None when they fit (or it
     does not run on the paged cache). Raises ValueError for an oversubscribed call asking for
     outputs that groups cannot give."""
-    call = gen._Call(model, args, kwargs)
+    kwargs = call.kwargs
     if not _on_paged_cache(model, call, kwargs) or call.prompt_shape() is None:
         return None
     batch, width = call.prompt_shape()
     new = call.max_length() - width
     if new <= 0:
         return None
-    cache = gen.new_cache(model, cfg, call)  # only to find its pool: never bound
-    pool = get_pool(cache._core.pool_key(*_geometry(model)))
+    cache = call.empty_cache(cfg)  # its pool; plan gives the same (unbound) cache to the call
+    pool = get_pool(cache._core.pool_key(*call.geometry()))
     bt = pool.key.block_tokens
     budget = pool.manager.num_blocks - pool.manager.first_id
     expand = max(call.opt("num_beams") or 1, call.opt("num_return_sequences") or 1)
@@ -150,7 +149,7 @@ def _on_paged_cache(model, call, kwargs: dict) -> bool:
     if gen._stock_reason(model, call) is not None:
         return False
     text = model.config.get_text_config(decoder=True)
-    return model.device.type != "cuda" or compat.head_dim(text) in SUPPORTED_HEAD_DIMS
+    return call.device_type() != "cuda" or compat.head_dim(text) in SUPPORTED_HEAD_DIMS
 
 
 def _real_tokens(call, batch: int, width: int) -> list[int]:

@@ -100,6 +100,8 @@ def _alone(model, name: str, cache: PagedKVCache, args: tuple, kw: dict, own, ho
 def ensure(model) -> None:
     """Installs the router on `model`'s class unless it is there (idempotent, thread-safe)."""
     cls = type(model)
+    if cls.__call__ is _model_call:  # every call after the first: no lock to take
+        return
     with _lock:
         if cls.__call__ is _model_call:
             return
