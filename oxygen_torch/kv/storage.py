@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 
 import torch
 
@@ -184,14 +185,20 @@ class KVStorage:
             for first, count in runs:
                 fn(r * self.region_pages + first, count)
 
+    def _page_uses(self, blocks: list[int]) -> Counter:
+        """{region page: how many of `blocks` touch it} (a move's blocks share a few pages)."""
+        bb, page = self.block_bytes, self.backing.page_size
+        if page % bb == 0:  # no block straddles two pages: one division a block
+            return Counter([b * bb // page for b in blocks])
+        return Counter([p for b in blocks for p in self._pages_of(b)])
+
     def on_alloc(self, blocks: list[int]) -> None:
         self._reap()
         need = []
-        for b in blocks:
-            for p in self._pages_of(b):
-                if self._page_live[p] == 0 and p not in self._mapped:
-                    need.append(p)
-                self._page_live[p] += 1
+        for p, k in self._page_uses(blocks).items():
+            if self._page_live[p] == 0 and p not in self._mapped:
+                need.append(p)
+            self._page_live[p] += k
         if not need:
             return
         need = sorted(set(need))
@@ -212,9 +219,8 @@ class KVStorage:
             raise
 
     def _undo_alloc(self, blocks: list[int]) -> None:
-        for b in blocks:
-            for p in self._pages_of(b):
-                self._page_live[p] -= 1
+        for p, k in self._page_uses(blocks).items():
+            self._page_live[p] -= k
 
     def _map(self, pages: list[int]) -> None:
         try:
@@ -237,11 +243,10 @@ class KVStorage:
 
     def on_free(self, blocks: list[int]) -> None:
         empty = set()
-        for b in blocks:
-            for p in self._pages_of(b):
-                self._page_live[p] -= 1
-                if self._page_live[p] == 0:
-                    empty.add(p)
+        for p, k in self._page_uses(blocks).items():
+            self._page_live[p] -= k
+            if self._page_live[p] == 0:
+                empty.add(p)
         if empty:
             # On a GPU the host runs ahead: kernels already queued may still read these blocks,
             # and touching an unmapped page poisons the context. Unmap once the stream is past
