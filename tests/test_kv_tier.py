@@ -54,6 +54,26 @@ def host_pool():
     release_pools()
 
 
+def test_a_release_naming_a_slot_twice_frees_it_once_then_says_so(host_pool):
+    """A move's slots are freed at once (one check, then one loop); a list that names a slot
+    twice frees what comes before the repeat, as freeing them one by one does, and raises."""
+    pool = host_pool
+    tier = pool.cpu_tier(2 * MiB)
+    with pool.lock:
+        blocks = pool.manager.allocate(4)
+    slots = tier.down(blocks)
+    free = tier.num_free
+    with pytest.raises(ValueError, match=f"slot {slots[1]} is not taken"):
+        tier.release([slots[0], slots[1], slots[1]])
+    assert tier.num_free == free + 2
+    tier.release(slots[2:])
+    assert tier.num_free == free + 4 and tier.stats()["slots_used"] == 0
+    assert tier.down(blocks) == slots  # the lowest rows again
+    tier.release(slots)
+    with pool.lock:
+        pool.manager.decref(blocks)
+
+
 def test_migration_down_and_up_preserves_every_byte(host_pool):
     pool = host_pool
     tier = pool.cpu_tier(2 * MiB)

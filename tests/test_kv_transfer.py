@@ -35,6 +35,15 @@ def block_bytes(st, b):
 def test_runs_split_rows_where_they_stop_being_consecutive():
     assert runs([]) == []
     assert runs([4, 5, 6, 9, 3, 4, 10]) == [(0, 4, 3), (3, 9, 1), (4, 3, 2), (6, 10, 1)]
+    assert runs([7, 8, 9]) == [(0, 7, 3)]  # one run (compared whole)
+    assert runs([0, 2, 1, 3]) == [(0, 0, 1), (1, 2, 1), (2, 1, 1), (3, 3, 1)]  # ends 3 apart
+
+
+def test_int64_holds_the_ints_as_torch_tensor_does():
+    vals = [5, 0, 2**40, 3]
+    assert torch.equal(transfer.int64(vals), torch.tensor(vals, dtype=torch.int64))
+    empty = transfer.int64([])
+    assert empty.dtype == torch.int64 and empty.shape == (0,)
 
 
 @pytest.mark.parametrize(

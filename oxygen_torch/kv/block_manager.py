@@ -90,6 +90,10 @@ class BlockManager:
     def refcount(self, block: int) -> int:
         return self._ref[block]
 
+    def refcounts(self, blocks: Iterable[int]) -> list[int]:
+        """refcount() of each block (one call for a core's hundreds: swap preemption)."""
+        return list(map(self._ref.__getitem__, blocks))
+
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks, each with one reference."""
         if n <= 0:
@@ -103,7 +107,8 @@ class BlockManager:
                 f"KV cache full: {n} block(s) asked, {len(self._free)} free of "
                 f"{self.num_blocks - self.first_id} (raise kv.arena_bytes or lower the batch)"
             )
-        ids = [heapq.heappop(self._free) for _ in range(n)]
+        pop, free = heapq.heappop, self._free  # (locals: a swap-in takes hundreds of blocks)
+        ids = [pop(free) for _ in range(n)]
         if self._on_alloc is not None:
             try:
                 self._on_alloc(ids)
@@ -111,8 +116,9 @@ class BlockManager:
                 for b in ids:
                     heapq.heappush(self._free, b)
                 raise
+        ref = self._ref
         for b in ids:
-            self._ref[b] = 1
+            ref[b] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return ids
 
@@ -152,17 +158,18 @@ class BlockManager:
         None: nothing does."""
         if self._fenced:
             self._unfence()
-        freed, gone = [], []
+        freed, gone, ref, narrow = [], [], self._ref, self._narrow
         for b in blocks:
-            if self._ref[b] <= 0:
+            n = ref[b]
+            if n <= 0:
                 raise RuntimeError(f"block {b}: decref of a free block")
-            if narrowed and self._narrow[b] <= 0:
+            if narrowed and narrow[b] <= 0:
                 raise RuntimeError(f"block {b}: narrowed decref without a narrowed reference")
-            self._ref[b] -= 1
-            self._narrow[b] -= narrowed
-            if self._ref[b] == 0:
+            ref[b] = n - 1
+            narrow[b] -= narrowed
+            if n == 1:
                 freed.append(b)
-            elif not narrowed and self._narrow[b] == self._ref[b]:
+            elif not narrowed and narrow[b] == n - 1:
                 gone.append(b)
         if gone and self._on_narrow is not None:
             self._on_narrow(gone)
@@ -174,8 +181,9 @@ class BlockManager:
         return freed
 
     def _give_back(self, blocks: list[int]) -> None:
+        push, free = heapq.heappush, self._free
         for b in blocks:
-            heapq.heappush(self._free, b)
+            push(free, b)
         if self._on_free is not None:
             self._on_free(blocks)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .lruk import NEVER, K
+from .transfer import int64
 
 HOT = 3  # the counter's ceiling (2 bits)
 
@@ -40,7 +41,7 @@ class Heat:
     def forget(self, blocks: list[int]) -> None:
         """Blocks freed (or moved off the device): their next owner starts cold."""
         if blocks:
-            ids = torch.tensor(blocks, dtype=torch.int64)
+            ids = int64(blocks)  # (a swap-out forgets hundreds)
             self.counter[ids] = 0
             self.times[ids] = NEVER
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 
 import torch
 
@@ -187,6 +188,13 @@ class KVStorage:
         page = self.backing.page_size
         return range(start // page, (start + self.block_bytes - 1) // page + 1)
 
+    def _page_uses(self, blocks: list[int]) -> Counter:
+        """{region page: how many of `blocks` touch it} (a move's blocks share a few pages)."""
+        bb, page = self.block_bytes, self.backing.page_size
+        if page % bb == 0:  # no block straddles two pages: one division a block
+            return Counter([b * bb // page for b in blocks])
+        return Counter([p for b in blocks for p in self._pages_of(b)])
+
     def on_alloc(self, blocks: list[int]) -> None:
         self._reap()
         groups = (self._all, self._win) if self._whole is not None else (self._all,)
@@ -302,12 +310,11 @@ class _Regions:
 
     def take(self, st: KVStorage, blocks: list[int]) -> None:
         """Counts blocks live on their pages and maps the pages that were not (all or none)."""
-        need = set()
-        for b in blocks:
-            for p in st._pages_of(b):
-                if self.live[p] == 0 and p not in self.mapped:
-                    need.add(p)
-                self.live[p] += 1
+        need, live = [], self.live
+        for p, k in st._page_uses(blocks).items():
+            if live[p] == 0 and p not in self.mapped:
+                need.append(p)
+            live[p] += k
         if not need:
             return
         try:
@@ -317,18 +324,16 @@ class _Regions:
             raise
 
     def untake(self, st: KVStorage, blocks: list[int]) -> None:
-        for b in blocks:
-            for p in st._pages_of(b):
-                self.live[p] -= 1
+        for p, k in st._page_uses(blocks).items():
+            self.live[p] -= k
 
     def drop(self, st: KVStorage, blocks: list[int]) -> set[int]:
         """Counts blocks no longer live; returns the pages left with none."""
-        empty = set()
-        for b in blocks:
-            for p in st._pages_of(b):
-                self.live[p] -= 1
-                if self.live[p] == 0:
-                    empty.add(p)
+        empty, live = set(), self.live
+        for p, k in st._page_uses(blocks).items():
+            live[p] -= k
+            if live[p] == 0:
+                empty.add(p)
         return empty
 
     def _map(self, st: KVStorage, pages: list[int]) -> None:

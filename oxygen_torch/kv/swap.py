@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import chain
+
+import torch
 
 from .block_manager import SequenceBlocks
 from .storage import GUARD_BLOCK
@@ -53,8 +56,9 @@ def swap_out(core, low_priority: bool = False) -> int | None:
     if tier is None or not swappable(core) or core._swapped is not None:
         return None
     with pool.lock:
-        uses = Counter(b for r in range(len(seqs)) for b in seqs.held(r))
-        own = sorted(b for b, n in uses.items() if pool.manager.refcount(b) == n)
+        uses = Counter(chain.from_iterable(map(seqs.held, range(len(seqs)))))
+        refs = pool.manager.refcounts(uses)
+        own = sorted([b for (b, n), r in zip(uses.items(), refs) if r == n])
         pc = pool.prefix
         if pc is not None and tier.num_free < len(own) <= tier.num_free + pc.num_cold:
             pc.drop_cold(len(own) - tier.num_free)  # a swap comes before cold cached blocks
@@ -83,7 +87,8 @@ def swap_in(core) -> None:
     """Brings a swapped-out core's blocks back (KVCacheFull: nothing changed, still swapped)."""
     sw, pool = core._swapped, core.pool
     with pool.lock:
-        live = sorted({-1 - b for row in sw.rows for b in row if b < 0})
+        uses = Counter([b for row in sw.rows for b in row if b < 0])  # -1 - slot: its entries
+        live = sorted([-1 - b for b in uses])
         new = pool.manager.allocate(len(live))
         try:
             pool.tier.up(live, new)
@@ -92,14 +97,17 @@ def swap_in(core) -> None:
             raise
         to_block = dict(zip(live, new))
         rows = [[to_block[-1 - b] if b < 0 else b for b in row] for row in sw.rows]
-        uses = Counter(b for row in sw.rows for b in row if b < 0)
         pool.manager.incref([to_block[-1 - s] for s, n in uses.items() for _ in range(n - 1)])
         pool.tier.release(sorted(sw.slots))
         core.seqs.blocks, core.seqs.lens, core.seqs.dropped = rows, list(sw.lens), sw.dropped
         core._swapped = None
-    core._grow_table(max((len(r) for r in rows), default=1))
-    for r, row in enumerate(rows):
-        core._table_host[r, : len(row)] = core._table_host.new_tensor(row)
+    width = {len(r) for r in rows}
+    core._grow_table(max(width, default=1))
+    if len(width) == 1:  # rows of one length (the usual batch): one write, not two calls a row
+        core._table_host[: len(rows), : width.pop()] = torch.tensor(rows, dtype=torch.int32)
+    else:
+        for r, row in enumerate(rows):
+            core._table_host[r, : len(row)] = core._table_host.new_tensor(row)
     core._reload()
 
 

@@ -149,47 +149,53 @@ class CPUTier:
         # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids on their device
         staged = self._lowered(blocks) if lowered else self._ids(blocks)
         self._clock += 1
-        # each block's (row, half): the open rows' free halves first, then fresh rows
-        places = [(r, 1 - self._mask[r] // 2) for r in opened]
-        fresh = [heapq.heappop(self._rows) for _ in range(need)]
-        if lowered:
+        rows, mask, last, clock = self._rows, self._mask, self._last, self._clock
+        fresh = _take(rows, need)
+        if lowered:  # each block's (row, half): the open rows' free halves first, then fresh rows
+            places = [(r, 1 - mask[r] // 2) for r in opened]
             places += [(r, h) for r in fresh for h in (0, 1)][: n - len(opened)]
             for r, h in places:
-                self._mask[r] |= 1 << h
-                self._last[r] = self._clock
-        else:
-            places += [(r, 0) for r in fresh]
+                mask[r] |= 1 << h
+                last[r] = clock
+            slots = [r * 2 + h for r, h in places]
+        else:  # (a loop of plain stores: a move's bookkeeping is host time beside every step)
+            places, slots = None, [r * self._halves for r in fresh]
             for r in fresh:
-                self._mask[r], self._last[r] = FULL, self._clock
+                mask[r] = FULL
+                last[r] = clock
         self._open.difference_update(opened)
         per_row = 2 if lowered else 1
+        where, row_at = self._where, self._row_at
         try:
-            self._put([self._where[r] for r in opened], places[: len(opened)], staged, lowered)
+            if opened:
+                self._put([where[r] for r in opened], places[: len(opened)], staged, lowered)
             done = len(opened)
             for i in range(0, need, self.num_slots):  # at most a CPU tier's rows at a time
                 chunk = fresh[i : i + self.num_slots]
                 self._make_room(len(chunk))
-                at = [heapq.heappop(self._cpu_free) for _ in chunk]
+                at = _take(self._cpu_free, len(chunk))
                 k = min(per_row * len(chunk), n - done)  # the chunk's rows hold places done..+k
                 pos = at if not lowered else [at[j // 2] for j in range(k)]
                 # the copies first: the bookkeeping below overlaps them
-                self._put(pos, places[done : done + k], staged[done : done + k], lowered)
+                half = places[done : done + k] if lowered else None
+                self._put(pos, half, staged[done : done + k], lowered)
                 for r, p in zip(chunk, at):
-                    self._where[r], self._row_at[p] = p, r
+                    where[r] = p
+                    row_at[p] = r
                 done += k
         except TierFull:  # the disk failed: rows not placed go back as they are, the rest freed
-            unplaced = {r for r in fresh if self._where[r] is None}
+            unplaced = {r for r in fresh if where[r] is None}
             for r in unplaced:
-                self._mask[r] = 0
-                heapq.heappush(self._rows, r)
-            self.release([r * self._halves + h for r, h in places if r not in unplaced])
+                mask[r] = 0
+                heapq.heappush(rows, r)
+            self.release([s for s in slots if s // self._halves not in unplaced])
             raise
         if lowered:
-            self._open.update(r for r, _ in places if self._mask[r] != 3)
+            self._open.update(r for r, _ in places if mask[r] != 3)
         self.counts["migrations_down"] += 1
         self.counts["bytes_down"] += staged.numel() if lowered else n * self.block_bytes
         self.counts["lowered_blocks"] += n if lowered else 0
-        return [r * self._halves + h for r, h in places]
+        return slots
 
     def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
         """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
@@ -244,7 +250,7 @@ class CPUTier:
         """The side stream, after the current stream's work so far (nothing on the host)."""
         if self._side is None:
             return contextlib.nullcontext()
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        self._stage.order(self._side, torch.cuda.current_stream(self.device))  # (wait_stream)
         return torch.cuda.stream(self._side)
 
     def _ids(self, blocks: list[int]) -> torch.Tensor:
@@ -253,7 +259,7 @@ class CPUTier:
         kernels while a move still reads it (the pool reuses a stream's own frees at once).
         From pinned memory: a copy from pageable memory would hold the host, and the
         interpreter lock with it, until the side stream's moves in flight are done."""
-        idx = torch.tensor(blocks, dtype=torch.int64)
+        idx = transfer.int64(blocks)
         if self._side is None:
             return idx
         with torch.cuda.stream(self._side):
@@ -272,6 +278,8 @@ class CPUTier:
         return staged
 
     def release(self, slots: list[int]) -> None:
+        if self._release_full(slots):
+            return
         for s in slots:
             r, h = divmod(s, self._halves)
             m = self._mask[r] if 0 <= r < len(self._mask) else 0
@@ -291,6 +299,30 @@ class CPUTier:
                 self.disk.release([-1 - w])
             self._where[r] = None
             heapq.heappush(self._rows, r)
+
+    def _release_full(self, slots: list[int]) -> bool:
+        """release() of slots that are all distinct full-precision rows on the CPU (a move's, the
+        usual case): checked first, then freed in one plain loop; False: nothing done (the
+        general loop frees them, or says which slot is not taken)."""
+        h, mask, where = self._halves, self._mask, self._where
+        if not slots or min(slots) < 0 or h > 1 and any(s % h for s in slots):
+            return False
+        rows = slots if h == 1 else [s // h for s in slots]
+        if max(rows) >= len(mask) or len(set(rows)) < len(rows):
+            return False
+        if set(map(mask.__getitem__, rows)) != {FULL}:
+            return False
+        at, row_at = list(map(where.__getitem__, rows)), self._row_at  # their CPU rows
+        if min(at) < 0:  # (some on disk)
+            return False
+        for r, w in zip(rows, at):
+            mask[r] = 0
+            row_at[w] = where[r] = None
+        _give(self._cpu_free, at)
+        _give(self._rows, rows)
+        if self._open:  # (only lowered rows are ever open)
+            self._open.difference_update(rows)
+        return True
 
     def _rows_of(self, rows: list[int]) -> torch.Tensor:
         """The rows' bytes, wherever they are, as uint8 [len(rows), row bytes] on the host
@@ -313,26 +345,28 @@ class CPUTier:
         if not slots:
             return
         self._clock += 1
-        rows = sorted({s // self._halves for s in slots})
-        for r in rows:
-            self._last[r] = self._clock
-        at_cpu = [self._where[s // self._halves] for s in slots]
-        if all(self._mask[s // self._halves] == FULL for s in slots):
+        of = slots if self._halves == 1 else [s // self._halves for s in slots]  # their rows
+        last, clock = self._last, self._clock
+        for r in of:
+            last[r] = clock
+        at_cpu = list(map(self._where.__getitem__, of))
+        if set(map(self._mask.__getitem__, of)) == {FULL}:
             # at full precision: straight from the pinned rows, a copy per run; rows on disk
             # are read into pinned rows first
             if min(at_cpu) >= 0:
                 host = self.host[:, : self.block_bytes]
             else:
-                host = self._rows_of([s // self._halves for s in slots])[:, : self.block_bytes]
+                host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
             idx = self._ids(blocks)
             with self._on_side():
                 transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             if self._side is not None:  # the step that reads the blocks comes after
-                torch.cuda.current_stream(self.device).wait_stream(self._side)
+                self._stage.order(torch.cuda.current_stream(self.device), self._side)
             self.counts["bytes_up"] += len(slots) * self.block_bytes
             self.counts["migrations_up"] += 1
             return
+        rows = sorted(set(of))
         src = self._rows_of(rows)  # [m, row bytes]
         at = {r: i for i, r in enumerate(rows)}
         full = [i for i, s in enumerate(slots) if self._mask[s // self._halves] == FULL]
@@ -361,7 +395,7 @@ class CPUTier:
             with self._on_side():  # everything made here is used here only
                 self._write(idx, staged.to(self.device, non_blocking=True), lowered)
             # the step that reads the blocks comes after
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._stage.order(torch.cuda.current_stream(self.device), self._side)
         self.counts["bytes_up"] += nbytes
 
     def _write(self, idx: torch.Tensor, staged: torch.Tensor, lowered: bool) -> None:
@@ -389,6 +423,20 @@ class CPUTier:
         self.wait()
         if self.disk is not None:
             self.disk.close()
+
+
+def _take(free: list[int], n: int) -> list[int]:
+    """The n lowest rows of a heap of free rows, taken out of it. (A sorted list cut and sorted
+    back is 8x faster at 2k free rows but scans them all a move: slower past ~16k.)"""
+    pop = heapq.heappop
+    return [pop(free) for _ in range(n)]
+
+
+def _give(free: list[int], rows) -> None:
+    """Rows back into a heap of free rows."""
+    push = heapq.heappush
+    for r in rows:
+        push(free, r)
 
 
 def _words(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:

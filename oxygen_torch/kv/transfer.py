@@ -25,9 +25,16 @@ copies between two. "kernel": a one-element kernel on a third stream comes betwe
 copy. Moves up are not paced: host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
+Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
+it, so a piece costs a few calls (the current stream set rather than a stream context entered,
+one kept event for each ordering of two streams, the buffer viewed once a chunk;
+benchmarks/profile_tier_host.py times a cycle's host time).
 """
 
 from __future__ import annotations
+
+import array
+import contextlib
 
 import torch
 
@@ -49,8 +56,19 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def int64(values: list[int]) -> torch.Tensor:
+    """int64 host tensor [n] of Python ints, through an array's buffer: 4x faster than
+    torch.tensor's element-by-element conversion for a move's hundreds of block ids."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:
     """(position in `rows`, first row, length) of each run of consecutive rows, in order."""
+    n = len(rows)
+    if n and rows[-1] - rows[0] == n - 1 and rows == list(range(rows[0], rows[0] + n)):
+        return [(0, rows[0], n)]  # one run (fresh rows mostly are): compared in C, not looped
     out: list[tuple[int, int, int]] = []
     for i, r in enumerate(rows):
         if out and out[-1][1] + out[-1][2] == r:
@@ -106,13 +124,15 @@ def rows_to(dst: torch.Tensor, rows: list[int], src: torch.Tensor) -> None:
     current stream, not waited for when one side is pinned host memory and the other on the
     device)."""
     for p, first, n in _pieces(rows, src.shape[1]):
-        dst[first : first + n].copy_(src[p : p + n], non_blocking=True)
+        part = src if n == len(rows) else src[p : p + n]  # (one run: the whole of src)
+        dst[first : first + n].copy_(part, non_blocking=True)
 
 
 def rows_from(src: torch.Tensor, rows: list[int], out: torch.Tensor) -> None:
     """out[i] = src[rows[i]], one copy per run (the inverse of rows_to)."""
     for p, first, n in _pieces(rows, out.shape[1]):
-        out[p : p + n].copy_(src[first : first + n], non_blocking=True)
+        part = out if n == len(rows) else out[p : p + n]
+        part.copy_(src[first : first + n], non_blocking=True)
 
 
 class Staging:
@@ -124,22 +144,34 @@ class Staging:
         self._buf: torch.Tensor | None = None
         self._gap: torch.cuda.Stream | None = None  # pace()'s stream and its kernel's tensor
         self._tick: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None  # order()'s, recorded again each call
 
     @property
     def nbytes(self) -> int:
         """Device bytes the buffer holds (0 before the first move)."""
         return self._buf.numel() if self._buf is not None else 0
 
+    def order(self, waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+        """`waiter`'s next work comes after `stream`'s so far: waiter.wait_stream(stream) through
+        one kept event (a wait binds the event's last record when it is queued), not one event
+        made and destroyed a call (a move orders its streams twice or three times a piece)."""
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
+        waiter.wait_event(self._event)
+
     def pace(self, copy: torch.cuda.Stream) -> None:
         """The next copy queued on `copy` starts once its copies so far are done, through a
-        kernel on a stream of its own: the copy engine serves other streams in that gap."""
+        kernel on a stream of its own: the copy engine serves other streams in that gap. Leaves
+        `copy` the current stream (the caller queues that copy next)."""
         if self._gap is None:
             self._gap = torch.cuda.Stream(self.device)
             self._tick = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._gap.wait_stream(copy)
-        with torch.cuda.stream(self._gap):
-            self._tick.add_(1)
-        copy.wait_stream(self._gap)
+        self.order(self._gap, copy)
+        torch.cuda.set_stream(self._gap)
+        self._tick.add_(1)
+        torch.cuda.set_stream(copy)
+        self.order(copy, self._gap)
 
     def chunks(self, n: int):
         """(lo, hi, buffer [hi - lo, block bytes]) covering n blocks, a buffer's worth at a time."""
@@ -164,43 +196,92 @@ def check_pace() -> None:
         raise ValueError(f"transfer.PACE_DOWN {PACE_DOWN!r} is not one of {_PACES}")
 
 
+@contextlib.contextmanager
+def _streams_set(device: torch.device):
+    """Yields `device`'s current stream, `device` made current: inside, a move sets the current
+    stream per piece (torch.cuda.set_stream, one call) rather than entering a stream context (a
+    few calls in and out, twice a piece); the device and its stream are as they were after."""
+    cur = torch.cuda.current_stream(device)
+    with torch.cuda.device(device):
+        try:
+            yield cur
+        finally:
+            torch.cuda.set_stream(cur)
+
+
+def _typed(views: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor | None:
+    """buf [n, block bytes] seen as the one view's blocks [n, regions, width], in its dtype, so
+    that a piece's gather or scatter is one call on a slice of it (gather() and scatter() view
+    the piece twice and read shapes first); None for two views (an fp8 pool's scales)."""
+    if len(views) != 1:
+        return None
+    v = views[0]
+    return buf.view(v.dtype).view(len(buf), *v.shape[1:])
+
+
+def _gather(views, ids, buf: torch.Tensor, typed, a: int, b: int) -> None:
+    """buf[a:b] = the bytes of blocks ids (typed: _typed(views, buf))."""
+    if typed is None:
+        gather(views, ids, out=buf[a:b])
+    else:
+        torch.index_select(views[0], 0, ids, out=typed[a:b])
+
+
+def _scatter(views, ids, buf: torch.Tensor, typed, a: int, b: int) -> None:
+    """The bytes of blocks ids = buf[a:b] (typed: _typed(views, buf))."""
+    if typed is None:
+        scatter(views, ids, buf[a:b])
+    else:
+        views[0].index_copy_(0, ids, typed[a:b])
+
+
 def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=None) -> None:
     """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
     a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
     copy overlaps the next one's gather (on the current stream, which comes after them all);
     paced (PACE_DOWN), each copy after a gap the copy engine may serve other streams in."""
-    cur = torch.cuda.current_stream(idx.device) if copy is not None else None
-    for lo, hi, buf in stage.chunks(len(rows)):
-        if copy is not None:
-            cur.wait_stream(copy)  # the last chunk's copies have read the buffer
-        for a, b in _pieces_of(hi - lo, stage.block_bytes):
-            if copy is not None and PACE_DOWN == "gather" and a:
-                cur.wait_stream(copy)
-            gather(views, idx[lo + a : lo + b], out=buf[a:b])
-            if copy is None:
+    if copy is None:
+        for lo, hi, buf in stage.chunks(len(rows)):
+            typed = _typed(views, buf)
+            for a, b in _pieces_of(hi - lo, stage.block_bytes):
+                _gather(views, idx[lo + a : lo + b], buf, typed, a, b)
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
-                continue
-            copy.wait_stream(cur)  # after this piece's gather
-            if PACE_DOWN == "kernel" and a:  # (a chunk's first copy comes after a gather that
-                stage.pace(copy)  # waited for the last copy)
-            with torch.cuda.stream(copy):
+        return
+    with _streams_set(idx.device) as cur:
+        for lo, hi, buf in stage.chunks(len(rows)):
+            typed = _typed(views, buf)
+            stage.order(cur, copy)  # the last chunk's copies have read the buffer
+            for a, b in _pieces_of(hi - lo, stage.block_bytes):
+                if PACE_DOWN == "gather" and a:
+                    stage.order(cur, copy)
+                _gather(views, idx[lo + a : lo + b], buf, typed, a, b)
+                stage.order(copy, cur)  # after this piece's gather
+                if PACE_DOWN == "kernel" and a:  # (a chunk's first copy comes after a gather that
+                    stage.pace(copy)  # waited for the last copy); leaves `copy` current
+                else:
+                    torch.cuda.set_stream(copy)
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
-    if copy is not None:
-        cur.wait_stream(copy)
+                torch.cuda.set_stream(cur)
+        stage.order(cur, copy)
 
 
 def up(views, host: torch.Tensor, rows: list[int], idx, stage: Staging, copy=None) -> None:
     """The bytes of block idx[i] = host[rows[i]] (the inverse of `down`; `copy` likewise: each
     piece's copy overlaps the last one's scatter)."""
-    cur = torch.cuda.current_stream(idx.device) if copy is not None else None
-    for lo, hi, buf in stage.chunks(len(rows)):
-        if copy is not None:
-            copy.wait_stream(cur)  # after the work so far (the last chunk's scatters included)
-        for a, b in _pieces_of(hi - lo, stage.block_bytes):
-            if copy is None:
+    if copy is None:
+        for lo, hi, buf in stage.chunks(len(rows)):
+            typed = _typed(views, buf)
+            for a, b in _pieces_of(hi - lo, stage.block_bytes):
                 rows_from(host, rows[lo + a : lo + b], buf[a:b])
-            else:
-                with torch.cuda.stream(copy):
-                    rows_from(host, rows[lo + a : lo + b], buf[a:b])
-                cur.wait_stream(copy)
-            scatter(views, idx[lo + a : lo + b], buf[a:b])
+                _scatter(views, idx[lo + a : lo + b], buf, typed, a, b)
+        return
+    with _streams_set(idx.device) as cur:
+        for lo, hi, buf in stage.chunks(len(rows)):
+            typed = _typed(views, buf)
+            stage.order(copy, cur)  # after the work so far (the last chunk's scatters included)
+            for a, b in _pieces_of(hi - lo, stage.block_bytes):
+                torch.cuda.set_stream(copy)
+                rows_from(host, rows[lo + a : lo + b], buf[a:b])
+                torch.cuda.set_stream(cur)
+                stage.order(cur, copy)
+                _scatter(views, idx[lo + a : lo + b], buf, typed, a, b)
