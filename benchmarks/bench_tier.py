@@ -73,6 +73,7 @@ CAP_P, CAP_N, GPU_BATCH = (4096, 256, 128) if not SMOKE else (40, 8, 4)
 SYSTEM, USER, REQUESTS, TURNS = (2000, 100, 64, 8) if not SMOKE else (64, 8, 4, 3)
 LONG_P, LONG_N = (131072, 64) if not SMOKE else (256, 8)
 WINDOW = 4096 if not SMOKE else 32  # the long_window modes' sliding window
+TPOT_ROUNDS = int(os.environ.get("BENCH_TIER_TPOT_ROUNDS", "3"))  # migration: TPOT rounds
 
 
 def say(msg: str) -> None:
@@ -277,8 +278,11 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
     up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
     are shared). Churns: the tier's moves in 16 MiB pieces, down paced by a kernel (the
-    default), by the gathers, and not paced, twice in turn; and the same bytes as bare pinned
-    copies in one piece each way (no Python between them: the copy engines' share alone)."""
+    default), by the gathers, and not paced, in TPOT_ROUNDS rounds, each against its own TPOT
+    alone measured just before, the order turned by one each round; and the same bytes as bare
+    pinned copies in one piece each way (no Python between them: the copy engines' share alone).
+    The churn's host time a cycle is its wall time outside the wait (the interpreter lock's
+    waits included) and its thread CPU time."""
     from oxygen_torch.kv import transfer
 
     model = build_model()
@@ -325,19 +329,21 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             stream.synchronize()
         return time.perf_counter() - t
 
-    def busy(cycle) -> dict:
-        stop, moved, host_s, cycles = threading.Event(), [0], [0.0], [0]
+    def busy(cycle, alone) -> dict:
+        stop, moved, host_s, cycles, cpu_s = threading.Event(), [0], [0.0], [0], [0.0]
 
         def churn():
             # its own stream, as a thread that migrates has: the waits of its moves are its own
             stream = torch.cuda.Stream() if DEVICE == "cuda" else None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                c0 = time.thread_time()
                 while not stop.is_set():
                     t = time.perf_counter()
                     waited = cycle(stream)
                     host_s[0] += time.perf_counter() - t - waited
                     cycles[0] += 1
                     moved[0] += 2 * nbytes
+                cpu_s[0] = time.thread_time() - c0
 
         th = threading.Thread(target=churn, daemon=True)
         t0 = time.perf_counter()
@@ -350,24 +356,39 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             rise=t / alone - 1,
             migrated_GBps_meanwhile=moved[0] / (time.perf_counter() - t0) / 1e9,
             churn_host_ms_per_cycle=1e3 * host_s[0] / max(1, cycles[0]),
+            churn_cpu_ms_per_cycle=1e3 * cpu_s[0] / max(1, cycles[0]),
+            alone_ms=alone * 1e3,
         )
 
     churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN)
-    for rnd in ("", " (again)"):  # twice, in turn: a call's noise against the differences
-        for paced in ("kernel", "gather", ""):
+    paces = ["kernel", "gather", ""]
+    for k in range(TPOT_ROUNDS):  # a call's noise against the differences: rounds, turned
+        alone_k = alone if k == 0 else tpot()
+        for paced in paces[k % 3 :] + paces[: k % 3]:
             transfer.PACE_DOWN = paced
             name = "tier, 16 MiB pieces, " + (f"paced by {paced}" if paced else "not paced")
-            churns[name + rnd] = busy(tier_cycle)
+            churns[f"{name}, round {k + 1}"] = busy(tier_cycle, alone_k)
     transfer.COPY_BYTES, transfer.PACE_DOWN = saved
-    churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes))
+    churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     for name, c in churns.items():
         say(
-            f"TPOT {alone * 1e3:.2f} ms alone, {c['tpot_migrating_ms']:.2f} ms while migrating "
+            f"TPOT {c['alone_ms']:.2f} ms alone, {c['tpot_migrating_ms']:.2f} ms while migrating "
             f"({name}: {c['migrated_GBps_meanwhile']:.1f} GB/s moved meanwhile, "
-            f"{c['churn_host_ms_per_cycle']:.2f} ms host time a cycle): {100 * c['rise']:+.1f} %"
+            f"{c['churn_host_ms_per_cycle']:.2f} ms host time, {c['churn_cpu_ms_per_cycle']:.2f}"
+            f" ms CPU a cycle): {100 * c['rise']:+.1f} %"
         )
-    first = churns["tier, 16 MiB pieces, paced by kernel"]
-    return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns)
+    worst = {}
+    for name, c in churns.items():
+        kind = name.split(", round")[0]
+        worst.setdefault(kind, []).append(c["rise"])
+    spread = {kind: dict(median=statistics.median(r), worst=max(r), rises=r)
+              for kind, r in worst.items()}  # fmt: skip
+    for kind, s in spread.items():
+        say(f"{kind}: rise median {100 * s['median']:+.1f} %, worst {100 * s['worst']:+.1f} % "
+            f"over {len(s['rises'])} round(s)")  # fmt: skip
+    first = churns["tier, 16 MiB pieces, paced by kernel, round 1"]
+    return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns,
+                spread=spread)  # fmt: skip
 
 
 def _slow_path(pool, kind: str, n: int) -> dict:
@@ -864,13 +885,21 @@ def table(r: dict) -> str:
                 f"({t['migrated_GBps_meanwhile']:.1f} GB/s): {100 * t['rise']:+.1f} %",
             ]
             if "churns" in t:
-                out += ["", "| churn | TPOT ms | rise | GB/s moved | churn host ms a cycle |",
-                        "|---|---|---|---|---|"]  # fmt: skip
+                out += ["", "| churn | TPOT ms alone | TPOT ms | rise | GB/s moved | churn host "
+                        "ms a cycle | churn CPU ms a cycle |",
+                        "|---|---|---|---|---|---|---|"]  # fmt: skip
                 for name, c in t["churns"].items():
                     out.append(
-                        f"| {name} | {c['tpot_migrating_ms']:.2f} | {100 * c['rise']:+.1f} % | "
-                        f"{c['migrated_GBps_meanwhile']:.1f} | {c['churn_host_ms_per_cycle']:.2f} |"
+                        f"| {name} | {c.get('alone_ms', t['tpot_ms']):.2f} | "
+                        f"{c['tpot_migrating_ms']:.2f} | {100 * c['rise']:+.1f} % | "
+                        f"{c['migrated_GBps_meanwhile']:.1f} | {c['churn_host_ms_per_cycle']:.2f} "
+                        f"| {c.get('churn_cpu_ms_per_cycle', 0):.2f} |"
                     )
+            if "spread" in t:
+                out += ["", "| churn | rounds | rise median | rise worst |", "|---|---|---|---|"]
+                for kind, s in t["spread"].items():
+                    out.append(f"| {kind} | {len(s['rises'])} | {100 * s['median']:+.1f} % | "
+                               f"{100 * s['worst']:+.1f} % |")  # fmt: skip
     elif m:
         out.append(f"migration: error {m.get('error', '')[-300:]}")
     d = r.get("disk_lowering")
