@@ -72,7 +72,9 @@ CAP = {"hf_dynamic": 48, "hf_offloaded": 64, "oxygen_gpu": 128, "oxygen_tier": 5
 CAP_P, CAP_N, GPU_BATCH = (4096, 256, 128) if not SMOKE else (40, 8, 4)
 SYSTEM, USER, REQUESTS, TURNS = (2000, 100, 64, 8) if not SMOKE else (64, 8, 4, 3)
 LONG_P, LONG_N = (131072, 64) if not SMOKE else (256, 8)
-WINDOW = 4096 if not SMOKE else 32  # the long_window modes' sliding window
+# the long_window / long_hybrid modes' sliding window, and how often a hybrid layer is full
+WINDOW = int(os.environ.get("BENCH_TIER_WINDOW", "0")) or (4096 if not SMOKE else 32)
+HYBRID_EVERY = int(os.environ.get("BENCH_TIER_HYBRID_EVERY", "6"))
 TPOT_ROUNDS = int(os.environ.get("BENCH_TIER_TPOT_ROUNDS", "3"))  # migration: TPOT rounds
 
 
@@ -94,8 +96,9 @@ def timed(fn):
 
 
 def hybrid_types(layers: int) -> list[str]:
-    """Gemma-3's pattern: every sixth layer sees every token, the others slide."""
-    return ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+    """Every HYBRID_EVERY-th layer sees every token, the others slide (6: Gemma-3's pattern)."""
+    k = HYBRID_EVERY
+    return ["full_attention" if i % k == k - 1 else "sliding_attention" for i in range(layers)]
 
 
 def build_model(max_pos: int = 8192, window: int | None = None, hybrid: bool = False):
@@ -277,8 +280,8 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks down and
     up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
-    are shared). Churns: the tier's moves in 16 MiB pieces, down paced by a kernel (the
-    default), by the gathers, and not paced, in TPOT_ROUNDS rounds, each against its own TPOT
+    are shared). Churns: the tier's moves in 16 MiB pieces, down paced by a kernel, by the
+    gathers (the default), and not paced, in TPOT_ROUNDS rounds, each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
     The churn's host time a cycle is its wall time outside the wait (the interpreter lock's
@@ -386,7 +389,9 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     for kind, s in spread.items():
         say(f"{kind}: rise median {100 * s['median']:+.1f} %, worst {100 * s['worst']:+.1f} % "
             f"over {len(s['rises'])} round(s)")  # fmt: skip
-    first = churns["tier, 16 MiB pieces, paced by kernel, round 1"]
+    default = saved[1]  # the first round's churn with the default pacing: the summary line
+    first = churns["tier, 16 MiB pieces, " + (f"paced by {default}" if default else "not paced")
+                   + ", round 1"]  # fmt: skip
     return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns,
                 spread=spread)  # fmt: skip
 
@@ -770,7 +775,9 @@ def long(mode: str) -> dict:
     model = build_model(max_pos=LONG_P + 64, window=window, hybrid="hybrid" in mode)
     cap_torch(reserved)
     ids = prompts(1, LONG_P, seed=3)
-    res = dict(mode=mode, prompt=LONG_P, new=LONG_N)
+    res = dict(mode=mode, prompt=LONG_P, new=LONG_N, window=window)
+    if "hybrid" in mode:
+        res["full_layers"] = hybrid_types(shape()["num_hidden_layers"]).count("full_attention")
 
     clock = Clock()
 

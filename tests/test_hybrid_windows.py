@@ -12,10 +12,12 @@ generate() tests compare with stock transformers on tiny random-weight models (f
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import transformers as T
-from test_engine import generate, in_threads, schedulers
+from test_engine import generate, in_threads, prompt, schedulers, together_as_alone
 from test_hf_generate import COMMON
 from test_kv_paged_cache import RecordingBacking, _dense_out
 
@@ -88,10 +90,10 @@ SLIDING = (1,)
 class Hybrid:
     """A hybrid PagedKVCore on the host arena beside each row's dense K/V history per layer."""
 
-    def __init__(self, batch: int, narrow: bool = True, arena: int = 96 * MiB):
+    def __init__(self, batch: int, narrow: bool = True, arena: int = 96 * MiB, **kw):
         self.core = PagedKVCore(
             L, block_tokens=BT, backing="arena", arena_bytes=arena,
-            narrow_window=W if narrow else None, window_layers=SLIDING if narrow else (),
+            narrow_window=W if narrow else None, window_layers=SLIDING if narrow else (), **kw,
         )  # fmt: skip
         self.k = [[torch.empty(HKV, 0, D) for _ in range(batch)] for _ in range(L)]
         self.v = [[torch.empty(HKV, 0, D) for _ in range(batch)] for _ in range(L)]
@@ -162,6 +164,40 @@ def test_long_rows_unmap_their_sliding_layer_pages_and_attend_as_dense():
     pool = core.pool
     core.release()
     assert pool.manager.num_used == 0 and pool.mapped_bytes() == 2 * L * 2 * MiB  # the guard
+
+
+def test_fp8_scales_narrow_with_their_blocks_and_attention_equals_the_whole_cache():
+    """fp8 K/V (2 KiB blocks, 1,024 a page): one row of 34,000 tokens unmaps its sliding
+    layer's page 1, the scales' storage is told too, and the narrowed cache attends exactly as
+    one that keeps every block whole, on the same inputs."""
+    torch.manual_seed(5)
+    kw = dict(block_tokens=BT, backing="arena", arena_bytes=96 * MiB, kv_dtype="fp8_e4m3")
+    narrow = PagedKVCore(L, narrow_window=W, window_layers=SLIDING, **kw)
+    whole = PagedKVCore(L, **kw)
+    for q_len in (34000, 1, 1, 5, 1):
+        for layer in range(L):
+            q = torch.randn(1, 4, q_len, D)
+            k, v = torch.randn(1, HKV, q_len, D), torch.randn(1, HKV, q_len, D)
+            plans = [c.write(layer, k, v) for c in (narrow, whole)]
+            if q_len == 34000:
+                continue  # (the prompt: its fresh attention is not what this checks)
+            window = W if layer in SLIDING else None
+            got, want = (
+                c.attend(layer, q, p, scale=0.125, sliding_window=window)
+                for c, p in zip((narrow, whole), plans)
+            )
+            assert torch.equal(got, want), layer
+    assert narrow.seqs.narrowed[0] > 2047 and whole.seqs.narrowed == [0]
+    st = narrow.pool.storage
+    page = len(SLIDING) * 2 * 2 * MiB  # a region page in the sliding layer's K and V
+    assert st.window_mapped_bytes() == 2 * page  # pages 0 (the guard's) and 2: page 1 went
+    assert st.mapped_bytes() - st.window_mapped_bytes() == 3 * (L - len(SLIDING)) * 2 * 2 * MiB
+    scales, first = narrow.pool.scales, narrow.seqs.blocks[0][0]
+    # the scales were told (a scales page holds 262,144 blocks' scales: none can go here)
+    assert scales._whole[first] == 0 and st._whole[first] == 0
+    assert scales._whole[narrow.seqs.blocks[0][-1]] == 1
+    narrow.release()
+    whole.release()
 
 
 def test_a_sliding_layer_asking_for_a_wider_window_fails_before_the_kernel():
@@ -343,6 +379,26 @@ def test_concurrent_calls_on_the_engine_equal_stock(oxygen):
         assert torch.equal(out[i], r), i
     assert _narrowed() > before
     assert max(schedulers(model)[0].stats.batch_sizes) > 2  # the calls' rows were merged
+
+
+def test_preempted_calls_that_narrowed_are_recomputed_not_swapped(oxygen, caplog):
+    """Six calls of six rows (200-odd tokens + 40 new) on a pool of 255 blocks of 16 tokens,
+    the CPU tier on: younger calls are preempted; those whose rows narrowed blocks are
+    recomputed (one warning), and every call gives the tokens it gives alone."""
+    cfg = load_config(kv={"arena_bytes": 8 * MiB}, pool={"cpu_tier_bytes": 64 * MiB})
+    model = hf.apply(tiny("qwen2", positions=512), cfg)
+    kws = []
+    for s in range(6):
+        ids, mask = prompt(s, rows=6, length=200 + s)
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        together_as_alone(model, kws, "hybrid")
+    (sched,) = schedulers(model)
+    assert sched.stats.preemptions > 0 and sched.stats.swaps < sched.stats.preemptions
+    warned = [r for r in caplog.records if "recomputed instead of swapped" in r.getMessage()]
+    assert len(warned) == 1
+    (pool,) = [p for p in pool_stats() if p["blocks_total"] == 255]
+    assert pool["blocks_used"] == 0 and pool["window_narrowed_blocks"] > 0
 
 
 @pytest.mark.cuda

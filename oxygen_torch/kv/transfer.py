@@ -21,8 +21,11 @@ them. So a move down is paced (`PACE_DOWN`): each piece's copy waits for the las
 through other work, so the copy engine sees one piece at a time and serves other streams'
 copies between two. "kernel": a one-element kernel on a third stream comes between two copies
 (the gathers stay ahead); bare copies paced so, the read waited 0.2 ms and TPOT rose 2 % beside
-48 GB/s (benchmarks/diag_copy_engines.py). "gather": each piece's gather waits for the last
-copy. Moves up are not paced: host-to-device copies beside a decode step did not slow it.
+48 GB/s (benchmarks/diag_copy_engines.py). "gather" (the default): each piece's gather waits
+for the last copy. Beside the tier's own moves (bench_tier.py, 8 runs of each in 4 device calls,
+TPOT of a decode loop beside a thread moving 38-42 GB/s), "gather" raised TPOT by 16 % at the
+median (worst 39 %), "kernel" by 26 % (worst 44 %), not paced by 46 % (worst 57 %). Moves up
+are not paced: host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
@@ -42,7 +45,7 @@ STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
 COPY_BYTES = 16 << 20
-PACE_DOWN = "kernel"  # how a move down's pieces go to the copy engine one at a time (see above):
+PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a time (see above):
 # "kernel", "gather", or "" (not paced)
 _PACES = ("kernel", "gather", "")
 
