@@ -81,6 +81,38 @@ def test_window_regions_unmap_a_page_once_each_block_on_it_is_narrowed_or_free()
     assert st.mapped_bytes(peak=True) == 3 * 6 * page
 
 
+def test_out_of_memory_in_the_window_regions_maps_nothing_and_raises_once():
+    """The full layers' pages map, the sliding layer's do not (out of memory): the allocation
+    fails at once, its full-layer pages go again, and the next one that fits maps."""
+
+    class Tight(RecordingBacking):
+        refuse, refused = False, 0
+
+        def map_pages(self, first, count):
+            if self.refuse and first // 8 // 2 == 1:  # layer 1's regions (8 pages a region)
+                self.refused += 1
+                raise torch.OutOfMemoryError("no memory")
+            super().map_pages(first, count)
+
+    class Pending:  # a retired page set whose kernels are still in flight
+        def query(self):
+            return False
+
+    page = 16 * KiB
+    backing = Tight(3 * 2 * 8 * page, page)
+    st = KVStorage(backing, 3, 2, 64, torch.float32, BT, window_layers=(1,))
+    assert st.region_pages == 8
+    backing.refuse = True
+    st._retired.append((Pending(), st._all, []))  # so the allocation waits and tries once more
+    with pytest.raises(torch.OutOfMemoryError):
+        st.on_alloc([2, 3, 4, 5, 6])  # pages 1-3 (the guard's page 0 is mapped already)
+    assert backing.refused == 2 and not st._retired
+    assert backing.mapped == {r * 8 for r in range(6)}  # only the guard's page, every region
+    backing.refuse = False
+    st.on_alloc([2, 3])
+    assert len(backing.mapped) == 6 * 2
+
+
 # --- the core, on the host arena ------------------------------------------------------------
 
 L, HKV, D, W = 3, 2, 64, 40  # layer 1 slides: 8 KiB blocks, 256 a 2 MiB page

@@ -195,8 +195,11 @@ class KVStorage:
             return Counter([b * bb // page for b in blocks])
         return Counter([p for b in blocks for p in self._pages_of(b)])
 
-    def on_alloc(self, blocks: list[int]) -> None:
+    def on_alloc(self, blocks: list[int], again: bool = False) -> None:
+        """Maps the pages `blocks` need (all or none); on out of memory with pages still
+        waiting for in-flight kernels, waits for those, unmaps them and tries once more."""
         self._reap()
+        waiting = bool(self._retired)
         groups = (self._all, self._win) if self._whole is not None else (self._all,)
         done = []
         try:
@@ -206,10 +209,10 @@ class KVStorage:
         except torch.OutOfMemoryError:
             for g in done:
                 self._retire(g, g.drop(self, blocks))
-            if not self._retired:
+            if again or not waiting:
                 raise
             self._reap(force=True)  # pages waiting for in-flight kernels: wait, unmap, retry
-            self.on_alloc(blocks)
+            self.on_alloc(blocks, again=True)
             return
         except BaseException:
             for g in done:
