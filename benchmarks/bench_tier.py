@@ -373,6 +373,45 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             churns[f"{name}, round {k + 1}"] = busy(tier_cycle, alone_k)
     transfer.COPY_BYTES, transfer.PACE_DOWN = saved
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
+    # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
+    # bytes reach the host in either: their "GB/s moved" is the pace)
+    tiers = [c for k, c in churns.items() if k.startswith("tier")]
+    period = 2 * nbytes / (statistics.median(c["migrated_GBps_meanwhile"] for c in tiers) * 1e9)
+    held = statistics.median(c["churn_host_ms_per_cycle"] for c in tiers) / 1e3
+    idx = torch.tensor(mine, dtype=torch.int64, device=DEVICE)
+    buf = torch.empty(len(mine), tier.block_bytes, dtype=torch.uint8, device=DEVICE)
+    piece = max(1, transfer.COPY_BYTES // tier.block_bytes)
+
+    def rest_of_period(t0):
+        left = period - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+
+    def gathers_cycle(stream):  # the device side alone: a cycle's gathers and scatters
+        t0 = time.perf_counter()
+        for a in range(0, len(mine), piece):
+            transfer.gather(tier._views, idx[a : a + piece], out=buf[a : a + piece])
+        for a in range(0, len(mine), piece):
+            transfer.scatter(tier._views, idx[a : a + piece], buf[a : a + piece])
+        t = time.perf_counter()
+        if stream is not None:
+            stream.synchronize()
+        rest_of_period(t0)
+        return time.perf_counter() - t
+
+    def python_cycle(stream):  # the host side alone: pure Python for the tier's host time,
+        t0 = time.perf_counter()  # the interpreter lock let go 140 times (its torch calls)
+        for _ in range(140):
+            end = time.perf_counter() + held / 140
+            while time.perf_counter() < end:
+                pass
+            time.sleep(0)
+        t = time.perf_counter()
+        rest_of_period(t0)
+        return time.perf_counter() - t
+
+    churns["the tier cycle's gathers and scatters alone"] = busy(gathers_cycle, alone_k)
+    churns[f"pure Python, {held * 1e3:.1f} ms a cycle"] = busy(python_cycle, alone_k)
     for name, c in churns.items():
         say(
             f"TPOT {c['alone_ms']:.2f} ms alone, {c['tpot_migrating_ms']:.2f} ms while migrating "
