@@ -143,8 +143,10 @@ def _tier_figures() -> dict:
 def kv_stats() -> list[dict]:
     """One dict per KV pool (device, model geometry): blocks used / total, peak blocks, mapped
     and reserved bytes, dtype, the prefix cache's figures (hits, misses, hit tokens,
-    cached / reclaimable blocks, evictions; None while the pool has none), and the blocks freed
-    behind sliding windows (window_freed_blocks)."""
+    cached / reclaimable blocks, evictions; None while the pool has none), the blocks freed
+    behind sliding windows (window_freed_blocks), and for a hybrid model's pool the blocks
+    narrowed behind its window and the bytes its sliding layers still map
+    (window_narrowed_blocks, window_layers, window_mapped_bytes)."""
     from .kv import pool_stats
 
     return pool_stats()
