@@ -22,10 +22,10 @@ through other work, so the copy engine sees one piece at a time and serves other
 copies between two. "kernel": a one-element kernel on a third stream comes between two copies
 (the gathers stay ahead); bare copies paced so, the read waited 0.2 ms and TPOT rose 2 % beside
 48 GB/s (benchmarks/diag_copy_engines.py). "gather" (the default): each piece's gather waits
-for the last copy. Beside the tier's own moves (bench_tier.py, TPOT of a decode loop beside a thread moving
-38-43 GB/s, 11 runs of each in 5 device calls), "gather" raised TPOT by 18.5 % at the median
-(worst 39 %), "kernel" by 24 % (worst 44 %), not paced by 33 % (10 runs, worst 57 %). Moves up
-are not paced: host-to-device copies beside a decode step did not slow it.
+for the last copy. Beside the tier's own moves (bench_tier.py: a decode loop's TPOT beside a
+thread moving 38-43 GB/s, 11 runs of each in 5 device calls), "gather" raised TPOT by 18.5 % at
+the median (worst 39 %), "kernel" by 24 % (worst 44 %), not paced by 33 % (10 runs, worst 57 %).
+Moves up are not paced: host-to-device copies beside a decode step did not slow it.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
