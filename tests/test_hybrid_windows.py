@@ -17,9 +17,10 @@ import logging
 import pytest
 import torch
 import transformers as T
-from test_engine import generate, in_threads, prompt, schedulers, together_as_alone
+from test_engine import prompt, schedulers, together_as_alone
 from test_hf_generate import COMMON
 from test_kv_paged_cache import RecordingBacking, _dense_out
+from test_sliding_window_blocks import merged_calls_equal_stock
 
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
@@ -27,6 +28,7 @@ from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.block_manager import BlockManager
 from oxygen_torch.kv.core import PagedKVCore
+from oxygen_torch.kv.merged import MergedStep, Part
 from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.kv.storage import KVStorage
 from oxygen_torch.kv.swap import swap_out
@@ -232,19 +234,42 @@ def test_fp8_scales_narrow_with_their_blocks_and_attention_equals_the_whole_cach
     whole.release()
 
 
-def test_a_sliding_layer_asking_for_a_wider_window_fails_before_the_kernel():
-    torch.manual_seed(1)
+def _narrowed_row(seed: int, tokens: int) -> Hybrid:
+    """One row of a hybrid core past its window: a prompt of `tokens`, then one decode step."""
+    torch.manual_seed(seed)
     rows = Hybrid(1)
-    rows.step(600, check=False)
+    rows.step(tokens, check=False)
     rows.step(1)
-    core = rows.core
-    assert core.seqs.narrowed[0] > 0
+    assert rows.core.seqs.narrowed[0] > 0
+    return rows
+
+
+def test_a_sliding_layer_asking_for_a_wider_window_fails_before_the_kernel():
+    core = _narrowed_row(1, 600).core
     k = torch.randn(1, HKV, 1, D)
     plan = core.write(0, k, k)
     core.attend(0, torch.randn(1, 4, 1, D), plan, scale=None, sliding_window=None)  # a full one
     plan = core.write(1, k, k)
     with pytest.raises(NotImplementedError, match="layer 1 attends with sliding_window=None"):
         core.attend(1, torch.randn(1, 4, 1, D), plan, scale=None, sliding_window=None)
+    core.release()
+
+
+def test_a_merged_step_refuses_a_wider_window_on_a_sliding_layer_after_narrowing():
+    core = _narrowed_row(3, 600).core
+    step = MergedStep([Part(core, [1], 1)])
+    step.reserve()
+    k = torch.randn(1, HKV, 1, D)
+    q = torch.randn(1, 4, 1, D)
+    plan = step.write(0, k, k)
+    step.attend(0, q, plan, scale=None, sliding_window=None)  # a full layer reads everything
+    plan = step.write(1, k, k)
+    step.attend(1, q, plan, scale=None, sliding_window=W)  # its own window: fine
+    with pytest.raises(NotImplementedError, match="layer 1 attends with sliding_window=None"):
+        step.attend(1, q, plan, scale=None, sliding_window=None)
+    with pytest.raises(NotImplementedError, match=f"sliding_window={W + 1}"):
+        step.attend(1, q, plan, scale=None, sliding_window=W + 1)
+    step.abandon()
     core.release()
 
 
@@ -262,10 +287,7 @@ def test_before_anything_is_narrowed_a_wider_window_keeps_every_block():
 
 
 def test_a_core_that_narrowed_blocks_is_not_swapped():
-    torch.manual_seed(2)
-    rows = Hybrid(1)
-    rows.step(200, check=False)
-    rows.step(1)
+    rows = _narrowed_row(2, 200)
     core = rows.core
     core.pool.cpu_tier(16 * MiB)
     held = list(core.seqs.blocks[0])
@@ -396,21 +418,13 @@ def test_the_prefix_cache_keeps_the_prompt_before_its_blocks_are_narrowed(oxygen
 
 
 def test_concurrent_calls_on_the_engine_equal_stock(oxygen):
-    stock = tiny("qwen2")
     kws = []
     for s in range(3):
         ids, mask = _ids(2, 30 + 6 * s, seed=10 + s, pads=(s, 0))
         kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=34, do_sample=False))
-    with torch.no_grad():
-        ref = [stock.generate(**kw) for kw in kws]
-    model = hf.apply(tiny("qwen2"))
     before = _narrowed()
-    out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
-    assert not errors, errors
-    for i, r in enumerate(ref):
-        assert torch.equal(out[i], r), i
+    merged_calls_equal_stock(lambda: tiny("qwen2"), kws)
     assert _narrowed() > before
-    assert max(schedulers(model)[0].stats.batch_sizes) > 2  # the calls' rows were merged
 
 
 def test_preempted_calls_that_narrowed_are_recomputed_not_swapped(oxygen, caplog):

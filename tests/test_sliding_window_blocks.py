@@ -316,22 +316,28 @@ def test_a_call_that_starts_on_cached_blocks_gives_them_back_behind_the_window(o
     assert pc2["hits"] == pc["hits"] + 1 and pc2["cached_blocks"] >= 2
 
 
-def test_concurrent_calls_on_the_engine_equal_stock(oxygen):
-    stock = tiny("mistral")
-    kws = []
-    for s in range(3):
-        ids, mask = batch(b=2, n=20 + 4 * s, seed=10 + s, pads=(s, 0))
-        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=34, do_sample=False))
+def merged_calls_equal_stock(make, kws: list[dict]) -> None:
+    """The calls `kws` on a stock `make()` one by one, then on oxygen (a second `make()`) from
+    threads at once: the same tokens, and the engine merged their rows."""
+    stock = make()
     with torch.no_grad():
         ref = [stock.generate(**kw) for kw in kws]
-    model = hf.apply(tiny("mistral"))
-    freed0 = _freed()
+    model = hf.apply(make())
     out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
     assert not errors, errors
     for i, r in enumerate(ref):
         assert torch.equal(out[i], r), i
-    assert _freed() > freed0
     assert max(schedulers(model)[0].stats.batch_sizes) > 2  # the calls' rows were merged
+
+
+def test_concurrent_calls_on_the_engine_equal_stock(oxygen):
+    kws = []
+    for s in range(3):
+        ids, mask = batch(b=2, n=20 + 4 * s, seed=10 + s, pads=(s, 0))
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=34, do_sample=False))
+    freed0 = _freed()
+    merged_calls_equal_stock(lambda: tiny("mistral"), kws)
+    assert _freed() > freed0
 
 
 @pytest.mark.cuda

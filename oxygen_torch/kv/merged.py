@@ -21,7 +21,7 @@ from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
 from .swap import swap_in
-from .window import check_narrow_window
+from .window import check_narrow_window, narrowed_window
 
 
 @dataclass
@@ -55,6 +55,7 @@ class MergedStep:
         self.tokens = sum(sum(p.counts) for p in parts)
         self._plan: StepPlan | None = None
         self._starts: list[list[int]] = []
+        self._narrowed: int | None = None  # the narrowest window a part narrowed behind
 
     # --- planning (host) ---------------------------------------------------------------------
 
@@ -75,6 +76,7 @@ class MergedStep:
         self._starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
             p.core._reserve(p.counts)
+        self._narrowed = narrowed_window([p.core for p in self.parts])
         if build:
             self.build()
 
@@ -136,8 +138,8 @@ class MergedStep:
     def attend(self, layer, q, plan, *, scale, sliding_window, k=None, v=None) -> torch.Tensor:
         """q: [1, Hq, T, D] -> [1, T, Hq, D]. k, v (the packed new K/V) are not read: every row
         attends over the blocks, where write() stored them."""
-        if self.pool.key.window_layers:  # a hybrid pool: the kernel may not read narrowed pages
-            check_narrow_window(layer, sliding_window, [p.core for p in self.parts])
+        if self._narrowed is not None:  # a hybrid pool: the kernel may not read narrowed pages
+            check_narrow_window(layer, sliding_window, self._narrowed, self.pool.key.window_layers)
         st = self.pool.storage
         qq = q[0].transpose(0, 1)  # [T, Hq, D]
         if plan.cu_seqlens_q is not None:  # prefill chunks beside decode rows: always paged

@@ -116,16 +116,20 @@ class WindowMixin:
             self.narrow_window = None
 
 
-def check_narrow_window(layer: int, sliding_window: int | None, cores) -> None:
-    """The merged step's guard (kv/merged.py): a sliding layer of a hybrid pool must not read
-    further back than any core narrowed its blocks."""
-    for core in cores:
-        nw = core.narrow_window
-        if nw is None or layer not in core.window_layers or not any(core.seqs.narrowed):
-            continue
-        if sliding_window is None or sliding_window > nw:
-            raise NotImplementedError(
-                f"oxygen merged step: layer {layer} attends with sliding_window="
-                f"{sliding_window}, but a call narrowed the blocks behind its window of {nw} "
-                "tokens (their sliding layers' pages are unmapped)"
-            )
+def narrowed_window(cores) -> int | None:
+    """The narrowest window behind which any of these cores narrowed blocks (None: none did);
+    the merged step computes it once a step, after its cores reserved (kv/merged.py)."""
+    return min(
+        (c.narrow_window for c in cores if c.narrow_window and any(c.seqs.narrowed)), default=None
+    )
+
+
+def check_narrow_window(layer: int, sliding_window: int | None, narrowed: int, layers) -> None:
+    """The merged step's guard: a sliding layer (one of `layers`) of a hybrid pool must not read
+    further back than `narrowed`, the narrowest window a call narrowed its blocks behind."""
+    if layer in layers and (sliding_window is None or sliding_window > narrowed):
+        raise NotImplementedError(
+            f"oxygen merged step: layer {layer} attends with sliding_window={sliding_window}, "
+            f"but a call narrowed the blocks behind its window of {narrowed} tokens (their "
+            "sliding layers' pages are unmapped)"
+        )
