@@ -22,7 +22,9 @@ from test_hf_generate import COMMON
 from test_kv_paged_cache import RecordingBacking, _dense_out
 from test_sliding_window_blocks import merged_calls_equal_stock
 
+import oxygen_torch
 from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool_stats
@@ -445,6 +447,24 @@ def test_preempted_calls_that_narrowed_are_recomputed_not_swapped(oxygen, caplog
     assert len(warned) == 1
     (pool,) = [p for p in pool_stats() if p["blocks_total"] == 255]
     assert pool["blocks_used"] == 0 and pool["window_narrowed_blocks"] > 0
+
+
+def test_merged_decode_graphs_on_a_hybrid_model_give_each_call_its_tokens_alone(
+    oxygen, monkeypatch
+):
+    """The merged decode graphs' bookkeeping (on CPU its stand-in re-runs the captured forward
+    on the graph's buffers) over calls whose rows narrow blocks."""
+    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    cfg = load_config(scheduler={"decode_graphs": True, "gather_ms": 50})
+    model = hf.apply(tiny("qwen2"), cfg)
+    kws = []
+    for s in range(3):
+        ids, mask = _ids(2, 30 + 6 * s, seed=20 + s, pads=(s, 0))
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=34, do_sample=False))
+    before = _narrowed()
+    together_as_alone(model, kws, "hybrid, merged graphs")
+    assert oxygen_torch.decode_graph_stats(model)["merged"]["replays"] > 0
+    assert _narrowed() > before
 
 
 @pytest.mark.cuda

@@ -55,6 +55,10 @@ class _GraphStep:
     length = 0
     seqs = None
     debug = False
+    # no narrowed-window guard at capture: the replays serve later steps, and every core already
+    # checked each layer's window in its own eager prefill before any block was narrowed
+    # (kv/window.py _check_window)
+    _narrowed = None
     write = MergedStep.write
     attend = MergedStep.attend
 
