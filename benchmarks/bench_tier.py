@@ -250,38 +250,54 @@ def migration() -> dict:
     return res
 
 
+# the ways a move can go: (name, transfer.COPIES, transfer.PACE_DOWN)
+WAYS = (("copies, paced", "engine", "kernel"), ("copies, not paced", "engine", ""),
+        ("gathers, paced by gather", "gather", "gather"))  # fmt: skip
+
+
+def scattered(blocks: list[int], seed: int = 0) -> list[int]:
+    """The blocks in a random order: no two consecutive ones bound for consecutive rows (a
+    long-running pool's blocks), so copies go one a block (the worst case for copies)."""
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [blocks[i] for i in order]
+
+
 def _pieces(tier, mine: list[int], bb: int) -> list:
-    """down / up GB/s of one move by the size of its pieces (transfer.COPY_BYTES: a piece's copy
-    overlaps the next one's gather), the pieces down paced (transfer.PACE_DOWN: each copy waits
-    for the last piece's copy, so the copy engine sees one piece at a time) or not."""
+    """down / up GB/s of one move by the way it goes (WAYS: copy-engine 2D copies, or gathers
+    into the staging buffer), the size of its pieces (transfer.COPY_BYTES) and the order of its
+    blocks (consecutive, or scattered: a copy a block)."""
     from oxygen_torch.kv import transfer
 
-    saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN), []
-    for paced, mib in (("kernel", 16), ("gather", 16), ("kernel", 4), ("", 16)):
-        transfer.PACE_DOWN, transfer.COPY_BYTES = paced, mib * MIB
+    saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES), []
+    ways = [(*w, mib, order) for w in WAYS for mib, order in ((16, "consecutive"),
+            (16, "scattered"))] + [(*WAYS[0], 4, "scattered")]  # fmt: skip
+    for name, copies, paced, mib, order in ways:
+        transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
+        blocks = mine if order == "consecutive" else scattered(mine)
         slots: list = []
 
-        def down(slots=slots):
-            slots[:] = tier.down(mine)
+        def down(slots=slots, blocks=blocks):
+            slots[:] = tier.down(blocks)
 
         t_down = _bench(down, setup=lambda slots=slots: tier.release(slots))
-        t_up = _bench(lambda slots=slots: tier.up(slots, mine))
+        t_up = _bench(lambda slots=slots, blocks=blocks: tier.up(slots, blocks))
         tier.release(slots)
         n = len(mine) * bb
-        way = f"{mib} MiB pieces, " + (f"paced by {paced}" if paced else "not paced")
-        rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced,
-                         down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9))  # fmt: skip
-        say(f"{len(mine)} blocks in {way}: down {n / t_down / 1e9:.1f} GB/s, up "
+        way = f"{name}, {mib} MiB pieces, {order} blocks"
+        rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced, copies=copies,
+                         order=order, down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9))  # fmt: skip
+        say(f"{len(mine)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
             f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
-    transfer.COPY_BYTES, transfer.PACE_DOWN = saved
+    transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
     return rows
 
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
-    """generate()'s time per output token alone, then with a thread moving 256 blocks down and
-    up without pause, on its own stream (another pool on the same GPU: the copy engines and HBM
-    are shared). Churns: the tier's moves in 16 MiB pieces, down paced by a kernel, by the
-    gathers (the default), and not paced, in TPOT_ROUNDS rounds, each against its own TPOT
+    """generate()'s time per output token alone, then with a thread moving 256 blocks (in a
+    scattered order) down and up without pause, on its own stream (another pool on the same
+    GPU: the copy engines and HBM are shared). Churns: the tier's moves in 16 MiB pieces each
+    way of WAYS (copies paced by a kernel, the default; copies not paced; gathers paced by the
+    gathers, the eleventh session's default), in TPOT_ROUNDS rounds, each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
     The churn's host time a cycle is its wall time outside the wait (the interpreter lock's
@@ -309,7 +325,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
         return (tn - t1) / (n - 1)
 
     alone = tpot()
-    mine = blocks[:256]
+    mine = scattered(blocks[:256])
     nbytes = len(mine) * tier.block_bytes
     dense = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
@@ -363,15 +379,13 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             alone_ms=alone * 1e3,
         )
 
-    churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN)
-    paces = ["kernel", "gather", ""]
+    churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES)
     for k in range(TPOT_ROUNDS):  # a call's noise against the differences: rounds, turned
         alone_k = alone if k == 0 else tpot()
-        for paced in paces[k % 3 :] + paces[: k % 3]:
-            transfer.PACE_DOWN = paced
-            name = "tier, 16 MiB pieces, " + (f"paced by {paced}" if paced else "not paced")
-            churns[f"{name}, round {k + 1}"] = busy(tier_cycle, alone_k)
-    transfer.COPY_BYTES, transfer.PACE_DOWN = saved
+        for way, copies, paced in WAYS[k % 3 :] + WAYS[: k % 3]:
+            transfer.COPIES, transfer.PACE_DOWN = copies, paced
+            churns[f"tier, {way}, round {k + 1}"] = busy(tier_cycle, alone_k)
+    transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
     # bytes reach the host in either: their "GB/s moved" is the pace)
@@ -428,9 +442,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     for kind, s in spread.items():
         say(f"{kind}: rise median {100 * s['median']:+.1f} %, worst {100 * s['worst']:+.1f} % "
             f"over {len(s['rises'])} round(s)")  # fmt: skip
-    default = saved[1]  # the first round's churn with the default pacing: the summary line
-    first = churns["tier, 16 MiB pieces, " + (f"paced by {default}" if default else "not paced")
-                   + ", round 1"]  # fmt: skip
+    first = churns[f"tier, {WAYS[0][0]}, round 1"]  # the default's first round: the summary
     return dict(batch=b, prompt=p, new=n, tpot_ms=alone * 1e3, **first, churns=churns,
                 spread=spread)  # fmt: skip
 

@@ -35,6 +35,19 @@ OXY_API int oxygen_cuda_device_info(int device, char* name, size_t name_len, siz
   });
 }
 
+// kv/transfer.py's block copies (copy_blocks in vmm_backend.h); views: n_views x 6 uint64.
+OXY_API int oxygen_copy_blocks(int up, const std::uint64_t* views, int n_views,
+                               const std::int64_t* blocks, const std::int64_t* rows, std::int64_t n,
+                               std::uint64_t host, std::uint64_t host_pitch, void* stream,
+                               int on_device, std::int64_t* copies_out) {
+  return guarded("copy_blocks", [&]() -> int {
+    if (!views || !copies_out) return invalid_handle("copy_blocks", "views");
+    static_assert(sizeof(BlockView) == 6 * sizeof(std::uint64_t), "BlockView is 6 words");
+    return copy_blocks(up, reinterpret_cast<const BlockView*>(views), n_views, blocks, rows, n,
+                       host, host_pitch, stream, on_device, copies_out);
+  });
+}
+
 namespace {
 
 Status selftest(const char* kind, int device, size_t page_size, size_t* granularity_out) {

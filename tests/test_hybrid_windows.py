@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 import transformers as T
-from test_engine import prompt, schedulers, together_as_alone
+from test_engine import in_threads, prompt, schedulers, together_as_alone
 from test_hf_generate import COMMON
 from test_kv_paged_cache import RecordingBacking, _dense_out
 from test_sliding_window_blocks import merged_calls_equal_stock
@@ -483,3 +483,28 @@ def test_on_the_gpu_greedy_equals_stock_and_sliding_pages_go(oxygen, arch):
     window = st.window_mapped_bytes() // (2 * 2 * MiB)
     full = (st.mapped_bytes() - st.window_mapped_bytes()) // (2 * 2 * MiB)
     assert full == 3 and window == 2, (full, window)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_merged_decode_graphs_over_hybrid_calls_that_narrow(oxygen):
+    """Concurrent calls on a hybrid model merged into decode graphs on CUDA (float32: merged
+    and alone runs use different kernel shapes, so tokens agree at a rate, as in
+    test_tier_cuda.py), their rows narrowing blocks behind the window meanwhile."""
+    cfg = load_config(scheduler={"decode_graphs": True, "gather_ms": 50})
+    model = hf.apply(tiny("qwen2").cuda(), cfg)
+    kws = []
+    for s in range(4):
+        ids, mask = _ids(2, 30 + 6 * s, seed=30 + s, pads=(s, 0))
+        kws.append(dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40,
+                        do_sample=False))  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+        before = _narrowed()
+        out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
+    agree = sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
+    print(f"\nhybrid merged decode graphs on the GPU: agreement {agree:.4f}, {st}")
+    assert st["replays"] >= 1 and st["failed"] == 0, st
+    assert agree >= 0.9
+    assert _narrowed() > before

@@ -121,6 +121,58 @@ def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
         host_pool.manager.decref(blocks)
 
 
+def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
+    """The tier's moves both ways, by block copies (COPIES "engine", the default) and by
+    gathers and scatters, leave the same rows and blocks; each way runs its own path."""
+    from oxygen_torch.kv import transfer
+
+    st, tier, got = host_pool.storage, host_pool.cpu_tier(2 * MiB), {}
+    ran = {"engine": 0, "gather": 0}
+    for name, fn in (("down_blocks", "engine"), ("up_blocks", "engine"),
+                     ("down", "gather"), ("up", "gather")):  # fmt: skip
+        def spy(*a, _f=getattr(transfer, name), _w=fn, **k):
+            ran[_w] += 1
+            return _f(*a, **k)
+
+        monkeypatch.setattr(transfer, name, spy)
+    for way in ("engine", "gather"):
+        monkeypatch.setattr(transfer, "COPIES", way)
+        with host_pool.lock:
+            blocks = host_pool.manager.allocate(9)
+        for c in (*st.k, *st.v):  # the same bytes for both ways
+            c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(9)))
+        order = blocks[4:] + blocks[:4]
+        want = transfer.gather([st.block_view()], torch.tensor(order))
+        slots = tier.down(order)
+        rows = tier.host[[tier._where[s] for s in slots], : tier.block_bytes].clone()
+        for c in (*st.k, *st.v):
+            c.view(torch.uint8).fill_(0)
+        tier.up(slots, blocks)
+        assert torch.equal(rows, want)  # the rows hold the blocks in the order given
+        # and come up into `blocks` in that order
+        got[way] = (rows, transfer.gather([st.block_view()], torch.tensor(blocks)))
+        assert torch.equal(got[way][1], want)
+        tier.release(slots)
+        with host_pool.lock:
+            host_pool.manager.decref(blocks)
+    assert ran == {"engine": 2, "gather": 2}
+    assert torch.equal(got["engine"][0], got["gather"][0])
+    assert torch.equal(got["engine"][1], got["gather"][1])
+
+
+def test_an_unknown_copy_way_is_named(host_pool, monkeypatch):
+    from oxygen_torch.kv import transfer
+
+    tier = host_pool.cpu_tier(2 * MiB)
+    with host_pool.lock:
+        blocks = host_pool.manager.allocate(2)
+    monkeypatch.setattr(transfer, "COPIES", "dma")
+    with pytest.raises(ValueError, match="COPIES 'dma' is not one of"):
+        tier.down(blocks)
+    with host_pool.lock:
+        host_pool.manager.decref(blocks)
+
+
 def _burst(tier_bytes: int, graphs: bool = False):
     """31 KV blocks of 128 tokens; six calls of six rows start at one block a row (prompts of
     about 100 tokens: five calls admitted at once) and cross into a second during decode, so

@@ -108,3 +108,71 @@ def test_two_storages_are_one_row_main_bytes_then_scales():
     for b, b2 in zip(idx.tolist(), (7, 8, 9)):
         assert torch.equal(block_bytes(main, b2), block_bytes(main, b))
         assert torch.equal(block_bytes(scales, b2), block_bytes(scales, b))
+
+
+def _scattered_and_runs(g, num_blocks: int, n: int) -> tuple[list[int], list[int]]:
+    """n distinct blocks and n distinct host rows: a long run of consecutive blocks bound for
+    consecutive rows first (longer than any view here has regions), then scattered ones."""
+    run = 13
+    first = int(torch.randint(1, num_blocks - run, (1,), generator=g))
+    blocks = list(range(first, first + run))
+    rest = [b for b in torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
+            if b not in blocks][: n - run]  # fmt: skip
+    rows = list(range(3, 3 + run)) + [r + 3 + run for r in torch.randperm(40, generator=g)[: n - run].tolist()]
+    return blocks + rest, rows
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
+    (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
+    (2, 2, 8, torch.float8_e4m3fn, True),
+])  # fmt: skip
+def test_block_copies_move_the_bytes_a_gather_does(seed, layers, heads, dim, dtype, scales):
+    """The native layer's block copies (COPIES "engine"; memcpy on the host arena, the same
+    addressing as the device's 2D copies): rows equal the gathered blocks, a long run goes a
+    copy per region and a scattered block one copy a view, and the way back restores them."""
+    g = torch.Generator().manual_seed(seed)
+    sts = [storage(layers, heads, dim, dtype)]
+    if scales:  # an fp8 pool's second storage: a row is the block's bytes, then its scales'
+        sts.append(storage(layers, heads, 1, torch.float32, bt=1))
+    for st in sts:
+        fill(st, g)
+    views = [st.block_view() for st in sts]
+    copies = transfer.BlockCopies(views)
+    assert copies.usable and copies.block_bytes == sum(transfer._width(v) for v in views)
+    n = 21
+    blocks, rows = _scattered_and_runs(g, sts[0].num_blocks, n)
+    host = torch.randint(0, 256, (64, copies.block_bytes + 7), dtype=torch.uint8, generator=g)
+    spare = host[:, copies.block_bytes :].clone()
+    made = copies.copy(False, blocks, host[:, : copies.block_bytes], rows, None)
+    regions = views[0].shape[1]
+    assert made == len(views) * (regions + (n - 13))  # the run by regions, the rest by blocks
+    want = gather(views, torch.tensor(blocks))
+    assert torch.equal(host[rows, : copies.block_bytes], want)
+    assert torch.equal(host[:, copies.block_bytes :], spare)  # past a block: untouched
+    for st in sts:
+        fill(st, g)  # overwritten meanwhile
+    back = list(reversed(blocks))  # into other blocks: no run survives
+    others = [b for b in range(1, sts[0].num_blocks) if b not in back][:5]
+    before = gather(views, torch.tensor(others))
+    assert copies.copy(True, back, host, rows, None) == len(views) * n
+    assert torch.equal(gather(views, torch.tensor(back)), want)
+    assert torch.equal(gather(views, torch.tensor(others)), before)  # nothing else written
+
+
+def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
+    st = storage(2, 2, 8, torch.float16)
+    copies = transfer.BlockCopies([st.block_view()])
+    host = torch.zeros(4, copies.block_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"block ids 1\.\.%d outside" % st.num_blocks):
+        copies.copy(False, [1, st.num_blocks], host, [0, 1], None)
+    with pytest.raises(ValueError, match=r"rows 0\.\.4 outside the 4 host rows"):
+        copies.copy(False, [1, 2], host, [0, 4], None)
+    with pytest.raises(ValueError, match="2 blocks for 1 rows"):
+        copies.copy(True, [1, 2], host, [0], None)
+    with pytest.raises(ValueError, match="hold no block"):
+        copies.copy(True, [1], host[:, :-1], [0], None)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
+        copies.copy(True, [1], host.view(torch.int16), [0], None)
+    assert copies.copy(False, [], host, [], None) == 0
+

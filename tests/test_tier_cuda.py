@@ -34,15 +34,19 @@ def _agreement(out: dict, ref: list) -> float:
     return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
 
 
-# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers, the
-# pieces down paced (a kernel on a third stream, or the gather, between two copies) or not
+# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers (or
+# 2D copies alone: "engine"), the pieces down paced (a kernel on a third stream, or the gather,
+# between two copies) or not; down the 37 blocks are one run (a copy a region), up reversed (a
+# copy a block)
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
 @pytest.mark.parametrize("paced", ["kernel", "gather", ""])
+@pytest.mark.parametrize("copies", ["engine", "gather"])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
-    oxygen, monkeypatch, staging_blocks, copy_blocks, paced
+    oxygen, monkeypatch, staging_blocks, copy_blocks, paced, copies
 ):
     dev = torch.device("cuda")
     monkeypatch.setattr(transfer, "PACE_DOWN", paced)
+    monkeypatch.setattr(transfer, "COPIES", copies)
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
     if staging_blocks:
@@ -79,7 +83,10 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
     chunk = staging_blocks or transfer.STAGING_BYTES // tier.block_bytes
-    assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
+    if copies == "engine":
+        assert s["staging_bytes"] == 0  # copies alone: no staging buffer
+    else:
+        assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
     with pool.lock:
         pool.manager.decref(taken)
 

@@ -86,6 +86,7 @@ class CPUTier:
         self._copy = torch.cuda.Stream(device) if cuda else None  # its copies, beside the side's
         self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
         self._fence = None  # the event of the last down: its blocks are free once it passed
+        self._copies: transfer.BlockCopies | None = None  # made on the first move by copies
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
@@ -107,6 +108,15 @@ class CPUTier:
     def disk_used_bytes(self) -> int:
         used = sum(1 for w in self._where if w is not None and w < 0)
         return used * self.row_bytes
+
+    def _by_copies(self) -> transfer.BlockCopies | None:
+        """The views' block copies when full-precision moves go by copies alone
+        (transfer.COPIES "engine", and the views allow it), else None (gathers and scatters)."""
+        if transfer.COPIES != "engine":
+            return None
+        if self._copies is None:
+            self._copies = transfer.BlockCopies(self._views)
+        return self._copies if self._copies.usable else None
 
     def _pressed(self, n: int) -> bool:
         return self.num_slots - len(self._cpu_free) + n > PRESSURE * self.num_slots
@@ -146,8 +156,12 @@ class CPUTier:
 
     def _down(self, blocks: list[int], lowered: bool, opened: list[int], need: int) -> list[int]:
         n = len(blocks)
-        # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids on their device
-        staged = self._lowered(blocks) if lowered else self._ids(blocks)
+        # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids (a list when the
+        # copies alone move them, else on their device)
+        if lowered:
+            staged = self._lowered(blocks)
+        else:
+            staged = blocks if self._by_copies() else self._ids(blocks)
         self._clock += 1
         rows, mask, last, clock = self._rows, self._mask, self._last, self._clock
         fresh = _take(rows, need)
@@ -199,13 +213,17 @@ class CPUTier:
 
     def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
         """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
-        (copied down on the side stream), or lowered blocks, put at their halves (places[i][1])."""
+        (copied down on the side stream; a list: by block copies), or lowered blocks, put at
+        their halves (places[i][1])."""
         if not pos:
             return
         if not lowered:
             with self._on_side():
                 host = self.host[:, : self.block_bytes]
-                transfer.down(self._views, staged, host, pos, self._stage, self._copy)
+                if isinstance(staged, list):
+                    transfer.down_blocks(self._copies, staged, host, pos, self._stage, self._copy)
+                else:
+                    transfer.down(self._views, staged, host, pos, self._stage, self._copy)
             return
         self.wait()  # an up still reading rows from the host comes first
         hb, sb, bb = self._hb, self._sb, self.block_bytes
@@ -358,9 +376,13 @@ class CPUTier:
             else:
                 host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
-            idx = self._ids(blocks)
+            copies = self._by_copies()
+            idx = None if copies else self._ids(blocks)
             with self._on_side():
-                transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
+                if copies:
+                    transfer.up_blocks(copies, host, at_cpu, blocks, self._stage, self._copy)
+                else:
+                    transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             if self._side is not None:  # the step that reads the blocks comes after
                 self._stage.order(torch.cuda.current_stream(self.device), self._side)
             self.counts["bytes_up"] += len(slots) * self.block_bytes

@@ -38,8 +38,11 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 
 import torch
+
+from .._patching import warn_once
 
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
@@ -48,6 +51,10 @@ COPY_BYTES = 16 << 20
 PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a time (see above):
 # "kernel", "gather", or "" (not paced)
 _PACES = ("kernel", "gather", "")
+COPIES = "engine"  # how a move reaches the rows: "engine" (2D copies, no kernel: down_blocks)
+# or "gather" (kernels gather into the staging buffer: down / up)
+_COPIES = ("engine", "gather")
+MAX_PITCH = (1 << 31) - 1  # a 2D copy's row pitch, at most (cuMemcpy2D; the H200's too)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -194,9 +201,11 @@ def _pieces_of(n: int, block_bytes: int):
 
 
 def check_pace() -> None:
-    """PACE_DOWN names a known pacing (ValueError otherwise); a tier checks before a move."""
+    """PACE_DOWN and COPIES name known ways (ValueError otherwise); a tier checks before a move."""
     if PACE_DOWN not in _PACES:
         raise ValueError(f"transfer.PACE_DOWN {PACE_DOWN!r} is not one of {_PACES}")
+    if COPIES not in _COPIES:
+        raise ValueError(f"transfer.COPIES {COPIES!r} is not one of {_COPIES}")
 
 
 @contextlib.contextmanager
@@ -288,3 +297,106 @@ def up(views, host: torch.Tensor, rows: list[int], idx, stage: Staging, copy=Non
                 torch.cuda.set_stream(cur)
                 stage.order(cur, copy)
                 _scatter(views, idx[lo + a : lo + b], buf, typed, a, b)
+
+
+# --- copies with no kernel (COPIES = "engine") --------------------------------------------------
+
+
+class BlockCopies:
+    """A tier's block views described for the native layer's block copies (csrc/vmm_backend.h
+    copy_blocks): a move goes as 2D copies from the views to the rows and back, on the copy
+    engine, queued by one native call a piece with the interpreter lock let go. A block's bytes
+    in every region go in one copy (its regions are rows of that copy, `region stride` apart); a
+    run of consecutive blocks bound for consecutive rows longer than the regions goes a copy per
+    region. Nothing runs on the SMs beside the steps, and nothing is staged.
+
+    `usable` is False (with one warning, naming why) where a 2D copy cannot express the views:
+    regions further apart than a copy's pitch allows (MAX_PITCH: a pool of more than 2 GiB a
+    layer's K), or the native library missing; the tier gathers with kernels then."""
+
+    def __init__(self, views: list[torch.Tensor]):
+        words, off, why = [], 0, ""
+        for v in views:
+            es = v.element_size()
+            if v.dim() != 3 or v.stride(2) != 1:
+                raise ValueError(f"oxygen KV block copies: {tuple(v.shape)} {v.stride()} is "
+                                 "not a block view [blocks, regions, width]")  # fmt: skip
+            width, rs = v.shape[2] * es, v.stride(1) * es
+            if v.shape[1] > 1 and rs > MAX_PITCH:
+                why = f"regions {rs} bytes apart, past a 2D copy's pitch ({MAX_PITCH})"
+            words += [v.data_ptr(), v.stride(0) * es, rs, v.shape[1], width, off]
+            off += v.shape[1] * width
+        self.block_bytes, self.num_blocks = off, views[0].shape[0]
+        self.on_device = views[0].device.type == "cuda"
+        self._desc = (ctypes.c_uint64 * len(words))(*words)
+        self._lib = None
+        try:
+            from ..pool import native
+
+            self._lib, self._native = native.lib(), native
+        except Exception as exc:  # NativeLibraryError: an unbuilt tree
+            why = why or f"the native library is not loaded ({exc})"
+        self.usable = not why
+        if why:
+            warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, not "
+                      f"copy-engine copies: {why}")  # fmt: skip
+
+    def copy(self, up: bool, blocks: list[int], host: torch.Tensor, rows: list[int],
+             stream: torch.cuda.Stream | None) -> int:  # fmt: skip
+        """Block blocks[i] to host row rows[i] (`up`: back), queued on `stream` on a GPU (not
+        waited for; host pinned), done on return on the host; returns the copies made."""
+        n = len(blocks)
+        if n != len(rows):
+            raise ValueError(f"oxygen KV block copies: {n} blocks for {len(rows)} rows")
+        if not n:
+            return 0
+        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
+            raise ValueError(f"oxygen KV block copies: block ids {min(blocks)}..{max(blocks)} "
+                             f"outside the pool's {self.num_blocks}")  # fmt: skip
+        if min(rows) < 0 or max(rows) >= host.shape[0]:
+            raise ValueError(f"oxygen KV block copies: rows {min(rows)}..{max(rows)} outside "
+                             f"the {host.shape[0]} host rows")  # fmt: skip
+        if host.dtype != torch.uint8 or host.dim() != 2 or host.stride(1) != 1:
+            raise ValueError("oxygen KV block copies: host rows must be uint8 [rows, bytes]")
+        if host.shape[1] < self.block_bytes:
+            raise ValueError(f"oxygen KV block copies: rows of {host.shape[1]} bytes hold no "
+                             f"block of {self.block_bytes}")  # fmt: skip
+        b, r = array.array("q", blocks), array.array("q", rows)
+        made = ctypes.c_int64()
+        handle = ctypes.c_void_p(stream.cuda_stream if stream is not None else 0)
+        status = self._lib.oxygen_copy_blocks(
+            int(up), self._desc, len(self._desc) // 6,
+            (ctypes.c_int64 * n).from_buffer(b), (ctypes.c_int64 * n).from_buffer(r), n,
+            host.data_ptr(), host.stride(0), handle, int(self.on_device), ctypes.byref(made),
+        )  # fmt: skip
+        self._native.check(status, "oxygen KV block copies")
+        return made.value
+
+
+def down_blocks(copies: BlockCopies, blocks: list[int], host: torch.Tensor, rows: list[int],
+                stage: Staging, copy=None) -> None:  # fmt: skip
+    """host[rows[i]] = the bytes of block blocks[i], by copies alone (COPIES = "engine"): on a
+    GPU on `copy` after the current stream's work so far, the current stream after them, in
+    pieces of COPY_BYTES, each after a gap kernel (Staging.pace) unless PACE_DOWN is ""."""
+    if copy is None:
+        copies.copy(False, blocks, host, rows, None)
+        return
+    with _streams_set(copy.device) as cur:
+        stage.order(copy, cur)  # after the blocks' last writes
+        for a, b in _pieces_of(len(blocks), stage.block_bytes):
+            if a and PACE_DOWN:
+                stage.pace(copy)
+            copies.copy(False, blocks[a:b], host, rows[a:b], copy)
+        stage.order(cur, copy)
+
+
+def up_blocks(copies: BlockCopies, host: torch.Tensor, rows: list[int], blocks: list[int],
+              stage: Staging, copy=None) -> None:  # fmt: skip
+    """The bytes of block blocks[i] = host[rows[i]] (the inverse of down_blocks; not paced)."""
+    if copy is None:
+        copies.copy(True, blocks, host, rows, None)
+        return
+    with _streams_set(copy.device) as cur:
+        stage.order(copy, cur)  # after the work so far (the blocks' last readers)
+        copies.copy(True, blocks, host, rows, copy)
+        stage.order(cur, copy)
