@@ -285,7 +285,8 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         n = len(mine) * bb
         way = f"{name}, {mib} MiB pieces, {order} blocks"
         rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced, copies=copies,
-                         order=order, down_GBps=n / t_down / 1e9, up_GBps=n / t_up / 1e9))  # fmt: skip
+                         order=order, down_GBps=n / t_down / 1e9,
+                         up_GBps=n / t_up / 1e9))  # fmt: skip
         say(f"{len(mine)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
             f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
     transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved

@@ -121,6 +121,14 @@ def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
         host_pool.manager.decref(blocks)
 
 
+def _counting(fn, counts: dict, key: str):
+    def spy(*a, **k):
+        counts[key] += 1
+        return fn(*a, **k)
+
+    return spy
+
+
 def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
     """The tier's moves both ways, by block copies (COPIES "engine", the default) and by
     gathers and scatters, leave the same rows and blocks; each way runs its own path."""
@@ -130,11 +138,7 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
     ran = {"engine": 0, "gather": 0}
     for name, fn in (("down_blocks", "engine"), ("up_blocks", "engine"),
                      ("down", "gather"), ("up", "gather")):  # fmt: skip
-        def spy(*a, _f=getattr(transfer, name), _w=fn, **k):
-            ran[_w] += 1
-            return _f(*a, **k)
-
-        monkeypatch.setattr(transfer, name, spy)
+        monkeypatch.setattr(transfer, name, _counting(getattr(transfer, name), ran, fn))
     for way in ("engine", "gather"):
         monkeypatch.setattr(transfer, "COPIES", way)
         with host_pool.lock:

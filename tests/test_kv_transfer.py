@@ -118,7 +118,8 @@ def _scattered_and_runs(g, num_blocks: int, n: int) -> tuple[list[int], list[int
     blocks = list(range(first, first + run))
     rest = [b for b in torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
             if b not in blocks][: n - run]  # fmt: skip
-    rows = list(range(3, 3 + run)) + [r + 3 + run for r in torch.randperm(40, generator=g)[: n - run].tolist()]
+    spread = torch.randperm(40, generator=g)[: n - run].tolist()
+    rows = list(range(3, 3 + run)) + [r + 3 + run for r in spread]
     return blocks + rest, rows
 
 
@@ -164,7 +165,7 @@ def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
     st = storage(2, 2, 8, torch.float16)
     copies = transfer.BlockCopies([st.block_view()])
     host = torch.zeros(4, copies.block_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"block ids 1\.\.%d outside" % st.num_blocks):
+    with pytest.raises(ValueError, match=rf"block ids 1\.\.{st.num_blocks} outside"):
         copies.copy(False, [1, st.num_blocks], host, [0, 1], None)
     with pytest.raises(ValueError, match=r"rows 0\.\.4 outside the 4 host rows"):
         copies.copy(False, [1, 2], host, [0, 4], None)
@@ -175,4 +176,3 @@ def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
     with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
         copies.copy(True, [1], host.view(torch.int16), [0], None)
     assert copies.copy(False, [], host, [], None) == 0
-
