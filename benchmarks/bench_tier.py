@@ -243,7 +243,7 @@ def migration() -> dict:
         )
         res["rows"].append(row)
         del dense, host
-    res["pieces"] = _pieces(tier, blocks[: 512 if not SMOKE else 32], bb)
+    res["pieces"] = _pieces(tier, blocks[: 512 if not SMOKE else 64], bb)
     res["tpot"] = _tpot_while_migrating(pool, tier, blocks)
     with pool.lock:
         pool.manager.decref(blocks)
@@ -256,10 +256,32 @@ WAYS = (("copies, paced", "engine", "kernel"), ("copies, not paced", "engine", "
 
 
 def scattered(blocks: list[int], seed: int = 0) -> list[int]:
-    """The blocks in a random order: no two consecutive ones bound for consecutive rows (a
-    long-running pool's blocks), so copies go one a block (the worst case for copies)."""
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [blocks[i] for i in order]
+    """Every other block of `blocks` (consecutive ids), in a random order: no two of them are
+    consecutive, so a move by copies finds no run (transfer.MIN_RUN) and gathers every one (a
+    tier gives rows in the blocks' order, so the order alone would not break runs)."""
+    every = blocks[::2]
+    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [every[i] for i in order]
+
+
+def in_runs(blocks: list[int], run: int, seed: int = 0) -> list[int]:
+    """Runs of `run` consecutive blocks of `blocks` (consecutive ids), `run` blocks apart, the
+    runs in a random order: a move by copies finds runs of exactly `run` (the shortest it copies
+    at transfer.MIN_RUN)."""
+    runs = [blocks[a : a + run] for a in range(0, len(blocks) - run + 1, 2 * run)]
+    order = torch.randperm(len(runs), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [b for i in order for b in runs[i]]
+
+
+def ordered(blocks: list[int], order: str) -> list[int]:
+    """256 of `blocks` (512 or more consecutive ids) as a move of that order takes them."""
+    from oxygen_torch.kv import transfer
+
+    if order == "consecutive":
+        return blocks[:256]
+    if order == "scattered":
+        return scattered(blocks[:512])
+    return in_runs(blocks[:512], transfer.MIN_RUN)  # "runs"
 
 
 def _pieces(tier, mine: list[int], bb: int) -> list:
@@ -269,11 +291,11 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
     from oxygen_torch.kv import transfer
 
     saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES), []
-    ways = [(*w, mib, order) for w in WAYS for mib, order in ((16, "consecutive"),
-            (16, "scattered"))] + [(*WAYS[0], 4, "scattered")]  # fmt: skip
+    ways = [(*w, 16, order) for w in WAYS for order in ("consecutive", "runs", "scattered")]
+    ways += [(*WAYS[0], 4, "runs")]
     for name, copies, paced, mib, order in ways:
         transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
-        blocks = mine if order == "consecutive" else scattered(mine)
+        blocks = ordered(mine, order)
         slots: list = []
 
         def down(slots=slots, blocks=blocks):
@@ -282,23 +304,29 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_down = _bench(down, setup=lambda slots=slots: tier.release(slots))
         t_up = _bench(lambda slots=slots, blocks=blocks: tier.up(slots, blocks))
         tier.release(slots)
-        n = len(mine) * bb
-        way = f"{name}, {mib} MiB pieces, {order} blocks"
-        rows.append(dict(blocks=len(mine), down=way, copy_MiB=mib, paced=paced, copies=copies,
-                         order=order, down_GBps=n / t_down / 1e9,
+        n = len(blocks) * bb
+        copied = tier.stats()["blocks_copied"]
+        tier.release(tier.down(blocks))
+        share = (tier.stats()["blocks_copied"] - copied) / len(blocks)  # copied, not gathered
+        label = {"runs": f"blocks in runs of {transfer.MIN_RUN}"}.get(order, f"{order} blocks")
+        way = f"{name}, {mib} MiB pieces, {label} ({100 * share:.0f} % copied)"
+        rows.append(dict(blocks=len(blocks), copied_share=share, down=way, copy_MiB=mib,
+                         paced=paced, copies=copies, order=order, down_GBps=n / t_down / 1e9,
                          up_GBps=n / t_up / 1e9))  # fmt: skip
-        say(f"{len(mine)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
+        say(f"{len(blocks)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
             f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
     transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
     return rows
 
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
-    """generate()'s time per output token alone, then with a thread moving 256 blocks (in a
-    scattered order) down and up without pause, on its own stream (another pool on the same
-    GPU: the copy engines and HBM are shared). Churns: the tier's moves in 16 MiB pieces each
-    way of WAYS (copies paced by a kernel, the default; copies not paced; gathers paced by the
-    gathers, the eleventh session's default), in TPOT_ROUNDS rounds, each against its own TPOT
+    """generate()'s time per output token alone, then with a thread moving 256 blocks (in runs
+    of transfer.MIN_RUN, the shortest the default way copies) down and up without pause, on its
+    own stream (another pool on the same GPU: the copy engines and HBM are shared). Churns: the
+    tier's moves in 16 MiB pieces each way of WAYS (copies paced by a kernel, the default;
+    copies not paced; gathers paced by the gathers, the eleventh session's default), in
+    TPOT_ROUNDS rounds, then once the default way over blocks with no run (all gathered),
+    each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
     The churn's host time a cycle is its wall time outside the wait (the interpreter lock's
@@ -326,12 +354,12 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
         return (tn - t1) / (n - 1)
 
     alone = tpot()
-    mine = scattered(blocks[:256])
+    mine = ordered(blocks, "runs")  # the shortest runs moves copy
     nbytes = len(mine) * tier.block_bytes
     dense = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
 
-    def tier_cycle(stream):
+    def tier_cycle(stream, mine=mine):
         slots = tier.down(mine)
         tier.up(slots, mine)
         tier.release(slots)
@@ -387,6 +415,10 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             transfer.COPIES, transfer.PACE_DOWN = copies, paced
             churns[f"tier, {way}, round {k + 1}"] = busy(tier_cycle, alone_k)
     transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
+    spread_out = ordered(blocks, "scattered")  # the default way finds no run: all gathered
+    churns["tier, copies, paced, scattered blocks (gathered)"] = busy(
+        lambda s: tier_cycle(s, spread_out), alone_k
+    )
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
     # bytes reach the host in either: their "GB/s moved" is the pace)

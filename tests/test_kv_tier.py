@@ -121,26 +121,17 @@ def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
         host_pool.manager.decref(blocks)
 
 
-def _counting(fn, counts: dict, key: str):
-    def spy(*a, **k):
-        counts[key] += 1
-        return fn(*a, **k)
-
-    return spy
-
-
 def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
-    """The tier's moves both ways, by block copies (COPIES "engine", the default) and by
-    gathers and scatters, leave the same rows and blocks; each way runs its own path."""
+    """The tier's moves both ways, by block copies (COPIES "engine", the default: rows given
+    in the blocks' order, so consecutive blocks go as runs) and by gathers and scatters alone,
+    leave the same rows and blocks."""
     from oxygen_torch.kv import transfer
 
+    monkeypatch.setattr(transfer, "MIN_RUN", 2)
     st, tier, got = host_pool.storage, host_pool.cpu_tier(2 * MiB), {}
-    ran = {"engine": 0, "gather": 0}
-    for name, fn in (("down_blocks", "engine"), ("up_blocks", "engine"),
-                     ("down", "gather"), ("up", "gather")):  # fmt: skip
-        monkeypatch.setattr(transfer, name, _counting(getattr(transfer, name), ran, fn))
     for way in ("engine", "gather"):
         monkeypatch.setattr(transfer, "COPIES", way)
+        copied = tier.stats()["blocks_copied"]
         with host_pool.lock:
             blocks = host_pool.manager.allocate(9)
         for c in (*st.k, *st.v):  # the same bytes for both ways
@@ -149,19 +140,18 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
         want = transfer.gather([st.block_view()], torch.tensor(order))
         slots = tier.down(order)
         rows = tier.host[[tier._where[s] for s in slots], : tier.block_bytes].clone()
+        assert torch.equal(rows, want)  # the rows hold the blocks in the order given
         for c in (*st.k, *st.v):
             c.view(torch.uint8).fill_(0)
-        tier.up(slots, blocks)
-        assert torch.equal(rows, want)  # the rows hold the blocks in the order given
-        # and come up into `blocks` in that order
-        got[way] = (rows, transfer.gather([st.block_view()], torch.tensor(blocks)))
-        assert torch.equal(got[way][1], want)
+        tier.up(slots, blocks)  # and come up into `blocks` in that order
+        got[way] = transfer.gather([st.block_view()], torch.tensor(blocks))
+        assert torch.equal(got[way], want)
+        # engine: down one run of 9 (rows in block order), up two (5 and 4)
+        assert tier.stats()["blocks_copied"] - copied == (18 if way == "engine" else 0)
         tier.release(slots)
         with host_pool.lock:
             host_pool.manager.decref(blocks)
-    assert ran == {"engine": 2, "gather": 2}
-    assert torch.equal(got["engine"][0], got["gather"][0])
-    assert torch.equal(got["engine"][1], got["gather"][1])
+    assert torch.equal(got["engine"], got["gather"])
 
 
 def test_an_unknown_copy_way_is_named(host_pool, monkeypatch):

@@ -111,27 +111,32 @@ def test_two_storages_are_one_row_main_bytes_then_scales():
 
 
 def _scattered_and_runs(g, num_blocks: int, n: int) -> tuple[list[int], list[int]]:
-    """n distinct blocks and n distinct host rows: a long run of consecutive blocks bound for
-    consecutive rows first (longer than any view here has regions), then scattered ones."""
+    """n distinct blocks and n distinct host rows: a run of 13 consecutive blocks bound for
+    consecutive rows first, then scattered ones (no two consecutive in both)."""
     run = 13
-    first = int(torch.randint(1, num_blocks - run, (1,), generator=g))
+    first = int(torch.randint(1, num_blocks - run - 1, (1,), generator=g))
     blocks = list(range(first, first + run))
     rest = [b for b in torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
-            if b not in blocks][: n - run]  # fmt: skip
-    spread = torch.randperm(40, generator=g)[: n - run].tolist()
+            if not first <= b <= first + run][: n - run]  # fmt: skip
+    spread = torch.randperm(40, generator=g)[: n - run].add(1).tolist()
     rows = list(range(3, 3 + run)) + [r + 3 + run for r in spread]
     return blocks + rest, rows
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("grain", ["whole", "small"])
 @pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
     (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
     (2, 2, 8, torch.float8_e4m3fn, True),
 ])  # fmt: skip
-def test_block_copies_move_the_bytes_a_gather_does(seed, layers, heads, dim, dtype, scales):
+def test_block_copies_move_runs_as_a_gather_does_and_leave_the_rest(
+    seed, grain, layers, heads, dim, dtype, scales, monkeypatch
+):
     """The native layer's block copies (COPIES "engine"; memcpy on the host arena, the same
-    addressing as the device's 2D copies): rows equal the gathered blocks, a long run goes a
-    copy per region and a scattered block one copy a view, and the way back restores them."""
+    addressing as the device's 2D copies): a run of MIN_RUN or more goes a copy a region
+    (cut at GRAIN on the device side: "small" cuts it every few blocks, straddling rows alone)
+    and its rows equal the gathered blocks; the scattered pairs are left out, untouched."""
+    monkeypatch.setattr(transfer, "MIN_RUN", 4)
     g = torch.Generator().manual_seed(seed)
     sts = [storage(layers, heads, dim, dtype)]
     if scales:  # an fp8 pool's second storage: a row is the block's bytes, then its scales'
@@ -139,26 +144,58 @@ def test_block_copies_move_the_bytes_a_gather_does(seed, layers, heads, dim, dty
     for st in sts:
         fill(st, g)
     views = [st.block_view() for st in sts]
+    widths = [transfer._width(v) // v.shape[1] for v in views]
+    monkeypatch.setattr(transfer, "GRAIN", 1 << 62 if grain == "whole" else 3 * widths[0] + 5)
     copies = transfer.BlockCopies(views)
     assert copies.usable and copies.block_bytes == sum(transfer._width(v) for v in views)
     n = 21
     blocks, rows = _scattered_and_runs(g, sts[0].num_blocks, n)
     host = torch.randint(0, 256, (64, copies.block_bytes + 7), dtype=torch.uint8, generator=g)
-    spare = host[:, copies.block_bytes :].clone()
-    made = copies.copy(False, blocks, host[:, : copies.block_bytes], rows, None)
+    before = host.clone()
+    made, left = copies.copy(False, blocks, host[:, : copies.block_bytes], rows, None)
     regions = views[0].shape[1]
-    assert made == len(views) * (regions + (n - 13))  # the run by regions, the rest by blocks
-    want = gather(views, torch.tensor(blocks))
-    assert torch.equal(host[rows, : copies.block_bytes], want)
-    assert torch.equal(host[:, copies.block_bytes :], spare)  # past a block: untouched
+    assert left == list(range(13, n))  # the scattered pairs
+    if grain == "whole":
+        assert made == len(views) * regions  # the run: a copy a region of each view
+    else:
+        assert made > len(views) * regions
+    want = gather(views, torch.tensor(blocks[:13]))
+    assert torch.equal(host[rows[:13], : copies.block_bytes], want)
+    untouched = [r for r in range(64) if r not in rows[:13]]
+    assert torch.equal(host[untouched], before[untouched])  # left-out rows and the rest
+    assert torch.equal(host[:, copies.block_bytes :], before[:, copies.block_bytes :])
     for st in sts:
         fill(st, g)  # overwritten meanwhile
-    back = list(reversed(blocks))  # into other blocks: no run survives
-    others = [b for b in range(1, sts[0].num_blocks) if b not in back][:5]
-    before = gather(views, torch.tensor(others))
-    assert copies.copy(True, back, host, rows, None) == len(views) * n
-    assert torch.equal(gather(views, torch.tensor(back)), want)
-    assert torch.equal(gather(views, torch.tensor(others)), before)  # nothing else written
+    others = gather(views, torch.tensor(blocks[13:]))
+    made, left = copies.copy(True, blocks, host, rows, None)
+    assert left == list(range(13, n))
+    assert torch.equal(gather(views, torch.tensor(blocks[:13])), want)
+    assert torch.equal(gather(views, torch.tensor(blocks[13:])), others)  # left out: untouched
+
+
+def test_moves_by_copies_gather_what_is_left_and_every_byte_arrives(monkeypatch):
+    """down_blocks / up_blocks: pairs sorted by block, runs by copies, the rest by gathers and
+    scatters; every pair's bytes arrive whatever the order given."""
+    monkeypatch.setattr(transfer, "MIN_RUN", 3)
+    g = torch.Generator().manual_seed(4)
+    st = storage(3, 2, 8, torch.bfloat16)
+    fill(st, g)
+    views = [st.block_view()]
+    copies = transfer.BlockCopies(views)
+    bb = copies.block_bytes
+    blocks, rows = _scattered_and_runs(g, st.num_blocks, 21)
+    order = torch.randperm(21, generator=g).tolist()  # given in any order
+    blocks, rows = [blocks[i] for i in order], [rows[i] for i in order]
+    host = torch.zeros(64, bb, dtype=torch.uint8)
+    stage = Staging(bb, torch.device("cpu"), 4 * bb)
+    assert transfer.down_blocks(copies, views, blocks, host, rows, stage, None,
+                                torch.tensor) == 13  # fmt: skip
+    assert torch.equal(host[rows], gather(views, torch.tensor(blocks)))
+    want = host[rows].clone()
+    fill(st, g)
+    assert transfer.up_blocks(copies, views, host, rows, blocks, stage, None,
+                              torch.tensor) == 13  # fmt: skip
+    assert torch.equal(gather(views, torch.tensor(blocks)), want)
 
 
 def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
@@ -175,4 +212,4 @@ def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
         copies.copy(True, [1], host[:, :-1], [0], None)
     with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
         copies.copy(True, [1], host.view(torch.int16), [0], None)
-    assert copies.copy(False, [], host, [], None) == 0
+    assert copies.copy(False, [], host, [], None) == (0, [])

@@ -34,10 +34,10 @@ def _agreement(out: dict, ref: list) -> float:
     return sum((out[i] == r).float().mean().item() for i, r in enumerate(ref)) / len(ref)
 
 
-# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers (or
-# 2D copies alone: "engine"), the pieces down paced (a kernel on a third stream, or the gather,
-# between two copies) or not; down the 37 blocks are one run (a copy a region), up reversed (a
-# copy a block)
+# 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers, the
+# pieces down paced (a kernel on a third stream, or the gather, between two copies) or not;
+# "engine": down the 37 blocks are one run (2D copies a region, in pieces of a run), up they
+# come reversed (no run: gathered)
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
 @pytest.mark.parametrize("paced", ["kernel", "gather", ""])
 @pytest.mark.parametrize("copies", ["engine", "gather"])
@@ -83,10 +83,11 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
     chunk = staging_blocks or transfer.STAGING_BYTES // tier.block_bytes
-    if copies == "engine":
-        assert s["staging_bytes"] == 0  # copies alone: no staging buffer
+    if copies == "engine":  # down one run (rows in block order), up none (reversed): gathered
+        assert s["blocks_copied"] == 37
     else:
-        assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
+        assert s["blocks_copied"] == 0
+    assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
     with pool.lock:
         pool.manager.decref(taken)
 

@@ -90,6 +90,7 @@ class CPUTier:
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
+            blocks_copied=0,  # moved by copies alone (transfer.BlockCopies), not gathered
         )  # fmt: skip
 
     @property
@@ -189,11 +190,18 @@ class CPUTier:
                 self._make_room(len(chunk))
                 at = _take(self._cpu_free, len(chunk))
                 k = min(per_row * len(chunk), n - done)  # the chunk's rows hold places done..+k
-                pos = at if not lowered else [at[j // 2] for j in range(k)]
+                if lowered:
+                    pos = [at[j // 2] for j in range(k)]
+                else:  # rows in the blocks' order: consecutive blocks meet consecutive rows
+                    pos = (
+                        at
+                        if isinstance(staged, torch.Tensor)
+                        else _in_order(staged[done : done + k], at)
+                    )
                 # the copies first: the bookkeeping below overlaps them
                 half = places[done : done + k] if lowered else None
                 self._put(pos, half, staged[done : done + k], lowered)
-                for r, p in zip(chunk, at):
+                for r, p in zip(chunk, at if lowered else pos):
                     where[r] = p
                     row_at[p] = r
                 done += k
@@ -221,7 +229,16 @@ class CPUTier:
             with self._on_side():
                 host = self.host[:, : self.block_bytes]
                 if isinstance(staged, list):
-                    transfer.down_blocks(self._copies, staged, host, pos, self._stage, self._copy)
+                    self.counts["blocks_copied"] += transfer.down_blocks(
+                        self._copies,
+                        self._views,
+                        staged,
+                        host,
+                        pos,
+                        self._stage,
+                        self._copy,
+                        self._ids,
+                    )
                 else:
                     transfer.down(self._views, staged, host, pos, self._stage, self._copy)
             return
@@ -380,7 +397,16 @@ class CPUTier:
             idx = None if copies else self._ids(blocks)
             with self._on_side():
                 if copies:
-                    transfer.up_blocks(copies, host, at_cpu, blocks, self._stage, self._copy)
+                    self.counts["blocks_copied"] += transfer.up_blocks(
+                        copies,
+                        self._views,
+                        host,
+                        at_cpu,
+                        blocks,
+                        self._stage,
+                        self._copy,
+                        self._ids,
+                    )
                 else:
                     transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             if self._side is not None:  # the step that reads the blocks comes after
@@ -445,6 +471,14 @@ class CPUTier:
         self.wait()
         if self.disk is not None:
             self.disk.close()
+
+
+def _in_order(blocks: list[int], rows: list[int]) -> list[int]:
+    """rows (ascending) given to blocks by rank: the least block the least row."""
+    out = [0] * len(blocks)
+    for r, i in zip(rows, sorted(range(len(blocks)), key=blocks.__getitem__)):
+        out[i] = r
+    return out
 
 
 def _take(free: list[int], n: int) -> list[int]:

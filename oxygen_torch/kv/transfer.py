@@ -301,18 +301,24 @@ def up(views, host: torch.Tensor, rows: list[int], idx, stage: Staging, copy=Non
 
 # --- copies with no kernel (COPIES = "engine") --------------------------------------------------
 
+MIN_RUN = 16  # blocks: a shorter run of consecutive blocks to consecutive rows is gathered
+GRAIN = 2 << 20  # a copy's device side stays inside one such aligned span (the arena's pages)
+
 
 class BlockCopies:
     """A tier's block views described for the native layer's block copies (csrc/vmm_backend.h
-    copy_blocks): a move goes as 2D copies from the views to the rows and back, on the copy
-    engine, queued by one native call a piece with the interpreter lock let go. A block's bytes
-    in every region go in one copy (its regions are rows of that copy, `region stride` apart); a
-    run of consecutive blocks bound for consecutive rows longer than the regions goes a copy per
-    region. Nothing runs on the SMs beside the steps, and nothing is staged.
+    copy_blocks): a run of at least MIN_RUN consecutive blocks bound for consecutive host rows
+    goes one 2D copy a region (the run's bytes in that region, contiguous on the device, to
+    their place in each row), queued on the copy engine by one native call a piece with the
+    interpreter lock let go; no kernel runs beside the steps and nothing is staged. Measured on
+    the H200 (benchmarks/diag_block_copies.py, 256 blocks of Llama-1.1B's and bench_tier's
+    shapes): 43.9-45.6 GB/s each way. Blocks outside such runs are gathered (down / up): a 2D
+    copy a block (its regions as the copy's rows) was refused by the driver where the arena's
+    pages between its regions were not all mapped, and moved 20-38 GB/s where they were; a copy
+    a (block, region) through cuMemcpyBatchAsync moved 3-8 GB/s.
 
-    `usable` is False (with one warning, naming why) where a 2D copy cannot express the views:
-    regions further apart than a copy's pitch allows (MAX_PITCH: a pool of more than 2 GiB a
-    layer's K), or the native library missing; the tier gathers with kernels then."""
+    `usable` is False (with one warning, naming why) when the native library is missing; the
+    tier gathers every block then."""
 
     def __init__(self, views: list[torch.Tensor]):
         words, off, why = [], 0, ""
@@ -321,10 +327,8 @@ class BlockCopies:
             if v.dim() != 3 or v.stride(2) != 1:
                 raise ValueError(f"oxygen KV block copies: {tuple(v.shape)} {v.stride()} is "
                                  "not a block view [blocks, regions, width]")  # fmt: skip
-            width, rs = v.shape[2] * es, v.stride(1) * es
-            if v.shape[1] > 1 and rs > MAX_PITCH:
-                why = f"regions {rs} bytes apart, past a 2D copy's pitch ({MAX_PITCH})"
-            words += [v.data_ptr(), v.stride(0) * es, rs, v.shape[1], width, off]
+            width = v.shape[2] * es
+            words += [v.data_ptr(), v.stride(0) * es, v.stride(1) * es, v.shape[1], width, off]
             off += v.shape[1] * width
         self.block_bytes, self.num_blocks = off, views[0].shape[0]
         self.on_device = views[0].device.type == "cuda"
@@ -335,21 +339,23 @@ class BlockCopies:
 
             self._lib, self._native = native.lib(), native
         except Exception as exc:  # NativeLibraryError: an unbuilt tree
-            why = why or f"the native library is not loaded ({exc})"
+            why = f"the native library is not loaded ({exc})"
         self.usable = not why
         if why:
             warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, not "
                       f"copy-engine copies: {why}")  # fmt: skip
 
     def copy(self, up: bool, blocks: list[int], host: torch.Tensor, rows: list[int],
-             stream: torch.cuda.Stream | None) -> int:  # fmt: skip
-        """Block blocks[i] to host row rows[i] (`up`: back), queued on `stream` on a GPU (not
-        waited for; host pinned), done on return on the host; returns the copies made."""
+             stream: torch.cuda.Stream | None) -> tuple[int, list[int]]:  # fmt: skip
+        """The runs (MIN_RUN) of pairs (blocks[i], rows[i]) copied, block to host row (`up`:
+        back), in the order given; queued on `stream` on a GPU (not waited for; host pinned),
+        done on return on the host. Returns the copies made and the positions of the pairs
+        left out (outside runs)."""
         n = len(blocks)
         if n != len(rows):
             raise ValueError(f"oxygen KV block copies: {n} blocks for {len(rows)} rows")
         if not n:
-            return 0
+            return 0, []
         if min(blocks) < 0 or max(blocks) >= self.num_blocks:
             raise ValueError(f"oxygen KV block copies: block ids {min(blocks)}..{max(blocks)} "
                              f"outside the pool's {self.num_blocks}")  # fmt: skip
@@ -362,41 +368,74 @@ class BlockCopies:
             raise ValueError(f"oxygen KV block copies: rows of {host.shape[1]} bytes hold no "
                              f"block of {self.block_bytes}")  # fmt: skip
         b, r = array.array("q", blocks), array.array("q", rows)
-        made = ctypes.c_int64()
+        made, left, n_left = ctypes.c_int64(), (ctypes.c_int64 * n)(), ctypes.c_int64()
         handle = ctypes.c_void_p(stream.cuda_stream if stream is not None else 0)
         status = self._lib.oxygen_copy_blocks(
             int(up), self._desc, len(self._desc) // 6,
             (ctypes.c_int64 * n).from_buffer(b), (ctypes.c_int64 * n).from_buffer(r), n,
-            host.data_ptr(), host.stride(0), handle, int(self.on_device), ctypes.byref(made),
+            host.data_ptr(), host.stride(0), handle, int(self.on_device), MIN_RUN, GRAIN,
+            ctypes.byref(made), left, ctypes.byref(n_left),
         )  # fmt: skip
         self._native.check(status, "oxygen KV block copies")
-        return made.value
+        return made.value, left[: n_left.value]
 
 
-def down_blocks(copies: BlockCopies, blocks: list[int], host: torch.Tensor, rows: list[int],
-                stage: Staging, copy=None) -> None:  # fmt: skip
-    """host[rows[i]] = the bytes of block blocks[i], by copies alone (COPIES = "engine"): on a
-    GPU on `copy` after the current stream's work so far, the current stream after them, in
-    pieces of COPY_BYTES, each after a gap kernel (Staging.pace) unless PACE_DOWN is ""."""
+def by_block(blocks: list[int], rows: list[int]) -> tuple[list[int], list[int]]:
+    """The pairs (blocks[i], rows[i]) in the order of their blocks: where a tier gave blocks
+    rows in that order, each run of consecutive blocks meets consecutive rows."""
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    return [blocks[i] for i in order], [rows[i] for i in order]
+
+
+def _run_end(bs: list[int], rs: list[int], b: int) -> int:
+    """b moved past the run that holds position b - 1 (a piece does not cut a run in two)."""
+    n = len(bs)
+    while 0 < b < n and bs[b] == bs[b - 1] + 1 and rs[b] == rs[b - 1] + 1:
+        b += 1
+    return b
+
+
+def down_blocks(copies: BlockCopies, views, blocks: list[int], host: torch.Tensor,
+                rows: list[int], stage: Staging, copy, ids) -> int:  # fmt: skip
+    """host[rows[i]] = the bytes of block blocks[i] (COPIES "engine"): runs by copies, on a GPU
+    on `copy` after the current stream's work so far and the current stream after them, in
+    pieces of about COPY_BYTES (a piece ends with a run), each after a gap kernel
+    (Staging.pace) unless PACE_DOWN is ""; the other blocks by `down` (`ids(blocks)`: their
+    ids on the device). Returns the blocks that went by copies."""
+    bs, rs = by_block(blocks, rows)
+    left: list[int] = []
     if copy is None:
-        copies.copy(False, blocks, host, rows, None)
-        return
-    with _streams_set(copy.device) as cur:
-        stage.order(copy, cur)  # after the blocks' last writes
-        for a, b in _pieces_of(len(blocks), stage.block_bytes):
-            if a and PACE_DOWN:
-                stage.pace(copy)
-            copies.copy(False, blocks[a:b], host, rows[a:b], copy)
-        stage.order(cur, copy)
+        left = copies.copy(False, bs, host, rs, None)[1]
+    else:
+        most = max(1, COPY_BYTES // stage.block_bytes)
+        with _streams_set(copy.device) as cur:
+            stage.order(copy, cur)  # after the blocks' last writes
+            a, made = 0, 0
+            while a < len(bs):
+                b = _run_end(bs, rs, min(len(bs), a + most))
+                if made and PACE_DOWN:
+                    stage.pace(copy)
+                made, lp = copies.copy(False, bs[a:b], host, rs[a:b], copy)
+                left += [a + i for i in lp]
+                a = b
+            stage.order(cur, copy)
+    if left:
+        down(views, ids([bs[i] for i in left]), host, [rs[i] for i in left], stage, copy)
+    return len(bs) - len(left)
 
 
-def up_blocks(copies: BlockCopies, host: torch.Tensor, rows: list[int], blocks: list[int],
-              stage: Staging, copy=None) -> None:  # fmt: skip
-    """The bytes of block blocks[i] = host[rows[i]] (the inverse of down_blocks; not paced)."""
+def up_blocks(copies: BlockCopies, views, host: torch.Tensor, rows: list[int],
+              blocks: list[int], stage: Staging, copy, ids) -> int:  # fmt: skip
+    """The bytes of block blocks[i] = host[rows[i]] (the inverse of down_blocks; the copies not
+    paced). Returns the blocks that went by copies."""
+    bs, rs = by_block(blocks, rows)
     if copy is None:
-        copies.copy(True, blocks, host, rows, None)
-        return
-    with _streams_set(copy.device) as cur:
-        stage.order(copy, cur)  # after the work so far (the blocks' last readers)
-        copies.copy(True, blocks, host, rows, copy)
-        stage.order(cur, copy)
+        left = copies.copy(True, bs, host, rs, None)[1]
+    else:
+        with _streams_set(copy.device) as cur:
+            stage.order(copy, cur)  # after the work so far (the blocks' last readers)
+            left = copies.copy(True, bs, host, rs, copy)[1]
+            stage.order(cur, copy)
+    if left:
+        up(views, host, [rs[i] for i in left], ids([bs[i] for i in left]), stage, copy)
+    return len(bs) - len(left)

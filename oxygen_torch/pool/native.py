@@ -148,7 +148,10 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_arena_latency_hist": (c.c_int, [vp, u64p, c.c_int]),
         "oxygen_copy_blocks": (
             c.c_int,
-            [c.c_int, u64p, c.c_int, i64p, i64p, i64, u64, u64, vp, c.c_int, i64p],
+            # up, views, n_views, blocks, rows, n, host, host pitch, stream, on device,
+            # min run, grain, copies out, left out, n left
+            [c.c_int, u64p, c.c_int, i64p, i64p, i64, u64, u64]
+            + [vp, c.c_int, i64, u64, i64p, i64p, i64p],
         ),
     }
     for name, (restype, argtypes) in sig.items():
