@@ -251,8 +251,20 @@ def migration() -> dict:
 
 
 # the ways a move can go: (name, transfer.COPIES, transfer.PACE_DOWN)
-WAYS = (("copies, paced", "engine", "kernel"), ("copies, not paced", "engine", ""),
-        ("gathers, paced by gather", "gather", "gather"))  # fmt: skip
+def _ways(spec: str) -> tuple:
+    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB) of each "copies:pace:MiB"."""
+    out = []
+    for w in spec.split(","):
+        copies, paced, mib = w.split(":")
+        kind = "gathers" if copies == "gather" else "copies"
+        pace = f"paced by {paced}" if paced else "not paced"
+        out.append((f"{kind}, {pace}, {mib} MiB pieces", copies, paced, int(mib)))
+    return tuple(out)
+
+
+# the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB,..." (COPIES
+# "gather" or "engine", PACE_DOWN "gather", "kernel" or "", transfer.COPY_BYTES in MiB)
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "gather:gather:16,gather:gather:4,engine:kernel:16"))
 
 
 def scattered(blocks: list[int], seed: int = 0) -> list[int]:
@@ -291,8 +303,8 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
     from oxygen_torch.kv import transfer
 
     saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES), []
-    ways = [(*w, 16, order) for w in WAYS for order in ("consecutive", "runs", "scattered")]
-    ways += [(*WAYS[0], 4, "runs")]
+    orders = {"engine": ("consecutive", "runs", "scattered")}  # gathers: any order alike
+    ways = [(*w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
     for name, copies, paced, mib, order in ways:
         transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
         blocks = ordered(mine, order)
@@ -309,7 +321,7 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         tier.release(tier.down(blocks))
         share = (tier.stats()["blocks_copied"] - copied) / len(blocks)  # copied, not gathered
         label = {"runs": f"blocks in runs of {transfer.MIN_RUN}"}.get(order, f"{order} blocks")
-        way = f"{name}, {mib} MiB pieces, {label} ({100 * share:.0f} % copied)"
+        way = f"{name}, {label} ({100 * share:.0f} % copied)"
         rows.append(dict(blocks=len(blocks), copied_share=share, down=way, copy_MiB=mib,
                          paced=paced, copies=copies, order=order, down_GBps=n / t_down / 1e9,
                          up_GBps=n / t_up / 1e9))  # fmt: skip
@@ -321,12 +333,11 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks (in runs
-    of transfer.MIN_RUN, the shortest the default way copies) down and up without pause, on its
+    of transfer.MIN_RUN, the shortest a move by copies takes) down and up without pause, on its
     own stream (another pool on the same GPU: the copy engines and HBM are shared). Churns: the
-    tier's moves in 16 MiB pieces each way of WAYS (copies paced by a kernel, the default;
-    copies not paced; gathers paced by the gathers, the eleventh session's default), in
-    TPOT_ROUNDS rounds, then once the default way over blocks with no run (all gathered),
-    each against its own TPOT
+    tier's moves each way of WAYS (by default: gathers paced by the gathers in 16 MiB pieces,
+    the default; the same in 4 MiB pieces; copies by the copy engine paced by a kernel), in
+    TPOT_ROUNDS rounds, each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
     The churn's host time a cycle is its wall time outside the wait (the interpreter lock's
@@ -411,14 +422,11 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES)
     for k in range(TPOT_ROUNDS):  # a call's noise against the differences: rounds, turned
         alone_k = alone if k == 0 else tpot()
-        for way, copies, paced in WAYS[k % 3 :] + WAYS[: k % 3]:
-            transfer.COPIES, transfer.PACE_DOWN = copies, paced
+        turn = k % len(WAYS)
+        for way, copies, paced, mib in WAYS[turn:] + WAYS[:turn]:
+            transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
             churns[f"tier, {way}, round {k + 1}"] = busy(tier_cycle, alone_k)
     transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
-    spread_out = ordered(blocks, "scattered")  # the default way finds no run: all gathered
-    churns["tier, copies, paced, scattered blocks (gathered)"] = busy(
-        lambda s: tier_cycle(s, spread_out), alone_k
-    )
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
     # bytes reach the host in either: their "GB/s moved" is the pace)

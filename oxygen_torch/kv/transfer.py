@@ -51,8 +51,9 @@ COPY_BYTES = 16 << 20
 PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a time (see above):
 # "kernel", "gather", or "" (not paced)
 _PACES = ("kernel", "gather", "")
-COPIES = "engine"  # how a move reaches the rows: "engine" (2D copies, no kernel: down_blocks)
-# or "gather" (kernels gather into the staging buffer: down / up)
+COPIES = "gather"  # how a move reaches the rows: "gather" (kernels gather into the staging
+# buffer: down / up) or "engine" (runs of blocks by 2D copies, no kernel: down_blocks; slower
+# on the H200, see BlockCopies)
 _COPIES = ("engine", "gather")
 MAX_PITCH = (1 << 31) - 1  # a 2D copy's row pitch, at most (cuMemcpy2D; the H200's too)
 
