@@ -348,7 +348,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     b, p, n = (16, 512, 128) if not SMOKE else (2, 16, 8)
     ids = prompts(b, p)
 
-    def gen(new):
+    def gen(new, **kw):
         with torch.no_grad():
             return model.generate(
                 ids,
@@ -356,13 +356,22 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
+                **kw,
             )
 
     def tpot():
+        """The median over 3 calls of a call's mean gap between its tokens after the first
+        (StepClock: no prefill in it, and this stream's own work only)."""
+        from transformers import StoppingCriteriaList
+
         gen(n)  # warm
-        t1 = statistics.median(timed(lambda: gen(1))[1] for _ in range(3))
-        tn = statistics.median(timed(lambda: gen(n))[1] for _ in range(3))
-        return (tn - t1) / (n - 1)
+        per = []
+        for _ in range(3):
+            clock = StepClock()
+            clock.start()
+            gen(n, stopping_criteria=StoppingCriteriaList([clock]))
+            per.append(clock.per_token())
+        return statistics.median(per)
 
     alone = tpot()
     mine = ordered(blocks, "runs")  # the shortest runs moves copy
@@ -833,6 +842,26 @@ def prefix_profile(mode: str) -> dict:
 
 
 # --- 128k context ---------------------------------------------------------------------------
+
+
+class StepClock:
+    """A stopping criterion that never stops: it times every token generate() adds, after the
+    current stream's work (not the device's: a thread migrating beside it has its own streams,
+    and a device-wide synchronize would wait for its moves too)."""
+
+    def start(self) -> None:
+        self.times = [time.perf_counter()]
+
+    def __call__(self, input_ids, scores, **kw):
+        if DEVICE == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def per_token(self) -> float:
+        """The mean gap between tokens after the first (the slow steps counted)."""
+        t = self.times
+        return (t[-1] - t[1]) / (len(t) - 2)
 
 
 class Clock:
