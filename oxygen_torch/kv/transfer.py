@@ -24,8 +24,16 @@ copies between two. "kernel": a one-element kernel on a third stream comes betwe
 48 GB/s (benchmarks/diag_copy_engines.py). "gather" (the default): each piece's gather waits
 for the last copy. Beside the tier's own moves (bench_tier.py: a decode loop's TPOT beside a
 thread moving 38-43 GB/s, 11 runs of each in 5 device calls), "gather" raised TPOT by 18.5 % at
-the median (worst 39 %), "kernel" by 24 % (worst 44 %), not paced by 33 % (10 runs, worst 57 %).
+the median (worst 39 %), "kernel" by 24 % (worst 44 %), not paced by 33 % (10 runs, worst 57 %);
+timed per step (twelfth session, 4 rounds) "gather" raised it 21-29 %, in 4 MiB pieces 21-30 %.
 Moves up are not paced: host-to-device copies beside a decode step did not slow it.
+
+`down_blocks` / `up_blocks` (COPIES = "engine", opt-in) take the copy engine's way instead:
+runs of MIN_RUN consecutive blocks bound for consecutive rows go one 2D copy a region from the
+native layer (BlockCopies), the rest through `down` / `up`. On the H200 that way was slower
+than the gathers (40.5 / 43.7 GB/s on consecutive blocks, 30.3 / 33.8 in runs of 16, against
+43.9 / 49.4) and TPOT beside it rose as much (+22 % median over 4 rounds, the gathers +26 %), so
+the gathers stay the default.
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
