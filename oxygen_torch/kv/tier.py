@@ -13,14 +13,17 @@ Migration moves many blocks at once (kv/transfer.py): the blocks are gathered in
 device staging buffer (one index_select over the whole block view; lowered: quantized first),
 which goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the
 way back copies the rows up the same way and scatters them into the blocks (one index_copy_;
-lowered: dequantized on the device first). On a GPU the copies run on a side stream after the
-current stream's work, and everything that stream reads is made on it. The host does not wait
-for a move: `up` orders the current stream after it (the step that reads the blocks), and a
-`down`'s blocks are freed behind its event (`fence()`, BlockManager's fenced frees), so neither
-their reuse nor their pages' unmapping can overtake the copy; host-side reads and writes of
-the rows (the disk tier, lowering) wait first (run on the H200: tests/test_tier_cuda.py,
-benchmarks/bench_tier.py). Only kernels driven by block tables read the arena, and a block table
-only ever names device blocks: a block in this tier is brought back before a step uses it.
+lowered: dequantized on the device first). With transfer.COPIES "engine" (opt-in; slower on the
+H200) runs of consecutive full-precision blocks go by copy-engine 2D copies instead, a move's
+rows given in its blocks' order so consecutive blocks meet consecutive rows. On a GPU the
+copies run on a side stream after the current stream's work, and everything that stream reads
+is made on it. The host does not wait for a move: `up` orders the current stream after it (the
+step that reads the blocks), and a `down`'s blocks are freed behind its event (`fence()`,
+BlockManager's fenced frees), so neither their reuse nor their pages' unmapping can overtake
+the copy; host-side reads and writes of the rows (the disk tier, lowering) wait first (run on
+the H200: tests/test_tier_cuda.py, benchmarks/bench_tier.py). Only kernels driven by block
+tables read the arena, and a block table only ever names device blocks: a block in this tier
+is brought back before a step uses it.
 """
 
 from __future__ import annotations
