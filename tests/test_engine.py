@@ -175,6 +175,32 @@ def test_a_call_that_raises_leaves_the_others_correct_and_frees_its_blocks(oxyge
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
 
 
+def test_a_finished_call_gives_its_blocks_back_before_it_leaves_the_scheduler(
+    oxygen, monkeypatch
+):
+    """A call left alone runs its forwards by itself, without preemption: a finished call's
+    blocks must be back before it leaves, not when its cache object is collected (a loaded
+    machine's thread held them past its leave, and the call left alone hit KVCacheFull). Its
+    cache is kept alive here; an output that holds its cache keeps the blocks."""
+    from oxygen_torch.integrations.hf import generate as hf_gen
+
+    model = hf.apply(llama())
+    kept, finish = [], hf_gen.finish
+    monkeypatch.setattr(hf_gen, "finish", lambda c, o: (kept.append(c), finish(c, o))[1])
+    ids, mask = prompt(3, rows=3, length=40)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    ref = generate(model, kw)
+    assert len(kept) == 1 and kept[0].merge is None  # alive, out of the scheduler
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+    out = generate(model, {**kw, "return_dict_in_generate": True})
+    assert out.past_key_values is kept[1] and torch.equal(out.sequences, ref)
+    held = sum(p["blocks_used"] for p in pool_stats())
+    assert held == 3 * -(-(40 + 20) // kept[1].cfg.kv.block_tokens)  # the output's blocks
+    del out, kept[:]
+    gc.collect()
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
 class Slow(T.LogitsProcessor):
     def __init__(self, seconds):
         self.seconds = seconds

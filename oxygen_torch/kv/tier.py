@@ -36,6 +36,7 @@ import torch
 from .._patching import warn_once
 from . import transfer
 from .disk import DiskTier
+from .free_rows import FreeRows
 from .lowering import LOWERABLE, lower, raise_, scale_bytes
 from .transfer import Staging, scatter
 
@@ -72,13 +73,13 @@ class CPUTier:
         self.device = device
         pin = device.type == "cuda"
         self.host = torch.empty(self.num_slots, self.row_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._cpu_free = list(range(self.num_slots))
+        self._cpu_free = FreeRows(self.num_slots)  # free CPU rows
         self._row_at: list[int | None] = [None] * self.num_slots  # CPU row -> logical row
         self.disk = None
         if disk_path and self.num_slots:
             self.disk = DiskTier(disk_path, disk_bytes, self.row_bytes)
         n = self.num_slots + (self.disk.num_records if self.disk is not None else 0)
-        self._rows = list(range(n))  # free logical rows
+        self._rows = FreeRows(n)  # free logical rows
         self._where: list[int | None] = [None] * n  # CPU row (>= 0) or -1 - disk record
         self._mask = [0] * n
         self._last = [0] * n  # clock of the row's last down or up (LRU for spills)
@@ -168,7 +169,7 @@ class CPUTier:
             staged = blocks if self._by_copies() else self._ids(blocks)
         self._clock += 1
         rows, mask, last, clock = self._rows, self._mask, self._last, self._clock
-        fresh = _take(rows, need)
+        fresh = rows.take(need)
         if lowered:  # each block's (row, half): the open rows' free halves first, then fresh rows
             places = [(r, 1 - mask[r] // 2) for r in opened]
             places += [(r, h) for r in fresh for h in (0, 1)][: n - len(opened)]
@@ -191,7 +192,7 @@ class CPUTier:
             for i in range(0, need, self.num_slots):  # at most a CPU tier's rows at a time
                 chunk = fresh[i : i + self.num_slots]
                 self._make_room(len(chunk))
-                at = _take(self._cpu_free, len(chunk))
+                at = self._cpu_free.take(len(chunk))
                 k = min(per_row * len(chunk), n - done)  # the chunk's rows hold places done..+k
                 if lowered:
                     pos = [at[j // 2] for j in range(k)]
@@ -212,7 +213,7 @@ class CPUTier:
             unplaced = {r for r in fresh if where[r] is None}
             for r in unplaced:
                 mask[r] = 0
-                heapq.heappush(rows, r)
+            rows.give(unplaced)
             self.release([s for s in slots if s // self._halves not in unplaced])
             raise
         if lowered:
@@ -280,7 +281,7 @@ class CPUTier:
         for r, rec in zip(victims, records):
             p = self._where[r]
             self._row_at[p], self._where[r] = None, -1 - rec
-            heapq.heappush(self._cpu_free, p)
+            self._cpu_free.give((p,))
             self._open.discard(r)
         self.counts["bytes_to_disk"] += need * self.row_bytes
 
@@ -332,11 +333,11 @@ class CPUTier:
             w = self._where[r]
             if w >= 0:
                 self._row_at[w] = None
-                heapq.heappush(self._cpu_free, w)
+                self._cpu_free.give((w,))
             else:
                 self.disk.release([-1 - w])
             self._where[r] = None
-            heapq.heappush(self._rows, r)
+            self._rows.give((r,))
 
     def _release_full(self, slots: list[int]) -> bool:
         """release() of slots that are all distinct full-precision rows on the CPU (a move's, the
@@ -356,8 +357,8 @@ class CPUTier:
         for r, w in zip(rows, at):
             mask[r] = 0
             row_at[w] = where[r] = None
-        _give(self._cpu_free, at)
-        _give(self._rows, rows)
+        self._cpu_free.give(at)
+        self._rows.give(rows)
         if self._open:  # (only lowered rows are ever open)
             self._open.difference_update(rows)
         return True
@@ -482,20 +483,6 @@ def _in_order(blocks: list[int], rows: list[int]) -> list[int]:
     for r, i in zip(rows, sorted(range(len(blocks)), key=blocks.__getitem__)):
         out[i] = r
     return out
-
-
-def _take(free: list[int], n: int) -> list[int]:
-    """The n lowest rows of a heap of free rows, taken out of it. (A sorted list cut and sorted
-    back is 8x faster at 2k free rows but scans them all a move: slower past ~16k.)"""
-    pop = heapq.heappop
-    return [pop(free) for _ in range(n)]
-
-
-def _give(free: list[int], rows) -> None:
-    """Rows back into a heap of free rows."""
-    push = heapq.heappush
-    for r in rows:
-        push(free, r)
 
 
 def _words(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -121,16 +121,31 @@ def _generate(self, *args, **kwargs):
     kwargs, cache = gen.plan(self, cfg, call)
     try:
         if cache is not None and merged:
-            with batched.session(self, cache, current_task()):  # concurrent calls' steps merged
-                out = _state.generate(self, *args, **kwargs)
-        else:
-            out = _state.generate(self, *args, **kwargs)
+            return _merged(self, cache, args, kwargs)
+        out = _state.generate(self, *args, **kwargs)
     except oversubscribe.KV_ERRORS as err:
         if verdict is None:
             raise
         raise verdict.explain(err) from err
     gen.check_used(self, cache)
     gen.finish(cache, out)
+    return out
+
+
+def _merged(model, cache, args: tuple, kwargs: dict):
+    """generate() registered with the model's step scheduler (concurrent calls' steps merged).
+    The cache's blocks go back before the call leaves it, unless the output holds the cache: a
+    call left alone runs its forwards by itself, without preemption, and must not find blocks
+    held by a call that has finished (under load its thread can take a while to drop them)."""
+    out = None
+    with batched.session(model, cache, current_task()):
+        try:
+            out = _state.generate(model, *args, **kwargs)
+            gen.check_used(model, cache)
+            gen.finish(cache, out)
+        finally:
+            if getattr(out, "past_key_values", None) is not cache:
+                cache._core.release()
     return out
 
 
