@@ -175,9 +175,7 @@ def test_a_call_that_raises_leaves_the_others_correct_and_frees_its_blocks(oxyge
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
 
 
-def test_a_finished_call_gives_its_blocks_back_before_it_leaves_the_scheduler(
-    oxygen, monkeypatch
-):
+def test_a_finished_call_gives_its_blocks_back_before_it_leaves_the_scheduler(oxygen, monkeypatch):
     """A call left alone runs its forwards by itself, without preemption: a finished call's
     blocks must be back before it leaves, not when its cache object is collected (a loaded
     machine's thread held them past its leave, and the call left alone hit KVCacheFull). Its
