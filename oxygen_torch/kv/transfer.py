@@ -63,7 +63,6 @@ COPIES = "gather"  # how a move reaches the rows: "gather" (kernels gather into 
 # buffer: down / up) or "engine" (runs of blocks by 2D copies, no kernel: down_blocks; slower
 # on the H200, see BlockCopies)
 _COPIES = ("engine", "gather")
-MAX_PITCH = (1 << 31) - 1  # a 2D copy's row pitch, at most (cuMemcpy2D; the H200's too)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
