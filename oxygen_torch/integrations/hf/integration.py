@@ -144,9 +144,16 @@ def _merged(model, cache, args: tuple, kwargs: dict):
             gen.check_used(model, cache)
             gen.finish(cache, out)
         finally:
-            if getattr(out, "past_key_values", None) is not cache:
+            if not _holds(out, cache):
                 cache._core.release()
     return out
+
+
+def _holds(out, cache) -> bool:
+    """Whether generate()'s output hands `cache` to the caller (return_dict_in_generate: as its
+    past_key_values, or as the self-attention part of one)."""
+    pkv = getattr(out, "past_key_values", None)
+    return pkv is not None and (pkv is cache or getattr(pkv, "self_attention_cache", None) is cache)
 
 
 def _coordinated(model) -> bool:
