@@ -844,26 +844,6 @@ def prefix_profile(mode: str) -> dict:
 # --- 128k context ---------------------------------------------------------------------------
 
 
-class StepClock:
-    """A stopping criterion that never stops: it times every token generate() adds, after the
-    current stream's work (not the device's: a thread migrating beside it has its own streams,
-    and a device-wide synchronize would wait for its moves too)."""
-
-    def start(self) -> None:
-        self.times = [time.perf_counter()]
-
-    def __call__(self, input_ids, scores, **kw):
-        if DEVICE == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def per_token(self) -> float:
-        """The mean gap between tokens after the first (the slow steps counted)."""
-        t = self.times
-        return (t[-1] - t[1]) / (len(t) - 2)
-
-
 class Clock:
     """A stopping criterion that never stops: it times every token generate() adds (the device
     synchronized first), so one call gives TTFT (start to first token) and the time per output
@@ -880,6 +860,23 @@ class Clock:
     def figures(self) -> tuple[float, float]:
         t = self.times
         return t[1] - t[0], statistics.median(b - a for a, b in zip(t[1:], t[2:]))
+
+
+class StepClock(Clock):
+    """Clock timing each token after the current stream's work (not the device's: a thread
+    migrating beside it has its own streams, and a device-wide synchronize would wait for its
+    moves too)."""
+
+    def __call__(self, input_ids, scores, **kw):
+        if DEVICE == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def per_token(self) -> float:
+        """The mean gap between tokens after the first (the slow steps counted)."""
+        t = self.times
+        return (t[-1] - t[1]) / (len(t) - 2)
 
 
 def long(mode: str) -> dict:

@@ -107,14 +107,17 @@ def test_migration_down_and_up_preserves_every_byte(host_pool):
         pool.manager.decref(again)
 
 
-def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
+@pytest.mark.parametrize("name,value", [("PACE_DOWN", "fast"), ("COPIES", "dma")])
+def test_an_unknown_pacing_or_copy_way_is_named_and_moves_nothing(
+    host_pool, monkeypatch, name, value
+):
     from oxygen_torch.kv import transfer
 
     tier = host_pool.cpu_tier(2 * MiB)
     with host_pool.lock:
         blocks = host_pool.manager.allocate(2)
-    monkeypatch.setattr(transfer, "PACE_DOWN", "fast")
-    with pytest.raises(ValueError, match="PACE_DOWN 'fast' is not one of"):
+    monkeypatch.setattr(transfer, name, value)
+    with pytest.raises(ValueError, match=f"{name} '{value}' is not one of"):
         tier.down(blocks)
     assert tier.stats()["bytes_down"] == tier.stats()["slots_used"] == 0
     with host_pool.lock:
@@ -122,9 +125,9 @@ def test_an_unknown_pacing_is_named_and_moves_nothing(host_pool, monkeypatch):
 
 
 def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
-    """The tier's moves both ways, by block copies (COPIES "engine", the default: rows given
-    in the blocks' order, so consecutive blocks go as runs) and by gathers and scatters alone,
-    leave the same rows and blocks."""
+    """The tier's moves both ways, by block copies (COPIES "engine", opt-in: rows given in the
+    blocks' order, so consecutive blocks go as runs) and by gathers and scatters alone (the
+    default), leave the same rows and blocks."""
     from oxygen_torch.kv import transfer
 
     monkeypatch.setattr(transfer, "MIN_RUN", 2)
@@ -152,19 +155,6 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
         with host_pool.lock:
             host_pool.manager.decref(blocks)
     assert torch.equal(got["engine"], got["gather"])
-
-
-def test_an_unknown_copy_way_is_named(host_pool, monkeypatch):
-    from oxygen_torch.kv import transfer
-
-    tier = host_pool.cpu_tier(2 * MiB)
-    with host_pool.lock:
-        blocks = host_pool.manager.allocate(2)
-    monkeypatch.setattr(transfer, "COPIES", "dma")
-    with pytest.raises(ValueError, match="COPIES 'dma' is not one of"):
-        tier.down(blocks)
-    with host_pool.lock:
-        host_pool.manager.decref(blocks)
 
 
 def _burst(tier_bytes: int, graphs: bool = False):
