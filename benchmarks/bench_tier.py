@@ -62,7 +62,7 @@ PARTS = {
     ),
     "profile": ("prefix_profile",),
 }
-TIMEOUT_S = {"hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240,
+TIMEOUT_S = {"migration": 300, "hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240,
              "long_window_hf": 240, "long_window_oxygen": 240, "long_hybrid_hf": 240,
              "long_hybrid_oxygen": 240}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
@@ -250,21 +250,42 @@ def migration() -> dict:
     return res
 
 
-# the ways a move can go: (name, transfer.COPIES, transfer.PACE_DOWN)
 def _ways(spec: str) -> tuple:
-    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB) of each "copies:pace:MiB"."""
+    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB, programs) of each
+    "copies:pace:MiB[:programs]" (programs: transfer.MAPPED_PROGRAMS, the mapped way's grid)."""
     out = []
     for w in spec.split(","):
-        copies, paced, mib = w.split(":")
+        copies, paced, mib, *grid = w.split(":")
+        programs = int(grid[0]) if grid else 16
+        if copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
+            out.append((f"mapped kernel, {programs} programs", copies, "", int(mib), programs))
+            continue
         kind = "gathers" if copies == "gather" else "copies"
         pace = f"paced by {paced}" if paced else "not paced"
-        out.append((f"{kind}, {pace}, {mib} MiB pieces", copies, paced, int(mib)))
+        out.append((f"{kind}, {pace}, {mib} MiB pieces", copies, paced, int(mib), programs))
     return tuple(out)
 
 
-# the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB,..." (COPIES
-# "gather" or "engine", PACE_DOWN "gather", "kernel" or "", transfer.COPY_BYTES in MiB)
-WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "gather:gather:16,gather:gather:4,engine:kernel:16"))
+# the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB[:programs],..."
+# (COPIES "gather", "engine" or "mapped", PACE_DOWN "gather", "kernel" or "",
+# transfer.COPY_BYTES in MiB, transfer.MAPPED_PROGRAMS)
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "gather:gather:16,mapped::16:16,mapped::16:8"))
+
+
+def _use(way: tuple) -> None:
+    """Sets transfer's knobs to a WAYS entry's."""
+    from oxygen_torch.kv import transfer
+
+    _, transfer.COPIES, transfer.PACE_DOWN, mib, transfer.MAPPED_PROGRAMS = way
+    transfer.COPY_BYTES = mib * MIB
+
+
+def _saved() -> tuple:
+    """transfer's knobs as a WAYS entry, to _use again after."""
+    from oxygen_torch.kv import transfer
+
+    return ("", transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES // MIB,
+            transfer.MAPPED_PROGRAMS)  # fmt: skip
 
 
 def scattered(blocks: list[int], seed: int = 0) -> list[int]:
@@ -302,11 +323,13 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
     blocks (consecutive, or scattered: a copy a block)."""
     from oxygen_torch.kv import transfer
 
-    saved, rows = (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES), []
-    orders = {"engine": ("consecutive", "runs", "scattered")}  # gathers: any order alike
-    ways = [(*w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
-    for name, copies, paced, mib, order in ways:
-        transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
+    saved, rows = _saved(), []
+    orders = {"engine": ("consecutive", "runs", "scattered"),
+              "mapped": ("consecutive", "scattered")}  # gathers: any order alike  # fmt: skip
+    ways = [(w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
+    for way_, order in ways:
+        name, copies, paced, mib, _ = way_
+        _use(way_)
         blocks = ordered(mine, order)
         slots: list = []
 
@@ -317,9 +340,10 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_up = _bench(lambda slots=slots, blocks=blocks: tier.up(slots, blocks))
         tier.release(slots)
         n = len(blocks) * bb
-        copied = tier.stats()["blocks_copied"]
+        counted = "blocks_mapped" if copies == "mapped" else "blocks_copied"
+        copied = tier.stats()[counted]
         tier.release(tier.down(blocks))
-        share = (tier.stats()["blocks_copied"] - copied) / len(blocks)  # copied, not gathered
+        share = (tier.stats()[counted] - copied) / len(blocks)  # copied or mapped, not gathered
         label = {"runs": f"blocks in runs of {transfer.MIN_RUN}"}.get(order, f"{order} blocks")
         way = f"{name}, {label} ({100 * share:.0f} % copied)"
         rows.append(dict(blocks=len(blocks), copied_share=share, down=way, copy_MiB=mib,
@@ -327,7 +351,7 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
                          up_GBps=n / t_up / 1e9))  # fmt: skip
         say(f"{len(blocks)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
             f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
-    transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
+    _use(saved)
     return rows
 
 
@@ -428,14 +452,14 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             alone_ms=alone * 1e3,
         )
 
-    churns, saved = {}, (transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES)
+    churns, saved = {}, _saved()
     for k in range(TPOT_ROUNDS):  # a call's noise against the differences: rounds, turned
         alone_k = alone if k == 0 else tpot()
         turn = k % len(WAYS)
-        for way, copies, paced, mib in WAYS[turn:] + WAYS[:turn]:
-            transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES = copies, paced, mib * MIB
-            churns[f"tier, {way}, round {k + 1}"] = busy(tier_cycle, alone_k)
-    transfer.COPY_BYTES, transfer.PACE_DOWN, transfer.COPIES = saved
+        for way in WAYS[turn:] + WAYS[:turn]:
+            _use(way)
+            churns[f"tier, {way[0]}, round {k + 1}"] = busy(tier_cycle, alone_k)
+    _use(saved)
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
     # bytes reach the host in either: their "GB/s moved" is the pace)

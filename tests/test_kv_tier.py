@@ -126,15 +126,16 @@ def test_an_unknown_pacing_or_copy_way_is_named_and_moves_nothing(
 
 def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
     """The tier's moves both ways, by block copies (COPIES "engine", opt-in: rows given in the
-    blocks' order, so consecutive blocks go as runs) and by gathers and scatters alone (the
-    default), leave the same rows and blocks."""
+    blocks' order, so consecutive blocks go as runs), by the mapped kernel (COPIES "mapped",
+    in Triton's interpreter here) and by gathers and scatters alone (the default), leave the
+    same rows and blocks."""
     from oxygen_torch.kv import transfer
 
     monkeypatch.setattr(transfer, "MIN_RUN", 2)
     st, tier, got = host_pool.storage, host_pool.cpu_tier(2 * MiB), {}
-    for way in ("engine", "gather"):
+    for way in ("engine", "mapped", "gather"):
         monkeypatch.setattr(transfer, "COPIES", way)
-        copied = tier.stats()["blocks_copied"]
+        copied, mapped = tier.stats()["blocks_copied"], tier.stats()["blocks_mapped"]
         with host_pool.lock:
             blocks = host_pool.manager.allocate(9)
         for c in (*st.k, *st.v):  # the same bytes for both ways
@@ -151,10 +152,12 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
         assert torch.equal(got[way], want)
         # engine: down one run of 9 (rows in block order), up two (5 and 4)
         assert tier.stats()["blocks_copied"] - copied == (18 if way == "engine" else 0)
+        assert tier.stats()["blocks_mapped"] - mapped == (18 if way == "mapped" else 0)
         tier.release(slots)
         with host_pool.lock:
             host_pool.manager.decref(blocks)
     assert torch.equal(got["engine"], got["gather"])
+    assert torch.equal(got["mapped"], got["gather"])
 
 
 def _burst(tier_bytes: int, graphs: bool = False):

@@ -213,3 +213,64 @@ def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
     with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
         copies.copy(True, [1], host.view(torch.int16), [0], None)
     assert copies.copy(False, [], host, [], None) == (0, [])
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
+    (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
+    (2, 2, 8, torch.float8_e4m3fn, True), (1, 1, 3, torch.float8_e4m3fn, False),
+])  # fmt: skip
+def test_the_mapped_kernel_moves_blocks_as_a_gather_does(
+    programs, layers, heads, dim, dtype, scales
+):
+    """triton_kernels.block_rows (COPIES "mapped"; Triton's interpreter on the host arena): any
+    order of blocks and rows, any grid, each view's bytes at its place in the row (an fp8 pool's
+    scales after the codes), rows and bytes not named left as they were; up puts them back."""
+    from oxygen_torch.triton_kernels.block_rows import block_rows
+
+    g = torch.Generator().manual_seed(programs + layers)
+    sts = [storage(layers, heads, dim, dtype)]
+    if scales:
+        sts.append(storage(layers, heads, 1, torch.float32, bt=1))
+    for st in sts:
+        fill(st, g)
+    views = [st.block_view() for st in sts]
+    bb = sum(transfer._width(v) for v in views)
+    n = 11
+    blocks = torch.randperm(sts[0].num_blocks, generator=g)[:n]
+    rows = torch.randperm(40, generator=g)[:n]
+    host = torch.randint(0, 256, (40, bb + 7), dtype=torch.uint8, generator=g)
+    before = host.clone()
+    block_rows(views, host, blocks, rows, up=False, programs=programs)
+    want = gather(views, blocks)
+    assert torch.equal(host[rows, :bb], want)
+    untouched = [r for r in range(40) if r not in set(rows.tolist())]
+    assert torch.equal(host[untouched], before[untouched])
+    assert torch.equal(host[:, bb:], before[:, bb:])
+    for st in sts:
+        fill(st, g)  # overwritten meanwhile
+    others = [b for b in range(sts[0].num_blocks) if b not in set(blocks.tolist())]
+    kept = gather(views, torch.tensor(others))
+    block_rows(views, host, blocks, rows, up=True, programs=programs)
+    assert torch.equal(gather(views, blocks), want)
+    assert torch.equal(gather(views, torch.tensor(others)), kept)  # not named: untouched
+
+
+def test_the_mapped_kernel_refuses_shapes_it_cannot_move_naming_them():
+    from oxygen_torch.triton_kernels.block_rows import block_rows
+
+    st = storage(2, 2, 8, torch.float16)
+    views = [st.block_view()]
+    bb = transfer._width(views[0])
+    host = torch.zeros(4, bb, dtype=torch.uint8)
+    one = torch.tensor([1])
+    with pytest.raises(ValueError, match="2 block ids for 1 rows"):
+        block_rows(views, host, torch.tensor([1, 2]), one, False, 4)
+    with pytest.raises(ValueError, match="hold no block"):
+        block_rows(views, host[:, :-1], one, one, False, 4)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
+        block_rows(views, host.view(torch.int16), one, one, True, 4)
+    with pytest.raises(ValueError, match="programs 0 must be at least 1"):
+        block_rows(views, host, one, one, True, 0)
+    with pytest.raises(ValueError, match="is not a block view"):
+        block_rows([views[0].transpose(1, 2)], host, one, one, True, 4)

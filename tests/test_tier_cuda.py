@@ -40,7 +40,7 @@ def _agreement(out: dict, ref: list) -> float:
 # come reversed (no run: gathered)
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
 @pytest.mark.parametrize("paced", ["kernel", "gather", ""])
-@pytest.mark.parametrize("copies", ["engine", "gather"])
+@pytest.mark.parametrize("copies", ["engine", "gather", "mapped"])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     oxygen, monkeypatch, staging_blocks, copy_blocks, paced, copies
 ):
@@ -87,7 +87,9 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
         assert s["blocks_copied"] == 37
     else:
         assert s["blocks_copied"] == 0
-    assert s["staging_bytes"] == chunk * tier.block_bytes  # kept, allocated once
+    assert s["blocks_mapped"] == (2 * 37 if copies == "mapped" else 0)
+    # kept, allocated once (the mapped kernel stages nothing)
+    assert s["staging_bytes"] == (0 if copies == "mapped" else chunk * tier.block_bytes)
     with pool.lock:
         pool.manager.decref(taken)
 

@@ -34,6 +34,8 @@ import heapq
 import torch
 
 from .._patching import warn_once
+from ..triton_kernels._checks import interpreting
+from ..triton_kernels.block_rows import mapped_view
 from . import transfer
 from .disk import DiskTier
 from .free_rows import FreeRows
@@ -91,10 +93,12 @@ class CPUTier:
         self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
         self._fence = None  # the event of the last down: its blocks are free once it passed
         self._copies: transfer.BlockCopies | None = None  # made on the first move by copies
+        self._alias: torch.Tensor | None | bool = None  # the rows' device alias (COPIES mapped)
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
             blocks_copied=0,  # moved by copies alone (transfer.BlockCopies), not gathered
+            blocks_mapped=0,  # moved by the mapped kernel (transfer.COPIES "mapped")
         )  # fmt: skip
 
     @property
@@ -122,6 +126,23 @@ class CPUTier:
         if self._copies is None:
             self._copies = transfer.BlockCopies(self._views)
         return self._copies if self._copies.usable else None
+
+    def _by_kernel(self) -> torch.Tensor | None:
+        """The host rows' device alias when full-precision moves go by the mapped kernel
+        (transfer.COPIES "mapped"), else None. On the host backend the kernel runs in Triton's
+        interpreter only (there is no PCIe to cross: elsewhere the gathers' memcpy moves them);
+        on a GPU whose pinned rows have no device alias it warns once and gathers."""
+        if transfer.COPIES != "mapped":
+            return None
+        if self._alias is None:
+            self._alias = False
+            if self.device.type == "cuda" or interpreting():
+                try:
+                    self._alias = mapped_view(self.host, self.device)
+                except Exception as exc:
+                    warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather "
+                              f"kernels, not the mapped kernel: {exc}")  # fmt: skip
+        return self._alias if self._alias is not False else None
 
     def _pressed(self, n: int) -> bool:
         return self.num_slots - len(self._cpu_free) + n > PRESSURE * self.num_slots
@@ -230,9 +251,14 @@ class CPUTier:
         if not pos:
             return
         if not lowered:
+            alias = self._by_kernel()
+            rows = self._ids(pos) if alias is not None else None
             with self._on_side():
                 host = self.host[:, : self.block_bytes]
-                if isinstance(staged, list):
+                if alias is not None:
+                    transfer.mapped(self._views, alias, staged, rows, up=False)
+                    self.counts["blocks_mapped"] += len(pos)
+                elif isinstance(staged, list):
                     self.counts["blocks_copied"] += transfer.down_blocks(
                         self._copies,
                         self._views,
@@ -392,15 +418,21 @@ class CPUTier:
         if set(map(self._mask.__getitem__, of)) == {FULL}:
             # at full precision: straight from the pinned rows, a copy per run; rows on disk
             # are read into pinned rows first
-            if min(at_cpu) >= 0:
+            on_cpu = min(at_cpu) >= 0
+            if on_cpu:
                 host = self.host[:, : self.block_bytes]
             else:
                 host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
-            copies = self._by_copies()
+            alias = self._by_kernel() if on_cpu else None
+            copies = None if alias is not None else self._by_copies()
             idx = None if copies else self._ids(blocks)
+            rows = self._ids(at_cpu) if alias is not None else None
             with self._on_side():
-                if copies:
+                if alias is not None:  # (rows read from disk are in a fresh tensor: gathered)
+                    transfer.mapped(self._views, alias, idx, rows, up=True)
+                    self.counts["blocks_mapped"] += len(blocks)
+                elif copies:
                     self.counts["blocks_copied"] += transfer.up_blocks(
                         copies,
                         self._views,

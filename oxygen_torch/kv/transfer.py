@@ -60,9 +60,11 @@ PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a 
 # "kernel", "gather", or "" (not paced)
 _PACES = ("kernel", "gather", "")
 COPIES = "gather"  # how a move reaches the rows: "gather" (kernels gather into the staging
-# buffer: down / up) or "engine" (runs of blocks by 2D copies, no kernel: down_blocks; slower
-# on the H200, see BlockCopies)
-_COPIES = ("engine", "gather")
+# buffer: down / up), "engine" (runs of blocks by 2D copies, no kernel: down_blocks; slower
+# on the H200, see BlockCopies) or "mapped" (one kernel reads the blocks and writes the pinned
+# rows across PCIe itself: triton_kernels/block_rows.py, `mapped`)
+_COPIES = ("engine", "gather", "mapped")
+MAPPED_PROGRAMS = 16  # the grid of a mapped move's kernel: the SMs it takes beside the steps
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -206,6 +208,15 @@ def _pieces_of(n: int, block_bytes: int):
     """(lo, hi) covering n blocks, COPY_BYTES of them at most each."""
     most = max(1, COPY_BYTES // block_bytes)
     return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
+
+
+def mapped(views, host: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, up: bool) -> None:
+    """host[rows[i]] = the bytes of block ids[i] (up: the inverse) by one kernel a view
+    (COPIES "mapped"), on the current stream, not waited for: `host` is the pinned rows' device
+    alias (triton_kernels.block_rows.mapped_view), ids and rows int64 on the views' device."""
+    from ..triton_kernels.block_rows import block_rows
+
+    block_rows(views, host, ids, rows, up, MAPPED_PROGRAMS)
 
 
 def check_pace() -> None:
