@@ -62,9 +62,9 @@ PARTS = {
     ),
     "profile": ("prefix_profile",),
 }
-TIMEOUT_S = {"migration": 300, "hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240, "long_oxygen": 240,
-             "long_window_hf": 240, "long_window_oxygen": 240, "long_hybrid_hf": 240,
-             "long_hybrid_oxygen": 240}  # fmt: skip
+TIMEOUT_S = {"migration": 300, "hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240,
+             "long_oxygen": 240, "long_window_hf": 240, "long_window_oxygen": 240,
+             "long_hybrid_hf": 240, "long_hybrid_oxygen": 240}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 # (batch, prompt, new) per capacity mode; smoke: tiny
@@ -251,33 +251,41 @@ def migration() -> dict:
 
 
 def _ways(spec: str) -> tuple:
-    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB, programs) of each
-    "copies:pace:MiB[:programs]" (programs: transfer.MAPPED_PROGRAMS, the mapped way's grid)."""
+    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB, programs alone, programs beside
+    steps) of each "copies:pace:MiB[:programs]": "mapped" with programs takes that grid alone
+    and beside steps; "auto" (the default way: the mapped kernel on a GPU) transfer's grids."""
+    from oxygen_torch.kv import transfer
+
     out = []
     for w in spec.split(","):
         copies, paced, mib, *grid = w.split(":")
-        programs = int(grid[0]) if grid else 16
-        if copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
-            out.append((f"mapped kernel, {programs} programs", copies, "", int(mib), programs))
-            continue
-        kind = "gathers" if copies == "gather" else "copies"
-        pace = f"paced by {paced}" if paced else "not paced"
-        out.append((f"{kind}, {pace}, {mib} MiB pieces", copies, paced, int(mib), programs))
+        alone, beside = transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS
+        if copies == "auto":
+            name = f"default (mapped kernel, {alone} programs, {beside} beside steps)"
+        elif copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
+            alone = beside = int(grid[0]) if grid else alone
+            name = f"mapped kernel, {alone} programs"
+        else:
+            kind = "gathers" if copies == "gather" else "copies"
+            name = f"{kind}, {f'paced by {paced}' if paced else 'not paced'}, {mib} MiB pieces"
+        out.append((name, copies, "" if copies in ("auto", "mapped") else paced, int(mib),
+                    alone, beside))  # fmt: skip
     return tuple(out)
 
 
 # the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB[:programs],..."
-# (COPIES "gather", "engine" or "mapped", PACE_DOWN "gather", "kernel" or "",
-# transfer.COPY_BYTES in MiB, transfer.MAPPED_PROGRAMS)
-WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "gather:gather:16,mapped::16:16,mapped::16:8"))
+# (COPIES "auto", "mapped", "gather" or "engine", PACE_DOWN "gather", "kernel" or "",
+# transfer.COPY_BYTES in MiB, the mapped kernel's grid)
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:16"))
 
 
 def _use(way: tuple) -> None:
     """Sets transfer's knobs to a WAYS entry's."""
     from oxygen_torch.kv import transfer
 
-    _, transfer.COPIES, transfer.PACE_DOWN, mib, transfer.MAPPED_PROGRAMS = way
+    _, transfer.COPIES, transfer.PACE_DOWN, mib, alone, beside = way
     transfer.COPY_BYTES = mib * MIB
+    transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS = alone, beside
 
 
 def _saved() -> tuple:
@@ -285,7 +293,7 @@ def _saved() -> tuple:
     from oxygen_torch.kv import transfer
 
     return ("", transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES // MIB,
-            transfer.MAPPED_PROGRAMS)  # fmt: skip
+            transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS)  # fmt: skip
 
 
 def scattered(blocks: list[int], seed: int = 0) -> list[int]:
@@ -324,11 +332,11 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
     from oxygen_torch.kv import transfer
 
     saved, rows = _saved(), []
-    orders = {"engine": ("consecutive", "runs", "scattered"),
+    orders = {"engine": ("consecutive", "runs", "scattered"), "auto": ("consecutive", "scattered"),
               "mapped": ("consecutive", "scattered")}  # gathers: any order alike  # fmt: skip
     ways = [(w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
     for way_, order in ways:
-        name, copies, paced, mib, _ = way_
+        name, copies, paced, mib, _, _ = way_
         _use(way_)
         blocks = ordered(mine, order)
         slots: list = []
@@ -340,7 +348,7 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_up = _bench(lambda slots=slots, blocks=blocks: tier.up(slots, blocks))
         tier.release(slots)
         n = len(blocks) * bb
-        counted = "blocks_mapped" if copies == "mapped" else "blocks_copied"
+        counted = "blocks_mapped" if copies in ("auto", "mapped") else "blocks_copied"
         copied = tier.stats()[counted]
         tier.release(tier.down(blocks))
         share = (tier.stats()[counted] - copied) / len(blocks)  # copied or mapped, not gathered

@@ -3,13 +3,14 @@ by grid size, and what does it cost a decode step beside it (issue 19)?
 
 triton_kernels/block_rows.py reads a block's regions from the pool's arena and writes them into
 pinned host rows through their device address (and back): no staging buffer, nothing queued on
-the copy engines. This times it on the H200 for grids of 2 to 132 programs, 256 and 2,048 blocks
+the copy engines. This times it on the H200 for grids of 1 to 132 programs, 256 and 2,048 blocks
 of the bench_tier migration pool's geometry (16 layers x 8 kv heads x 64, bf16, 16 tokens: 512
 KiB a block), blocks in order and scattered, each way, beside one contiguous pinned copy of the
 same bytes (the copy engine's peak) and the tier's gathers (the default way). Then, for a few
 grids, a decode-like loop (a matmul chain of a 1.1B model's step on the current stream, timed
 per step) alone and beside a thread moving 256 blocks down and up without pause by the kernel:
-the step's rise from the kernel's SMs and HBM traffic alone, no Python of generate() in it.
+the step's rise from the kernel's SMs, HBM and PCIe traffic alone (the step ends reading one
+element back, as generate()'s stopping check does), no Python of generate() in it.
 
     python benchmarks/diag_mapped_rows.py      (H200; writes $OUT/diag_mapped_rows.json)
 """
@@ -43,10 +44,11 @@ def timed(fn, iters: int = 5) -> float:
 
 
 def main() -> None:
+    from oxygen_torch.triton_kernels.block_rows import block_rows, mapped_view
+
     import oxygen_torch
     from oxygen_torch.kv import transfer
     from oxygen_torch.kv.pool import PoolKey, get_pool
-    from oxygen_torch.triton_kernels.block_rows import block_rows, mapped_view
 
     oxygen_torch.enable()
     dev = torch.device("cuda")
@@ -55,8 +57,9 @@ def main() -> None:
     bb = transfer._width(view)
     with pool.lock:
         blocks = pool.manager.allocate(4096)
+    held = torch.tensor(blocks, device=dev)  # only allocated blocks' pages are mapped
     for c in (*pool.storage.k, *pool.storage.v):
-        c.copy_(torch.randn(c.shape, device=dev).to(c.dtype))
+        c.index_copy_(0, held, torch.randn(len(blocks), *c.shape[1:], device=dev).to(c.dtype))
     host = torch.empty(4096, bb, dtype=torch.uint8, pin_memory=True)
     alias = mapped_view(host, dev)
     out = {"block_bytes": bb, "rows": [], "tpot": []}
@@ -82,17 +85,20 @@ def main() -> None:
         nbytes = n * bb
         dense = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         flat = host.view(-1)[:nbytes]
-        peak_d = timed(lambda: flat.copy_(dense, non_blocking=True))
-        peak_u = timed(lambda: dense.copy_(flat, non_blocking=True))
+        peak_d = timed(lambda f=flat, d=dense: f.copy_(d, non_blocking=True))
+        peak_u = timed(lambda f=flat, d=dense: d.copy_(f, non_blocking=True))
         print(f"{n} blocks: pinned copy peak down {nbytes / peak_d / 1e9:.1f} GB/s, up "
               f"{nbytes / peak_u / 1e9:.1f}", flush=True)  # fmt: skip
         for order in ("consecutive", "scattered"):
             sel = blocks[:n] if order == "consecutive" else pick_n(blocks, n, g)
             ids = torch.tensor(sel, device=dev)
             rr = torch.arange(n, device=dev)
-            for programs in (2, 4, 8, 16, 32, 64, 132):
-                td = timed(lambda: block_rows([view], alias, ids, rr, False, programs))
-                tu = timed(lambda: block_rows([view], alias, ids, rr, True, programs))
+            for programs in (1, 2, 4, 8, 16, 32, 132):
+
+                def move(up, i=ids, r=rr, p=programs):
+                    block_rows([view], alias, i, r, up, p)
+
+                td, tu = timed(lambda: move(False)), timed(lambda: move(True))
                 row = dict(blocks=n, order=order, programs=programs,
                            down_GBps=nbytes / td / 1e9, up_GBps=nbytes / tu / 1e9,
                            peak_down_GBps=nbytes / peak_d / 1e9,
@@ -107,22 +113,22 @@ def main() -> None:
     w = [torch.randn(2048, 2048 * 4, device=dev, dtype=torch.bfloat16) for _ in range(22)]
     x = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
 
-    def step():
+    def step():  # ... ending as generate()'s step does: one element read back by the host
         y = x
         for m in w:
             y = (y @ m)[:, :2048]
-        return y
+        return y[0, 0].item()
 
     def per_step() -> float:
         return timed(step, 50)
 
     ids = torch.tensor(blocks[:256], device=dev)
     rr = torch.arange(256, device=dev)
-    for programs in (4, 8, 16, 32):
+    for programs in (1, 2, 4, 8, 16):
         alone = per_step()
         stop, moved = threading.Event(), [0]
 
-        def churn(programs=programs):
+        def churn(programs=programs, stop=stop, moved=moved):
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
                 while not stop.is_set():

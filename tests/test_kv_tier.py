@@ -178,14 +178,21 @@ def _burst(tier_bytes: int, graphs: bool = False):
     return model, kws
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, graphs):
+@pytest.mark.parametrize("graphs,copies", [(False, "auto"), (True, "auto"), (False, "mapped")])
+def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, graphs, copies):
     """With `graphs`, decode steps (alone and merged) go through the decode graphs' bookkeeping
-    (the CPU stand-in): a swapped-out call comes back before its graph step plans it."""
+    (the CPU stand-in): a swapped-out call comes back before its graph step plans it. "mapped":
+    the moves go by the mapped kernel (Triton's interpreter), beside the steps."""
+    from oxygen_torch.kv import transfer
+
     if graphs:
         monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+    monkeypatch.setattr(transfer, "COPIES", copies)
+    monkeypatch.setattr(transfer, "_last_step", {})
     model, kws = _burst(64 * MiB, graphs)
     together_as_alone(model, kws)
+    monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
+    assert transfer.beside_steps(torch.device("cpu"))  # the cache's steps were noted
     if graphs:
         st = oxygen_torch.decode_graph_stats(model)
         assert st["replays"] + st["merged"]["replays"] > 0, st
@@ -194,6 +201,8 @@ def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, 
     (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
     tier = pool["cpu_tier"]
     assert tier["migrations_down"] > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
+    moved = tier["bytes_down"] // (tier["capacity_bytes"] // tier["slots_total"])
+    assert tier["blocks_mapped"] == (2 * moved if copies == "mapped" else 0)
     assert tier["slots_used"] == 0 and pool["blocks_used"] == 0  # nothing left behind
     mem = oxygen_torch.memory_stats()
     assert mem["migrated_to_cpu_bytes"] == mem["migrated_to_gpu_bytes"] == tier["bytes_down"]

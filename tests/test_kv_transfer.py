@@ -274,3 +274,25 @@ def test_the_mapped_kernel_refuses_shapes_it_cannot_move_naming_them():
         block_rows(views, host, one, one, True, 0)
     with pytest.raises(ValueError, match="is not a block view"):
         block_rows([views[0].transpose(1, 2)], host, one, one, True, 4)
+
+
+def test_a_mapped_move_takes_the_small_grid_while_steps_run(monkeypatch):
+    """transfer.mapped's grid: MAPPED_PROGRAMS alone, MAPPED_PROGRAMS_BESIDE_STEPS within
+    BESIDE_S of a step begun on the device (note_step), the full grid again after."""
+    from oxygen_torch.triton_kernels import block_rows as br
+
+    grids = []
+    monkeypatch.setattr(br, "block_rows", lambda *a: grids.append(a[-1]))
+    monkeypatch.setattr(transfer, "_last_step", {})
+    monkeypatch.setattr(transfer, "BESIDE_S", 0.2)
+    cpu, ids = torch.device("cpu"), torch.tensor([1])
+    transfer.mapped([], None, ids, ids, False)
+    transfer.note_step(cpu)
+    assert transfer.beside_steps(cpu)
+    transfer.mapped([], None, ids, ids, True)
+    monkeypatch.setattr(transfer, "BESIDE_S", 0.0)  # the step is now older than the window
+    assert not transfer.beside_steps(cpu)
+    transfer.mapped([], None, ids, ids, False)
+    assert grids == [transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS,
+                     transfer.MAPPED_PROGRAMS]  # fmt: skip
+    assert transfer.MAPPED_PROGRAMS_BESIDE_STEPS < transfer.MAPPED_PROGRAMS

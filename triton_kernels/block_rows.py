@@ -159,5 +159,5 @@ def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         raise ValueError("mapped_view: host must be a pinned uint8 tensor")
     out = torch.as_tensor(_HostPointer(host), device=device)
     if out.data_ptr() != host.data_ptr():
-        raise ValueError("mapped_view: the device address of the pinned rows differs from the host's")
+        raise ValueError("mapped_view: the pinned rows' device address differs from the host's")
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
-from . import swap
+from . import swap, transfer
 from .attention import Tiles, kv_write
 from .block_manager import SequenceBlocks
 from .fresh import check_setting
@@ -204,6 +204,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         return plan
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
+        transfer.note_step(self.pool.key.device)  # (the tier's moves meanwhile yield the link)
         if self._swapped is not None:
             swap_in(self)
         if self._lent:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import context
+from . import transfer
 from .plan import StepPlan
 from .swap import swap_in
 
@@ -34,6 +35,7 @@ class GraphStepMixin:
         marks them appended (replay)."""
         if self.seqs is None:
             raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
+        transfer.note_step(self.pool.key.device)
         if self._swapped is not None:  # preempted to the CPU tier: back first (kv/swap.py)
             swap_in(self)
         if not all(n == self.length for n in self._layer_len):

@@ -129,10 +129,14 @@ class CPUTier:
 
     def _by_kernel(self) -> torch.Tensor | None:
         """The host rows' device alias when full-precision moves go by the mapped kernel
-        (transfer.COPIES "mapped"), else None. On the host backend the kernel runs in Triton's
-        interpreter only (there is no PCIe to cross: elsewhere the gathers' memcpy moves them);
-        on a GPU whose pinned rows have no device alias it warns once and gathers."""
-        if transfer.COPIES != "mapped":
+        (transfer.COPIES "mapped", or "auto" on a GPU), else None. On the host backend the
+        kernel runs when asked for by name, in Triton's interpreter only (there is no PCIe to
+        cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows have no device alias
+        it warns once and gathers."""
+        way = transfer.COPIES
+        if way == "auto":
+            way = "mapped" if self.device.type == "cuda" else "gather"
+        if way != "mapped":
             return None
         if self._alias is None:
             self._alias = False

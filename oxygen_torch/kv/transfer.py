@@ -47,6 +47,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import time
 
 import torch
 
@@ -59,12 +60,32 @@ COPY_BYTES = 16 << 20
 PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a time (see above):
 # "kernel", "gather", or "" (not paced)
 _PACES = ("kernel", "gather", "")
-COPIES = "gather"  # how a move reaches the rows: "gather" (kernels gather into the staging
-# buffer: down / up), "engine" (runs of blocks by 2D copies, no kernel: down_blocks; slower
-# on the H200, see BlockCopies) or "mapped" (one kernel reads the blocks and writes the pinned
-# rows across PCIe itself: triton_kernels/block_rows.py, `mapped`)
-_COPIES = ("engine", "gather", "mapped")
-MAPPED_PROGRAMS = 16  # the grid of a mapped move's kernel: the SMs it takes beside the steps
+COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the blocks and
+# writes the pinned rows across PCIe itself, and back: `mapped`), "gather" (kernels gather into
+# the staging buffer, copies to the rows: down / up), "engine" (runs of blocks by 2D copies, no
+# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": mapped on a GPU, gather on
+# the host backend (no PCIe to cross; the kernel would run in Triton's interpreter)
+_COPIES = ("auto", "engine", "gather", "mapped")
+# the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
+# BESIDE_S): on the H200, 16 programs moved 48-52 GB/s each way, 2 programs 17-44 GB/s with
+# generate()'s time per token 6-11 % up beside them, 4 or more 43-57 % up (the link full, a
+# step's own small copies wait; diag_mapped_rows.py, bench_tier.py)
+MAPPED_PROGRAMS = 16
+MAPPED_PROGRAMS_BESIDE_STEPS = 2
+BESIDE_S = 0.05
+_last_step: dict[int | None, float] = {}  # device index -> monotonic time of its last step
+
+
+def note_step(device: torch.device) -> None:
+    """A step begins on `device` (the paged cache's step planning calls this): moves meanwhile
+    take the grid beside steps."""
+    _last_step[device.index] = time.monotonic()
+
+
+def beside_steps(device: torch.device) -> bool:
+    """Whether a step began on `device` within BESIDE_S."""
+    t = _last_step.get(device.index)
+    return t is not None and time.monotonic() - t < BESIDE_S
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -213,10 +234,12 @@ def _pieces_of(n: int, block_bytes: int):
 def mapped(views, host: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, up: bool) -> None:
     """host[rows[i]] = the bytes of block ids[i] (up: the inverse) by one kernel a view
     (COPIES "mapped"), on the current stream, not waited for: `host` is the pinned rows' device
-    alias (triton_kernels.block_rows.mapped_view), ids and rows int64 on the views' device."""
+    alias (triton_kernels.block_rows.mapped_view), ids and rows int64 on the views' device. The
+    grid is MAPPED_PROGRAMS, or MAPPED_PROGRAMS_BESIDE_STEPS while steps run on the device."""
     from ..triton_kernels.block_rows import block_rows
 
-    block_rows(views, host, ids, rows, up, MAPPED_PROGRAMS)
+    grid = MAPPED_PROGRAMS_BESIDE_STEPS if beside_steps(ids.device) else MAPPED_PROGRAMS
+    block_rows(views, host, ids, rows, up, grid)
 
 
 def check_pace() -> None:
