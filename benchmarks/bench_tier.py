@@ -261,7 +261,7 @@ def _ways(spec: str) -> tuple:
         copies, paced, mib, *grid = w.split(":")
         alone, beside = transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS
         if copies == "auto":
-            name = f"default (mapped kernel, {alone} programs, {beside} beside steps)"
+            name = f"default (gathers alone, the mapped kernel of {beside} programs beside steps)"
         elif copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
             alone = beside = int(grid[0]) if grid else alone
             name = f"mapped kernel, {alone} programs"
@@ -276,7 +276,7 @@ def _ways(spec: str) -> tuple:
 # the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB[:programs],..."
 # (COPIES "auto", "mapped", "gather" or "engine", PACE_DOWN "gather", "kernel" or "",
 # transfer.COPY_BYTES in MiB, the mapped kernel's grid)
-WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:16"))
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:1"))
 
 
 def _use(way: tuple) -> None:
@@ -332,7 +332,7 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
     from oxygen_torch.kv import transfer
 
     saved, rows = _saved(), []
-    orders = {"engine": ("consecutive", "runs", "scattered"), "auto": ("consecutive", "scattered"),
+    orders = {"engine": ("consecutive", "runs", "scattered"),
               "mapped": ("consecutive", "scattered")}  # gathers: any order alike  # fmt: skip
     ways = [(w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
     for way_, order in ways:

@@ -40,13 +40,18 @@ def _agreement(out: dict, ref: list) -> float:
 # come reversed (no run: gathered)
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
 @pytest.mark.parametrize("paced", ["kernel", "gather", ""])
-@pytest.mark.parametrize("copies", ["engine", "gather", "mapped"])
+@pytest.mark.parametrize("copies", ["engine", "gather", "mapped", "auto", "auto beside steps"])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     oxygen, monkeypatch, staging_blocks, copy_blocks, paced, copies
 ):
     dev = torch.device("cuda")
     monkeypatch.setattr(transfer, "PACE_DOWN", paced)
-    monkeypatch.setattr(transfer, "COPIES", copies)
+    monkeypatch.setattr(transfer, "COPIES", copies.split()[0])
+    monkeypatch.setattr(transfer, "_last_step", {})
+    if copies == "auto beside steps":  # a step runs on the device: the mapped kernel moves
+        monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
+        transfer.note_step(dev)
+    mapped = copies in ("mapped", "auto beside steps")
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
     if staging_blocks:
@@ -87,9 +92,9 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
         assert s["blocks_copied"] == 37
     else:
         assert s["blocks_copied"] == 0
-    assert s["blocks_mapped"] == (2 * 37 if copies == "mapped" else 0)
+    assert s["blocks_mapped"] == (2 * 37 if mapped else 0)
     # kept, allocated once (the mapped kernel stages nothing)
-    assert s["staging_bytes"] == (0 if copies == "mapped" else chunk * tier.block_bytes)
+    assert s["staging_bytes"] == (0 if mapped else chunk * tier.block_bytes)
     with pool.lock:
         pool.manager.decref(taken)
 

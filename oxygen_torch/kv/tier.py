@@ -128,14 +128,15 @@ class CPUTier:
         return self._copies if self._copies.usable else None
 
     def _by_kernel(self) -> torch.Tensor | None:
-        """The host rows' device alias when full-precision moves go by the mapped kernel
-        (transfer.COPIES "mapped", or "auto" on a GPU), else None. On the host backend the
+        """The host rows' device alias when this move goes by the mapped kernel (transfer.COPIES
+        "mapped", or "auto" on a GPU while steps run there), else None. On the host backend the
         kernel runs when asked for by name, in Triton's interpreter only (there is no PCIe to
         cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows have no device alias
         it warns once and gathers."""
         way = transfer.COPIES
-        if way == "auto":
-            way = "mapped" if self.device.type == "cuda" else "gather"
+        if way == "auto":  # the copy engine alone, the kernel's few programs beside steps
+            cuda = self.device.type == "cuda"
+            way = "mapped" if cuda and transfer.beside_steps(self.device) else "gather"
         if way != "mapped":
             return None
         if self._alias is None:

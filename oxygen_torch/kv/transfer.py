@@ -63,13 +63,17 @@ _PACES = ("kernel", "gather", "")
 COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the blocks and
 # writes the pinned rows across PCIe itself, and back: `mapped`), "gather" (kernels gather into
 # the staging buffer, copies to the rows: down / up), "engine" (runs of blocks by 2D copies, no
-# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": mapped on a GPU, gather on
-# the host backend (no PCIe to cross; the kernel would run in Triton's interpreter)
+# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": on a GPU, gather while no
+# step runs there (the copy engine's full speed) and mapped beside steps (its few programs
+# leave the link room for the steps' own small copies); on the host backend, gather (no PCIe
+# to cross; the kernel would run in Triton's interpreter)
 _COPIES = ("auto", "engine", "gather", "mapped")
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
-# BESIDE_S): on the H200, 16 programs moved 48-52 GB/s each way, 2 programs 17-44 GB/s with
-# generate()'s time per token 6-11 % up beside them, 4 or more 43-57 % up (the link full, a
-# step's own small copies wait; diag_mapped_rows.py, bench_tier.py)
+# BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
+# programs 36-44 GB/s down and 17-18 up; beside generate() (bench_tier.py, a thread moving 256
+# blocks down and up without pause) time per token rose 13.5 % at the median of 4 rounds with
+# 2 programs (24 GB/s moved), 64 % with 16 (42 GB/s), 21 % with the paced gathers (42 GB/s):
+# the rise follows the share of the link taken, which delays a step's own small copies
 MAPPED_PROGRAMS = 16
 MAPPED_PROGRAMS_BESIDE_STEPS = 2
 BESIDE_S = 0.05
