@@ -276,7 +276,7 @@ def _ways(spec: str) -> tuple:
 # the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB[:programs],..."
 # (COPIES "auto", "mapped", "gather" or "engine", PACE_DOWN "gather", "kernel" or "",
 # transfer.COPY_BYTES in MiB, the mapped kernel's grid)
-WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:1"))
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:2"))
 
 
 def _use(way: tuple) -> None:

@@ -288,7 +288,8 @@ def test_a_mapped_move_takes_the_small_grid_while_steps_run(monkeypatch):
     cpu, ids = torch.device("cpu"), torch.tensor([1])
     transfer.mapped([], None, ids, ids, False)
     transfer.note_step(cpu)
-    assert transfer.beside_steps(cpu)
+    assert transfer.beside_steps(cpu) and transfer.beside_steps(torch.device("cpu", 0))
+    assert not transfer.beside_steps(torch.device("cpu", 1))  # another device's steps
     transfer.mapped([], None, ids, ids, True)
     monkeypatch.setattr(transfer, "BESIDE_S", 0.0)  # the step is now older than the window
     assert not transfer.beside_steps(cpu)

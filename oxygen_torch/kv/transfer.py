@@ -70,25 +70,35 @@ COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the b
 _COPIES = ("auto", "engine", "gather", "mapped")
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
 # BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
-# programs 36-44 GB/s down and 17-18 up; beside generate() (bench_tier.py, a thread moving 256
-# blocks down and up without pause) time per token rose 13.5 % at the median of 4 rounds with
-# 2 programs (24 GB/s moved), 64 % with 16 (42 GB/s), 21 % with the paced gathers (42 GB/s):
-# the rise follows the share of the link taken, which delays a step's own small copies
+# programs 36-44 GB/s down and 17-18 up, 1 program 20-22 down and 9-10 up; beside generate()
+# (bench_tier.py, a thread moving 256 blocks down and up without pause) time per token rose
+# 6.1 % at the median of 5 rounds (worst 8.6 %) with 1 program (11.6 GB/s moved), 13.5 % over 4
+# with 2 (24 GB/s), 64 % with 16 (42 GB/s), 21-24 % with the paced gathers (42 GB/s): the rise
+# follows the share of the link taken, which delays a step's own small copies
 MAPPED_PROGRAMS = 16
-MAPPED_PROGRAMS_BESIDE_STEPS = 2
+MAPPED_PROGRAMS_BESIDE_STEPS = 1
 BESIDE_S = 0.05
-_last_step: dict[int | None, float] = {}  # device index -> monotonic time of its last step
+_last_step: dict[tuple[str, int], float] = {}  # (device type, index) -> its last step's time
+
+
+def _device_key(device: torch.device) -> tuple[str, int]:
+    """`device` with its index made explicit ("cuda" and "cuda:0" are one GPU: a pool's key may
+    name either)."""
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return device.type, index
 
 
 def note_step(device: torch.device) -> None:
     """A step begins on `device` (the paged cache's step planning calls this): moves meanwhile
     take the grid beside steps."""
-    _last_step[device.index] = time.monotonic()
+    _last_step[_device_key(device)] = time.monotonic()
 
 
 def beside_steps(device: torch.device) -> bool:
     """Whether a step began on `device` within BESIDE_S."""
-    t = _last_step.get(device.index)
+    t = _last_step.get(_device_key(device))
     return t is not None and time.monotonic() - t < BESIDE_S
 
 
