@@ -33,7 +33,16 @@ runs of MIN_RUN consecutive blocks bound for consecutive rows go one 2D copy a r
 native layer (BlockCopies), the rest through `down` / `up`. On the H200 that way was slower
 than the gathers (40.5 / 43.7 GB/s on consecutive blocks, 30.3 / 33.8 in runs of 16, against
 43.9 / 49.4) and TPOT beside it rose as much (+22 % median over 4 rounds, the gathers +26 %), so
-the gathers stay the default.
+it stays opt-in.
+
+`mapped` (COPIES "mapped", and "auto" beside steps, the default on a GPU) takes neither the
+staging buffer nor the copy engine: one kernel a view (triton_kernels/block_rows.py) reads the
+blocks from the arena and stores them into the pinned rows through their device address, or
+back, its grid the number of SMs it takes. Whether a step runs on the device is known from the
+paged cache's step planning (`note_step`, a time a step); beside steps "auto" moves by the
+kernel's MAPPED_PROGRAMS_BESIDE_STEPS programs, which take a smaller share of PCIe than the
+copy engine's copies, and alone by the gathers, the copy engine's full speed (the kernel alone
+moved as fast from 256 MiB, slower below: 28-36 GB/s at 32 MiB against 36-43 for the gathers).
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
@@ -70,13 +79,14 @@ COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the b
 _COPIES = ("auto", "engine", "gather", "mapped")
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
 # BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
-# programs 36-44 GB/s down and 17-18 up, 1 program 20-22 down and 9-10 up; beside generate()
-# (bench_tier.py, a thread moving 256 blocks down and up without pause) time per token rose
-# 6.1 % at the median of 5 rounds (worst 8.6 %) with 1 program (11.6 GB/s moved), 13.5 % over 4
-# with 2 (24 GB/s), 64 % with 16 (42 GB/s), 21-24 % with the paced gathers (42 GB/s): the rise
-# follows the share of the link taken, which delays a step's own small copies
+# programs 36-44 GB/s down and 17-18 up, 1 program 20-22 down and 9-10 up. Beside generate()
+# (bench_tier.py: a thread moving 256 blocks down and up without pause; the median rise of
+# time per token over a call's rounds, three calls each): 2 programs (22-24 GB/s moved) +8.4,
+# +13.5, +11.2 %; 1 program (12-15 GB/s) +16.7, +6.1, +20.1 %; 16 programs (42 GB/s) +57, +64 %;
+# the paced gathers (41-43 GB/s) +18.6 to +34.4 %. The rise follows the share of the link taken
+# (a step's own small copies wait behind it) until the machine's noise hides it
 MAPPED_PROGRAMS = 16
-MAPPED_PROGRAMS_BESIDE_STEPS = 1
+MAPPED_PROGRAMS_BESIDE_STEPS = 2
 BESIDE_S = 0.05
 _last_step: dict[tuple[str, int], float] = {}  # (device type, index) -> its last step's time
 
