@@ -41,8 +41,9 @@ blocks from the arena and stores them into the pinned rows through their device 
 back, its grid the number of SMs it takes. Whether a step runs on the device is known from the
 paged cache's step planning (`note_step`, a time a step); beside steps "auto" moves by the
 kernel's MAPPED_PROGRAMS_BESIDE_STEPS programs, which take a smaller share of PCIe than the
-copy engine's copies, and alone by the gathers, the copy engine's full speed (the kernel alone
-moved as fast from 256 MiB, slower below: 28-36 GB/s at 32 MiB against 36-43 for the gathers).
+copy engine's copies, and alone by the gathers, the copy engine's full speed (through the tier
+the kernel's 16 programs were no faster: 44.6 GB/s each way at 256 MiB against 44.3-47.5 down
+and 48.2-51.4 up for the gathers, 28 at 32 MiB against 30-39 down and 35-43 up).
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
