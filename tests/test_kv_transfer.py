@@ -297,3 +297,23 @@ def test_a_mapped_move_takes_the_small_grid_while_steps_run(monkeypatch):
     assert grids == [transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS,
                      transfer.MAPPED_PROGRAMS]  # fmt: skip
     assert transfer.MAPPED_PROGRAMS_BESIDE_STEPS < transfer.MAPPED_PROGRAMS
+
+
+def test_auto_moves_down_by_the_kernel_beside_steps_on_a_gpu_and_gathers_otherwise(monkeypatch):
+    """COPIES "auto": a move down on a GPU while its steps run goes by the mapped kernel; a
+    move up (a step waits for it), a move with no step running and any move on the host
+    backend gather; a way named is taken as named."""
+    monkeypatch.setattr(transfer, "_last_step", {})
+    monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
+    gpu, other, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    monkeypatch.setattr(transfer, "COPIES", "auto")
+    assert transfer.way_of(gpu, up=False) == "gather"  # no step yet
+    transfer.note_step(gpu)
+    transfer.note_step(cpu)
+    assert transfer.way_of(gpu, up=False) == "mapped"
+    assert transfer.way_of(gpu, up=True) == "gather"
+    assert transfer.way_of(other, up=False) == "gather"  # another GPU's steps
+    assert transfer.way_of(cpu, up=False) == "gather"
+    for way in ("mapped", "gather", "engine"):
+        monkeypatch.setattr(transfer, "COPIES", way)
+        assert transfer.way_of(cpu, up=True) == transfer.way_of(gpu, up=False) == way

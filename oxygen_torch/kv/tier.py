@@ -127,17 +127,13 @@ class CPUTier:
             self._copies = transfer.BlockCopies(self._views)
         return self._copies if self._copies.usable else None
 
-    def _by_kernel(self) -> torch.Tensor | None:
+    def _by_kernel(self, up: bool) -> torch.Tensor | None:
         """The host rows' device alias when this move goes by the mapped kernel (transfer.COPIES
-        "mapped", or "auto" on a GPU while steps run there), else None. On the host backend the
-        kernel runs when asked for by name, in Triton's interpreter only (there is no PCIe to
-        cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows have no device alias
-        it warns once and gathers."""
-        way = transfer.COPIES
-        if way == "auto":  # the copy engine alone, the kernel's few programs beside steps
-            cuda = self.device.type == "cuda"
-            way = "mapped" if cuda and transfer.beside_steps(self.device) else "gather"
-        if way != "mapped":
+        "mapped", or "auto" for a move down on a GPU while steps run there), else None. On the
+        host backend the kernel runs when asked for by name, in Triton's interpreter only
+        (there is no PCIe to cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows
+        have no device alias it warns once and gathers."""
+        if transfer.way_of(self.device, up) != "mapped":
             return None
         if self._alias is None:
             self._alias = False
@@ -256,7 +252,7 @@ class CPUTier:
         if not pos:
             return
         if not lowered:
-            alias = self._by_kernel()
+            alias = self._by_kernel(up=False)
             rows = self._ids(pos) if alias is not None else None
             with self._on_side():
                 host = self.host[:, : self.block_bytes]
@@ -429,7 +425,7 @@ class CPUTier:
             else:
                 host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
-            alias = self._by_kernel() if on_cpu else None
+            alias = self._by_kernel(up=True) if on_cpu else None
             copies = None if alias is not None else self._by_copies()
             idx = None if copies else self._ids(blocks)
             rows = self._ids(at_cpu) if alias is not None else None

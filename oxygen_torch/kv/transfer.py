@@ -39,9 +39,10 @@ it stays opt-in.
 staging buffer nor the copy engine: one kernel a view (triton_kernels/block_rows.py) reads the
 blocks from the arena and stores them into the pinned rows through their device address, or
 back, its grid the number of SMs it takes. Whether a step runs on the device is known from the
-paged cache's step planning (`note_step`, a time a step); beside steps "auto" moves by the
+paged cache's step planning (`note_step`, a time a step); beside steps "auto" moves down by the
 kernel's MAPPED_PROGRAMS_BESIDE_STEPS programs, which take a smaller share of PCIe than the
-copy engine's copies, and alone by the gathers, the copy engine's full speed (through the tier
+copy engine's copies (36-44 GB/s down with 2, only 17-18 up: moves up, which a step waits for,
+stay on the copy engine), and alone by the gathers, the copy engine's full speed (through the tier
 the kernel's 16 programs were no faster: 44.6 GB/s each way at 256 MiB against 44.3-47.5 down
 and 48.2-51.4 up for the gathers, 28 at 32 MiB against 30-39 down and 35-43 up).
 
@@ -73,10 +74,11 @@ _PACES = ("kernel", "gather", "")
 COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the blocks and
 # writes the pinned rows across PCIe itself, and back: `mapped`), "gather" (kernels gather into
 # the staging buffer, copies to the rows: down / up), "engine" (runs of blocks by 2D copies, no
-# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": on a GPU, gather while no
-# step runs there (the copy engine's full speed) and mapped beside steps (its few programs
-# leave the link room for the steps' own small copies); on the host backend, gather (no PCIe
-# to cross; the kernel would run in Triton's interpreter)
+# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": on a GPU, moves down
+# beside steps mapped (its few programs leave the link room for the steps' own small copies
+# back to the host), every other move gather (the copy engine's full speed: copies up did not
+# slow decode, and a step waits for the move up that brings its blocks back); on the host
+# backend, gather (no PCIe to cross; the kernel would run in Triton's interpreter)
 _COPIES = ("auto", "engine", "gather", "mapped")
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
 # BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
@@ -99,6 +101,15 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     if index is None:
         index = torch.cuda.current_device() if device.type == "cuda" else 0
     return device.type, index
+
+
+def way_of(device: torch.device, up: bool) -> str:
+    """The way a move (`up`: host rows to blocks) on `device` goes: COPIES, "auto" resolved
+    ("mapped" for a move down beside steps on a GPU, else "gather")."""
+    if COPIES != "auto":
+        return COPIES
+    down_beside = device.type == "cuda" and not up and beside_steps(device)
+    return "mapped" if down_beside else "gather"
 
 
 def note_step(device: torch.device) -> None:
