@@ -261,7 +261,7 @@ def _ways(spec: str) -> tuple:
         copies, paced, mib, *grid = w.split(":")
         alone, beside = transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS
         if copies == "auto":
-            name = f"default (gathers alone, the mapped kernel of {beside} programs beside steps)"
+            name = f"default (down beside steps by the mapped kernel of {beside}, else gathers)"
         elif copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
             alone = beside = int(grid[0]) if grid else alone
             name = f"mapped kernel, {alone} programs"
@@ -367,9 +367,9 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks (in runs
     of transfer.MIN_RUN, the shortest a move by copies takes) down and up without pause, on its
     own stream (another pool on the same GPU: the copy engines and HBM are shared). Churns: the
-    tier's moves each way of WAYS (by default: gathers paced by the gathers in 16 MiB pieces,
-    the default; the same in 4 MiB pieces; copies by the copy engine paced by a kernel), in
-    TPOT_ROUNDS rounds, each against its own TPOT
+    tier's moves each way of WAYS (by default: the default way, transfer.COPIES "auto"; the
+    gathers paced by the gathers in 16 MiB pieces; the mapped kernel of 2 programs both ways),
+    in TPOT_ROUNDS rounds, each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
     The churn's host time a cycle is its wall time outside the wait (the interpreter lock's

@@ -13,9 +13,12 @@ Migration moves many blocks at once (kv/transfer.py): the blocks are gathered in
 device staging buffer (one index_select over the whole block view; lowered: quantized first),
 which goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the
 way back copies the rows up the same way and scatters them into the blocks (one index_copy_;
-lowered: dequantized on the device first). With transfer.COPIES "engine" (opt-in; slower on the
-H200) runs of consecutive full-precision blocks go by copy-engine 2D copies instead, a move's
-rows given in its blocks' order so consecutive blocks meet consecutive rows. On a GPU the
+lowered: dequantized on the device first). A full-precision move down beside decode steps
+goes by the mapped kernel instead (transfer.COPIES "auto"; "mapped" both ways always): no
+staging, the kernel stores into the pinned rows through their device address, taking less of
+PCIe than the copy engine. With "engine" (opt-in; slower on the H200) runs of consecutive
+full-precision blocks go by copy-engine 2D copies instead, a move's rows given in its blocks'
+order so consecutive blocks meet consecutive rows. On a GPU the
 copies run on a side stream after the current stream's work, and everything that stream reads
 is made on it. The host does not wait for a move: `up` orders the current stream after it (the
 step that reads the blocks), and a `down`'s blocks are freed behind its event (`fence()`,
