@@ -24,7 +24,9 @@ _WORDS = (torch.int32, torch.int16, torch.uint8)  # the widest that divides ever
 MAX_BLOCK = 4096  # words a program moves at once
 
 
-@triton.jit
+# a move's counts change from move to move: not specialized on (divisible by 16, equal to 1),
+# so a new count does not compile the kernel again in the middle of a step
+@triton.jit(do_not_specialize=["n", "col", "items"])
 def _block_rows_kernel(
     view_ptr,
     host_ptr,
