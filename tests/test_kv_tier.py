@@ -160,6 +160,34 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
     assert torch.equal(got["mapped"], got["gather"])
 
 
+def test_the_mapped_way_on_the_host_without_the_interpreter_gathers_and_says_why(
+    host_pool, monkeypatch, caplog
+):
+    """COPIES "mapped" on the host backend outside Triton's interpreter: the moves gather
+    (every byte arrives) and one warning names why."""
+    from oxygen_torch.kv import transfer
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(transfer, "COPIES", "mapped")
+    st, tier = host_pool.storage, host_pool.cpu_tier(2 * MiB)
+    with host_pool.lock:
+        blocks = host_pool.manager.allocate(5)
+    want = transfer.gather([st.block_view()], torch.tensor(blocks))
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        for _ in range(2):
+            slots = tier.down(blocks)
+            for c in (*st.k, *st.v):
+                c.view(torch.uint8).fill_(0)
+            tier.up(slots, blocks)
+            tier.release(slots)
+    assert torch.equal(transfer.gather([st.block_view()], torch.tensor(blocks)), want)
+    assert tier.stats()["blocks_mapped"] == 0
+    said = [r.getMessage() for r in caplog.records if "not the mapped kernel" in r.getMessage()]
+    assert len(said) == 1 and "only in Triton's interpreter" in said[0]
+    with host_pool.lock:
+        host_pool.manager.decref(blocks)
+
+
 def _burst(tier_bytes: int, graphs: bool = False):
     """31 KV blocks of 128 tokens; six calls of six rows start at one block a row (prompts of
     about 100 tokens: five calls admitted at once) and cross into a second during decode, so

@@ -140,12 +140,17 @@ class CPUTier:
             return None
         if self._alias is None:
             self._alias = False
+            why = ""
             if self.device.type == "cuda" or interpreting():
                 try:
                     self._alias = mapped_view(self.host, self.device)
                 except Exception as exc:
-                    warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather "
-                              f"kernels, not the mapped kernel: {exc}")  # fmt: skip
+                    why = str(exc)
+            else:
+                why = "on the host backend the kernel runs only in Triton's interpreter"
+            if why:
+                warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, "
+                          f"not the mapped kernel (transfer.COPIES \"mapped\"): {why}")  # fmt: skip
         return self._alias if self._alias is not False else None
 
     def _pressed(self, n: int) -> bool:
