@@ -71,7 +71,8 @@ class MergedStep:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none
         taken here: call `blocks_needed` first), then builds the step's table and slots on the
         device (`build`; a merged decode graph copies `host_plan()` into its own buffers)."""
-        transfer.note_step(self.parts[0].core.pool.key.device)
+        if self.parts:
+            transfer.note_step(self.parts[0].core.pool.key.device)
         for p in self.parts:
             if p.core._swapped is not None:  # back from the CPU tier first (kv/swap.py)
                 swap_in(p.core)
