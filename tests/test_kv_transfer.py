@@ -215,18 +215,19 @@ def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
     assert copies.copy(False, [], host, [], None) == (0, [])
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize("programs,spare", [(1, 7), (3, 8), (64, 7)])
 @pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
     (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
     (2, 2, 8, torch.float8_e4m3fn, True), (1, 1, 3, torch.float8_e4m3fn, False),
 ])  # fmt: skip
 def test_the_mapped_kernel_moves_blocks_as_a_gather_does(
-    programs, layers, heads, dim, dtype, scales
+    programs, spare, layers, heads, dim, dtype, scales
 ):
     """triton_kernels.block_rows (COPIES "mapped"; Triton's interpreter on the host arena): any
     order of blocks and rows, any grid, each view's bytes at its place in the row (an fp8 pool's
-    scales after the codes), rows and bytes not named left as they were; up puts them back."""
-    from oxygen_torch.triton_kernels.block_rows import block_rows
+    scales after the codes), rows and bytes not named left as they were; up puts them back.
+    `spare` bytes after a row's block: 7 makes the kernel move bytes, 8 four-byte words."""
+    from oxygen_torch.triton_kernels.block_rows import _word, block_rows
 
     g = torch.Generator().manual_seed(programs + layers)
     sts = [storage(layers, heads, dim, dtype)]
@@ -239,8 +240,10 @@ def test_the_mapped_kernel_moves_blocks_as_a_gather_does(
     n = 11
     blocks = torch.randperm(sts[0].num_blocks, generator=g)[:n]
     rows = torch.randperm(40, generator=g)[:n]
-    host = torch.randint(0, 256, (40, bb + 7), dtype=torch.uint8, generator=g)
+    host = torch.randint(0, 256, (40, bb + spare), dtype=torch.uint8, generator=g)
     before = host.clone()
+    words = torch.uint8 if spare % 2 or bb % 4 else torch.int32
+    assert _word(views, host) == words
     block_rows(views, host, blocks, rows, up=False, programs=programs)
     want = gather(views, blocks)
     assert torch.equal(host[rows, :bb], want)
