@@ -86,7 +86,7 @@ _COPIES = ("auto", "engine", "gather", "mapped")
 # (bench_tier.py: a thread moving 256 blocks down and up without pause; the median rise of
 # time per token over a call's rounds, three calls each): 2 programs (22-24 GB/s moved) +8.4,
 # +13.5, +11.2 %; 1 program (12-15 GB/s) +16.7, +6.1, +20.1 %; 16 programs (42 GB/s) +57, +64 %;
-# the paced gathers (41-43 GB/s) +18.6 to +34.4 %. The rise follows the share of the link taken
+# the paced gathers (39-43 GB/s) +18.6 to +34.4 %. The rise follows the share of the link taken
 # (a step's own small copies wait behind it) until the machine's noise hides it
 MAPPED_PROGRAMS = 16
 MAPPED_PROGRAMS_BESIDE_STEPS = 2
