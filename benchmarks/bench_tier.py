@@ -253,7 +253,8 @@ def migration() -> dict:
 def _ways(spec: str) -> tuple:
     """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB, programs alone, programs beside
     steps) of each "copies:pace:MiB[:programs]": "mapped" with programs takes that grid alone
-    and beside steps; "auto" (the default way: the mapped kernel on a GPU) transfer's grids."""
+    and beside steps; "auto" (the default way: moves down beside steps by the mapped kernel, the
+    rest by the gathers) transfer's grids."""
     from oxygen_torch.kv import transfer
 
     out = []
