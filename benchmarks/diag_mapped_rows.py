@@ -24,6 +24,7 @@ import threading
 import time
 
 import torch
+from bench_tier import scattered  # (benchmarks/ is the script's own directory)
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -90,7 +91,7 @@ def main() -> None:
         print(f"{n} blocks: pinned copy peak down {nbytes / peak_d / 1e9:.1f} GB/s, up "
               f"{nbytes / peak_u / 1e9:.1f}", flush=True)  # fmt: skip
         for order in ("consecutive", "scattered"):
-            sel = blocks[:n] if order == "consecutive" else pick_n(blocks, n, g)
+            sel = blocks[:n] if order == "consecutive" else scattered(blocks[: 2 * n])
             ids = torch.tensor(sel, device=dev)
             rr = torch.arange(n, device=dev)
             for programs in (1, 2, 4, 8, 16, 32, 132):
@@ -152,12 +153,6 @@ def main() -> None:
     path = os.path.join(os.environ.get("OUT", "."), "diag_mapped_rows.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-
-
-def pick_n(blocks: list[int], n: int, g: torch.Generator) -> list[int]:
-    """n of `blocks`, every other one, in a random order (no two consecutive)."""
-    every = blocks[::2][:n]
-    return [every[i] for i in torch.randperm(len(every), generator=g).tolist()]
 
 
 if __name__ == "__main__":
