@@ -22,6 +22,12 @@ mode's memory cap is its own):
   the common release, the burst's wall time, and whether every call started on the cache.
 - long: one 131,072-token prompt, 32 new tokens, under the 24 GiB cap: stock dynamic (does it
   fit?) and oxygen (chunked prefill): TTFT and time per output token.
+- swap: calls preempted to the CPU tier and back (the multi-task engine): low-priority calls
+  fill a small KV arena, high-priority calls arrive in two waves and swap the youngest out; the
+  same workload with their swap-in waited for in the step that takes them back
+  (kv.prefetch_distance 0, swap_wait) and started ahead while the others step (4, swap_ahead),
+  over SWAP_SEEDS workloads (prompt lengths drawn per seed). Figures: wall time and tok/s of
+  the whole workload, the steps' intervals (median, p99, worst), swaps and swap-ins ahead.
 
     python benchmarks/bench_tier.py [--parts migration capacity prefix long] [--modes ...]
     python benchmarks/bench_tier.py --smoke     # tiny model on CPU: the plumbing only
@@ -61,10 +67,12 @@ PARTS = {
         "long_hybrid_oxygen",
     ),
     "profile": ("prefix_profile",),
+    "swap": ("swap_wait", "swap_ahead"),
 }
 TIMEOUT_S = {"migration": 300, "hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240,
              "long_oxygen": 240, "long_window_hf": 240, "long_window_oxygen": 240,
-             "long_hybrid_hf": 240, "long_hybrid_oxygen": 240}  # fmt: skip
+             "long_hybrid_hf": 240, "long_hybrid_oxygen": 240, "swap_wait": 240,
+             "swap_ahead": 240}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 # (batch, prompt, new) per capacity mode; smoke: tiny
@@ -76,6 +84,11 @@ LONG_P, LONG_N = (131072, 64) if not SMOKE else (256, 8)
 WINDOW = int(os.environ.get("BENCH_TIER_WINDOW", "0")) or (4096 if not SMOKE else 32)
 HYBRID_EVERY = int(os.environ.get("BENCH_TIER_HYBRID_EVERY", "6"))
 TPOT_ROUNDS = int(os.environ.get("BENCH_TIER_TPOT_ROUNDS", "3"))  # migration: TPOT rounds
+# swap: (rows a call, low calls, their prompt's shortest, new tokens; high calls a wave, their
+# prompt, new tokens); the arena holds SWAP_FIT calls of the longest low prompt
+SWAP = (8, 4, 512, 192, 2, 512, 64) if not SMOKE else (2, 3, 24, 12, 1, 24, 6)
+SWAP_FIT = 4  # = the low calls: the high waves make room by swapping lows out
+SWAP_SEEDS = [int(x) for x in os.environ.get("BENCH_TIER_SWAP_SEEDS", "1,2").split(",")]
 
 
 def say(msg: str) -> None:
@@ -965,6 +978,140 @@ def long(mode: str) -> dict:
     return res
 
 
+# --- swap preemption and swap-ins ahead ----------------------------------------------------
+
+
+def _swap_workload(seed: int) -> tuple[list[dict], list[dict]]:
+    """(low calls, high calls) of one seed: generate() keywords; low prompts of the shortest
+    length plus up to half of it more, drawn per call."""
+    rows, lows, lp, ln, highs, hp, hn = SWAP
+    g = torch.Generator().manual_seed(seed)
+    low = []
+    for i in range(lows):
+        n = lp + int(torch.randint(0, lp // 2 + 1, (1,), generator=g))
+        low.append(dict(input_ids=prompts(rows, n, seed=seed * 100 + i), max_new_tokens=ln))
+    high = [
+        dict(input_ids=prompts(rows, hp, seed=seed * 100 + 50 + i), max_new_tokens=hn)
+        for i in range(2 * highs)
+    ]
+    for kw in low + high:
+        kw.update(
+            attention_mask=torch.ones_like(kw["input_ids"]),
+            min_new_tokens=kw["max_new_tokens"],
+            do_sample=False,
+        )
+    return low, high
+
+
+def _swap_run(model, low: list[dict], high: list[dict]) -> dict:
+    """The low calls from threads; each wave of high calls once the engine has taken 20 more
+    steps. Returns wall seconds, every call's tokens and the step intervals."""
+    import oxygen_torch
+    from oxygen_torch.integrations.hf import batched
+
+    outs: dict[int, torch.Tensor] = {}
+    errors: list = []
+    ends: list[float] = []
+
+    def call(i: int, kw: dict, priority: str) -> None:
+        try:
+            with oxygen_torch.task(priority=priority), torch.no_grad():
+                outs[i] = model.generate(**kw)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            errors.append(exc)
+        ends.append(time.perf_counter())
+
+    def scheds():
+        return [m.scheduler for m in batched._mergers.get(model, {}).values()]
+
+    def steps() -> int:
+        return sum(x.stats.steps for x in scheds())
+
+    sync()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=call, args=(i, kw, "low")) for i, kw in enumerate(low)]
+    for th in threads:
+        th.start()
+    half = len(high) // 2
+    for wave in (high[:half], high[half:]):
+        start = steps()
+        while steps() < start + 20 and any(th.is_alive() for th in threads):
+            time.sleep(0.002)
+        for kw in wave:
+            threads.append(threading.Thread(target=call, args=(len(threads), kw, "high")))
+            threads[-1].start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return dict(wall=max(ends) - t0, outs=[outs[i] for i in range(len(threads))])
+
+
+def swap(mode: str) -> dict:
+    """swap_wait / swap_ahead: the workload of each seed (after one warm run of seed 0), the
+    same in both modes but for kv.prefetch_distance."""
+    import oxygen_torch
+    from oxygen_torch.integrations.hf import batched
+
+    rows, lows, lp, ln, highs, hp, hn = SWAP
+    distance = 4 if mode == "swap_ahead" else 0
+    arena = kv_arena_bytes(SWAP_FIT * rows, lp + lp // 2 + ln)
+    oxygen_torch.enable(
+        kv={"arena_bytes": arena, "prefetch_distance": distance},
+        pool={"cpu_tier_bytes": 4 * GIB if not SMOKE else 64 * MIB},
+    )
+    model = build_model()
+    _swap_run(model, *_swap_workload(0))  # warm: kernels, decode graphs
+    res = dict(mode=mode, distance=distance, arena_MiB=arena / MIB, seeds=[])
+    for seed in SWAP_SEEDS:
+        stamps: list[float] = []
+        scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
+        before = [
+            (x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out, x.stats.steps) for x in scheds
+        ]
+
+        def on_step(event, call, stamps=stamps, **kw):
+            if event == "step":
+                stamps.append(time.perf_counter())
+
+        for x in scheds:
+            x.observers.append(on_step)
+        up0 = tier_stats().get("bytes_up", 0)
+        low, high = _swap_workload(seed)
+        got = _swap_run(model, low, high)
+        for x in scheds:
+            x.observers.remove(on_step)
+        after = [
+            (x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out, x.stats.steps) for x in scheds
+        ]
+        diff = [sum(a[k] - b[k] for a, b in zip(after, before)) for k in range(4)]
+        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+        tokens = sum(kw["input_ids"].shape[0] * kw["max_new_tokens"] for kw in low + high)
+        one = dict(
+            seed=seed,
+            wall_s=got["wall"],
+            tok_per_s=tokens / got["wall"],
+            steps=diff[3],
+            step_ms_p50=1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
+            step_ms_p99=1e3 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+            step_ms_worst=1e3 * gaps[-1] if gaps else 0.0,
+            swaps=diff[0],
+            swaps_ahead=diff[1],
+            sat_out=diff[2],
+            up_MiB=(tier_stats().get("bytes_up", 0) - up0) / MIB,
+            last_tokens=[o[:, -4:].tolist() for o in got["outs"]],
+        )
+        res["seeds"].append(one)
+        say(
+            f"{mode} seed {seed}: {one['wall_s']:.2f} s, {one['tok_per_s']:.0f} tok/s, "
+            f"{one['steps']} steps (interval median {one['step_ms_p50']:.2f} ms, p99 "
+            f"{one['step_ms_p99']:.2f}, worst {one['step_ms_worst']:.2f}), {one['swaps']} swaps "
+            f"({one['swaps_ahead']} swapped in ahead, {one['sat_out']} steps sat out), "
+            f"{one['up_MiB']:.0f} MiB up"
+        )
+    return res
+
+
 # --- driver -------------------------------------------------------------------------------
 
 
@@ -982,6 +1129,8 @@ def run_mode(mode: str) -> dict:
             return prefix(mode)
         if mode == "prefix_profile":
             return prefix_profile(mode)
+        if mode in PARTS["swap"]:
+            return swap(mode)
         return long(mode)
     except Exception:
         return {"mode": mode, "error": traceback.format_exc()[-2000:]}
@@ -1125,6 +1274,7 @@ def table(r: dict) -> str:
                 f"{turns} | {hits} | {hot} | {same} |"
             )
     out += _concurrent_table(r)
+    out += _swap_table(r)
     lg = [r[k] for k in PARTS["long"] if k in r]
     if lg:
         out += [
@@ -1149,6 +1299,42 @@ def table(r: dict) -> str:
                 err = x.get("error", "").strip().splitlines()[-1][:100]
                 out.append(f"| {x['mode']} | no: {err} | | | | |")
     return "\n".join(out)
+
+
+def _swap_table(r: dict) -> list[str]:
+    """swap_ahead against swap_wait, seed by seed (the worst seed's ratio last)."""
+    wait, ahead = r.get("swap_wait", {}), r.get("swap_ahead", {})
+    rows = [x for x in (wait, ahead) if x.get("seeds")]
+    if not rows:
+        return []
+    out = [
+        "",
+        "| swap workload | seed | wall s | tok/s | steps | step interval ms: median / p99 / worst "
+        "| swaps | swapped in ahead | steps sat out | MiB up |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        for s in x["seeds"]:
+            out.append(
+                f"| {x['mode']} (distance {x['distance']}) | {s['seed']} | {s['wall_s']:.2f} | "
+                f"{s['tok_per_s']:.0f} | {s['steps']} | {s['step_ms_p50']:.2f} / "
+                f"{s['step_ms_p99']:.2f} / {s['step_ms_worst']:.2f} | {s['swaps']} | "
+                f"{s['swaps_ahead']} | {s['sat_out']} | {s['up_MiB']:.0f} |"
+            )
+    if wait.get("seeds") and ahead.get("seeds"):
+        pairs = list(zip(wait["seeds"], ahead["seeds"]))
+        ratios = [a["tok_per_s"] / w["tok_per_s"] for w, a in pairs]
+        same = [
+            sum(x == y for x, y in zip(w["last_tokens"], a["last_tokens"])) / len(w["last_tokens"])
+            for w, a in pairs
+        ]
+        out += [
+            "",
+            f"swap_ahead / swap_wait tok/s by seed: {', '.join(f'{q:.3f}' for q in ratios)} "
+            f"(worst {min(ratios):.3f}); calls whose last tokens agree: "
+            f"{', '.join(f'{q:.2f}' for q in same)}",
+        ]
+    return out
 
 
 def _concurrent_table(r: dict) -> list[str]:

@@ -188,13 +188,13 @@ def test_the_mapped_way_on_the_host_without_the_interpreter_gathers_and_says_why
         host_pool.manager.decref(blocks)
 
 
-def _burst(tier_bytes: int, graphs: bool = False):
+def _burst(tier_bytes: int, graphs: bool = False, prefetch: int = 4):
     """31 KV blocks of 128 tokens; six calls of six rows start at one block a row (prompts of
     about 100 tokens: five calls admitted at once) and cross into a second during decode, so
     any three of them at once need 36: younger calls are preempted even when the calls
     overlap only partly (a loaded machine). `graphs`: merged decode steps through graphs too."""
     cfg = load_config(
-        kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+        kv={"block_tokens": 128, "arena_bytes": 8 << 20, "prefetch_distance": prefetch},
         pool={"cpu_tier_bytes": tier_bytes},
         scheduler={"decode_graphs": graphs},
     )
@@ -240,6 +240,48 @@ def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, 
     series = 'oxygen:migration_bytes_total{device="0",direction="gpu_to_cpu"}'
     (line,) = [ln for ln in text.splitlines() if ln.startswith(series)]
     assert float(line.split()[-1]) == tier["bytes_down"]
+
+
+@pytest.mark.parametrize("distance", [0, 1, 3])
+def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distance):
+    """kv.prefetch_distance: a swapped-out call that a step chooses starts coming back then,
+    and while its copy runs (here: a copy said to be running at every look) it sits out up to
+    `distance` steps in a row while the others step, then joins; the tokens are those of no
+    preemption. 0: nothing starts ahead and nobody sits out (its step swaps it in)."""
+    from oxygen_torch.integrations.hf import batched
+
+    coming: set[int] = set()  # cores whose swap-in ahead is "still copying"
+    monkeypatch.setattr(batched, "pending", lambda core: id(core) in coming)
+    fetch, seen = batched.Merger.fetch, []
+
+    def watched(self, call):
+        core = call.state.cache._core
+        swapped = core._swapped is not None
+        if swapped:
+            coming.add(id(core))
+        ahead, sit = fetch(self, call)
+        assert ahead == (swapped and distance > 0)  # every chosen swapped call, at once
+        if not sit:
+            coming.discard(id(core))
+        seen.append((call.sat_out, sit))
+        return ahead, sit
+
+    monkeypatch.setattr(batched.Merger, "fetch", watched)
+    model, kws = _burst(64 * MiB, prefetch=distance)
+    together_as_alone(model, kws)
+    (sched,) = schedulers(model)
+    st = sched.stats
+    assert st.swaps > 0
+    if distance == 0:
+        assert st.swaps_ahead == st.sat_out == 0 and not any(sit for _, sit in seen)
+        return
+    assert st.swaps_ahead > 0 and st.sat_out > 0
+    assert max(n for n, sit in seen if sit) <= distance - 1  # never more steps in a row
+    if distance == 1:
+        assert any(n == 1 and not sit for n, sit in seen)  # one step out, then taken
+    assert sched.snapshot()["sat_out"] == st.sat_out
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
+    assert pool["cpu_tier"]["slots_used"] == 0 and pool["blocks_used"] == 0
 
 
 def test_a_full_cpu_tier_degrades_to_recompute_with_one_warning(oxygen, caplog):

@@ -99,8 +99,12 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
         pool.manager.decref(taken)
 
 
-def test_swap_preemption_on_the_gpu(oxygen):
-    cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+@pytest.mark.parametrize("distance", [4, 0])
+def test_swap_preemption_on_the_gpu(oxygen, distance):
+    """Swap preemption on the GPU; kv.prefetch_distance 4: swapped calls start coming back when
+    a step chooses them (their copy on the side stream) and may sit out while it runs."""
+    cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20,
+                          "prefetch_distance": distance},
                       pool={"cpu_tier_bytes": 64 * MiB})  # fmt: skip
     model = hf.apply(llama().cuda(), cfg)
     kws = []
@@ -116,10 +120,48 @@ def test_swap_preemption_on_the_gpu(oxygen):
     (sched,) = schedulers(model)
     (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
     tier = pool["cpu_tier"]
-    print(f"\nswap on the GPU: agreement {agree:.4f}, swaps {sched.stats.swaps}, tier {tier}")
+    st = sched.stats
+    print(f"\nswap on the GPU: agreement {agree:.4f}, swaps {st.swaps}, ahead {st.swaps_ahead}, "
+          f"sat out {st.sat_out}, tier {tier}")  # fmt: skip
     assert agree >= 0.9
-    assert sched.stats.swaps > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
+    assert st.swaps > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
+    assert (st.swaps_ahead > 0) == (distance > 0) and st.swaps_ahead <= st.swaps
     assert tier["slots_used"] == 0 and pool["blocks_used"] == 0
+
+
+def test_a_swap_in_ahead_is_waited_for_by_the_next_step_not_by_the_current_stream(oxygen):
+    """swap_in(ahead=True) behind a busy side stream: the current stream does not wait (the
+    copy is still pending after its own work is done), and `resident` (the step's start) makes
+    it wait, so what the step reads is the K/V from before the swap, not what another user
+    wrote into the freed blocks meanwhile."""
+    from oxygen_torch.kv.swap import pending, resident, swap_in, swap_out
+
+    model = hf.apply(llama(seed=2).cuda())
+    ids = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(9)).cuda()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    core = out.past_key_values._core
+    want = [core.dense(layer) for layer in range(core.num_layers)]
+    tier = core.pool.cpu_tier(16 * MiB)
+    assert swap_out(core) > 0
+    with core.pool.lock:  # the freed blocks are overwritten by someone else meanwhile
+        taken = core.pool.manager.allocate(core.pool.manager.num_free)
+    st = core.pool.storage
+    for cache in (*st.k, *st.v):
+        cache.index_fill_(0, torch.tensor(taken, device=cache.device), 7.0)
+    with core.pool.lock:
+        core.pool.manager.decref(taken)
+    with torch.cuda.stream(tier._side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the side stream before the copy
+    swap_in(core, ahead=True)
+    torch.cuda.current_stream().synchronize()  # the current stream did not wait for it
+    assert core._swapped is None and pending(core)
+    resident(core)  # (a step's start) the current stream waits for the copy
+    assert core._ready is None
+    got = [core.dense(layer) for layer in range(core.num_layers)]
+    for layer, ((k, v), (gk, gv)) in enumerate(zip(want, got)):
+        assert torch.equal(gk, k) and torch.equal(gv, v), layer
+    assert not pending(core)
 
 
 def test_prefix_cache_hits_on_the_gpu(oxygen):

@@ -219,8 +219,9 @@ class KVConfig:
 
     block_tokens: int = 16  # tokens per KV block; a power of two in [16, 256] (kernel tiles)
     kv_dtype: str = "auto"  # auto: the model's dtype
-    # blocks fetched back from the CPU tier ahead of use (not wired: no running call reads a
-    # cold block yet; a non-default value warns that it does nothing)
+    # the engine's prefetch: a call swapped out to the CPU tier starts coming back when a step
+    # chooses it, and sits out up to this many steps in a row while its copy runs beside the
+    # other calls' steps; 0 = its step waits for the copy (integrations/hf/batched.py fetch)
     prefetch_distance: int = 4
     # virtual size of the KV arena; 0 = sized from device memory; at most 128 TiB (address space)
     arena_bytes: int = 0

@@ -252,15 +252,10 @@ def load_config(**overrides: Any) -> OxygenConfig:
     return cfg
 
 
-# Fields whose feature comes in a later issue: validated and documented now, read by nothing yet.
-# pool.cpu_tier_bytes is wired: the CPU tier holds preempted calls' KV (swap preemption), and
-# pool.hot_zone_ratio / migration_threshold its prefix-cache zones (kv/prefix.py sweep). A
-# prefetch has nothing to fetch yet: a running call's blocks are all on the device, and a hit
-# brings up every cold block it reads in its one transfer.
-_TIERS = "the CPU tier's prefetch of blocks ahead of use (no running call reads a cold block yet)"
-NOT_WIRED: dict[str, str] = {
-    "kv.prefetch_distance": _TIERS,
-}
+# Fields whose feature comes in a later issue: validated and documented, read by nothing yet
+# (a non-default value warns once). None now: kv.prefetch_distance, the last, is the engine's
+# swap-in ahead of a swapped call's step (integrations/hf/batched.py fetch).
+NOT_WIRED: dict[str, str] = {}
 _warned_not_wired: set[str] = set()
 
 

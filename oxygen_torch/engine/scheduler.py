@@ -57,6 +57,7 @@ class Call:
     late: bool = False  # missed a step while in its own code: not waited for until it submits
     preempted: bool = False  # its KV was freed; its next step recomputes it
     swapped: bool = False  # (set by the runner's preempt) its KV went to the CPU tier instead
+    sat_out: int = 0  # steps in a row it sat out while its KV came back ahead (runner.fetch)
     state: Any = None  # the runner's per-call data
     first_done: float | None = None  # when its first request (the prefill) completed
     last_done: float | None = None
@@ -103,6 +104,8 @@ class Runner(Protocol):
     def free_blocks(self) -> int: ...
     def total_blocks(self) -> int: ...
     def preempt(self, call: Call) -> int: ...
+    # a chosen call: (a swap-in ahead of its step started, it sits this step out)
+    def fetch(self, call: Call) -> tuple[bool, bool]: ...
 
 
 @dataclass
@@ -111,6 +114,8 @@ class StepStats:
     tokens: int = 0
     preemptions: int = 0
     swaps: int = 0  # preemptions that moved the KV to the CPU tier (no recompute)
+    swaps_ahead: int = 0  # swap-ins started when the step chose the call, not waited for there
+    sat_out: int = 0  # steps a chosen call left to the others while its KV was still coming up
     batch_sizes: list[int] = field(default_factory=list)  # sequences per step, the last 1024
 
 
@@ -173,6 +178,9 @@ class StepScheduler:
                 "weight_balance": policies.weight_balance(accounts),
                 "steps": self.stats.steps,
                 "preemptions": self.stats.preemptions,
+                "swaps": self.stats.swaps,
+                "swaps_ahead": self.stats.swaps_ahead,
+                "sat_out": self.stats.sat_out,
             }
 
     # --- requests ---------------------------------------------------------------------------------
@@ -401,7 +409,31 @@ class StepScheduler:
             step.take(ch)
             if step.tokens <= 0 or step.seqs <= 0 or solo:
                 break
+        if self.coordinator is None:  # (every rank would have to sit the same calls out)
+            self._fetch_ahead(step)
         return step.chosen
+
+    def _fetch_ahead(self, step: _Budget) -> None:
+        """The chosen calls swapped out to the CPU tier start coming back now (the runner's
+        fetch, kv.prefetch_distance): one whose copy is still running sits this step out while
+        the others decode, at most the distance's steps in a row. A step that would be left
+        with nobody takes them all and waits for their copies."""
+        out = []
+        for ch in step.chosen:
+            if ch.part == "solo":
+                continue
+            ahead, sit = self.runner.fetch(ch.request.call)
+            self.stats.swaps_ahead += ahead
+            if sit:
+                out.append(ch.request.call)
+        if len(out) == len(step.chosen):
+            out = []
+        for call in out:
+            step.drop(call)
+            call.sat_out += 1
+            self.stats.sat_out += 1
+        for ch in step.chosen:
+            ch.request.call.sat_out = 0
 
     def _preempt_for(self, need: int, requester: Call, ranked, step: _Budget) -> None:
         """Frees up to `need` blocks from calls waiting in submit that rank below the requester

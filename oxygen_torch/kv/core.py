@@ -30,7 +30,7 @@ from .plan import StepPlan
 from .pool import KVPool, PoolKey, get_pool
 from .step_attention import AttendMixin
 from .storage import GUARD_BLOCK, debug_checks_enabled
-from .swap import swap_in
+from .swap import resident
 from .table import BlockTableMixin
 from .transfer import to_device
 from .window import WindowMixin
@@ -109,6 +109,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         self._dirty: tuple[int, int] | None = None  # table columns not yet copied to the device
         self._lent = False  # table/seq_lens are a decode graph's buffers (see begin_graph_step)
         self._swapped = None  # kv/swap.py's Swapped while the KV is in the CPU tier
+        self._ready = None  # the copy's event of a swap-in ahead of the next step (kv/swap.py)
 
     # --- binding to a pool ----------------------------------------------------------------
 
@@ -205,8 +206,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
         transfer.note_step(self.pool.key.device)  # (the tier's moves meanwhile yield the link)
-        if self._swapped is not None:
-            swap_in(self)
+        resident(self)
         if self._lent:
             self._reload()
         lens0 = list(self.seqs.lens)
@@ -297,6 +297,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         """Sequence i becomes old sequence order[i] (beam reorder, repeat_interleave, select)."""
         if self.seqs is None:
             return
+        swap.settle(self)
         with self.pool.lock:
             if self._swapped is not None:
                 swap.select(self, order)
@@ -311,8 +312,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         """Drops the last `remove` tokens of every sequence."""
         if remove <= 0 or self.seqs is None:
             return
-        if self._swapped is not None:
-            swap_in(self)
+        resident(self)
         new_len = self.length - remove
         if new_len < self._pad_frontier:
             raise NotImplementedError(
@@ -351,8 +351,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         )
         if self.seqs is None:
             return other
-        if self._swapped is not None:
-            swap_in(self)
+        resident(self)
         other.pool, other.model_dtype = self.pool, self.model_dtype
         other.seqs = SequenceBlocks(self.pool.manager, self.block_tokens)
         with self.pool.lock:
@@ -377,6 +376,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         if self.seqs is None:
             return
         batch = len(self.seqs)
+        swap.settle(self)
         with self.pool.lock:
             if self._swapped is not None:
                 swap.release(self)
@@ -388,6 +388,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
     def release(self) -> None:
         """Gives every block back to the pool and forgets the sequences."""
         if self.seqs is not None:
+            swap.settle(self)
             with self.pool.lock:
                 if self._swapped is not None:
                     swap.release(self)

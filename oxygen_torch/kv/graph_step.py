@@ -9,7 +9,7 @@ import torch
 from .. import context
 from . import transfer
 from .plan import StepPlan
-from .swap import swap_in
+from .swap import resident
 
 
 class GraphStepMixin:
@@ -36,8 +36,7 @@ class GraphStepMixin:
         if self.seqs is None:
             raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
         transfer.note_step(self.pool.key.device)
-        if self._swapped is not None:  # preempted to the CPU tier: back first (kv/swap.py)
-            swap_in(self)
+        resident(self)  # preempted to the CPU tier: back first (kv/swap.py)
         if not all(n == self.length for n in self._layer_len):
             raise RuntimeError("PagedKVCache: the previous step did not reach every layer")
         lens0 = list(self.seqs.lens)

@@ -21,7 +21,7 @@ from .core import PagedKVCore
 from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
-from .swap import swap_in
+from .swap import resident
 from .window import check_narrow_window, narrowed_window
 
 
@@ -73,9 +73,8 @@ class MergedStep:
         device (`build`; a merged decode graph copies `host_plan()` into its own buffers)."""
         if self.parts:
             transfer.note_step(self.parts[0].core.pool.key.device)
-        for p in self.parts:
-            if p.core._swapped is not None:  # back from the CPU tier first (kv/swap.py)
-                swap_in(p.core)
+        for p in self.parts:  # back from the CPU tier first (kv/swap.py)
+            resident(p.core)
         self._starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
             p.core._reserve(p.counts)

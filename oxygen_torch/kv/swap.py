@@ -12,6 +12,13 @@ Entries a row gave back behind its sliding window (GUARD_BLOCK, kv/window.py) st
 nothing is moved or referenced for them. A core whose rows narrowed blocks (a hybrid model's,
 kv/window.py) is not swapped: those blocks' sliding layers' pages may be unmapped, so a gather
 of whole blocks may not read them (`swappable`).
+
+A swap-in may also start ahead of the core's step (`swap_in(core, ahead=True)`: the engine's
+prefetch, kv.prefetch_distance): the rows are put back at once, the copy runs on the tier's side
+stream, and the core keeps the copy's event (`core._ready`) instead of the current stream waiting
+for it. Whatever next reads or gives back the core's blocks first has its stream wait for that
+event (`settle`, from `resident` before a step and from the core's other operations), so no step
+reads a block the copy is still writing and no block is reused under it.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ def swap_out(core, low_priority: bool = False) -> int | None:
         pool.manager.decref(gone, after=tier.fence())
         if pool.heat is not None:
             pool.heat.forget(own)
+        core._ready = None  # a swap-in ahead still in flight: the side stream orders the two
         core._swapped = Swapped(rows, list(seqs.lens), list(seqs.dropped), set(where.values()))
         core.seqs = SequenceBlocks(pool.manager, core.block_tokens, len(rows))
         freed = pool.manager.num_free - before
@@ -83,15 +91,17 @@ def swap_out(core, low_priority: bool = False) -> int | None:
     return freed
 
 
-def swap_in(core) -> None:
-    """Brings a swapped-out core's blocks back (KVCacheFull: nothing changed, still swapped)."""
+def swap_in(core, ahead: bool = False) -> None:
+    """Brings a swapped-out core's blocks back (KVCacheFull: nothing changed, still swapped).
+    `ahead`: the current stream does not wait for the copy; the core keeps its event for its
+    next step (`settle`)."""
     sw, pool = core._swapped, core.pool
     with pool.lock:
         uses = Counter([b for row in sw.rows for b in row if b < 0])  # -1 - slot: its entries
         live = sorted([-1 - b for b in uses])
         new = pool.manager.allocate(len(live))
         try:
-            pool.tier.up(live, new)
+            core._ready = pool.tier.up(live, new, wait=not ahead)
         except BaseException:
             pool.manager.decref(new)
             raise
@@ -109,6 +119,27 @@ def swap_in(core) -> None:
         for r, row in enumerate(rows):
             core._table_host[r, : len(row)] = core._table_host.new_tensor(row)
     core._reload()
+
+
+def resident(core) -> None:
+    """Before a step reads the core's blocks: a swapped-out core comes back (the current stream
+    waits for the copy), and a core swapped in ahead has the current stream wait for its copy."""
+    if core._swapped is not None:
+        swap_in(core)
+    settle(core)
+
+
+def settle(core) -> None:
+    """The current stream's next work comes after the core's swap-in ahead, if one is pending
+    (before its blocks are read, shared or given back)."""
+    done, core._ready = core._ready, None
+    if done is not None:
+        torch.cuda.current_stream(core.pool.key.device).wait_event(done)
+
+
+def pending(core) -> bool:
+    """Whether the core's swap-in ahead is still copying (never on the host)."""
+    return core._ready is not None and not core._ready.query()
 
 
 def select(core, order: list[int]) -> None:

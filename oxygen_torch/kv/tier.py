@@ -414,10 +414,13 @@ class CPUTier:
             self.counts["bytes_from_disk"] += len(disk) * self.row_bytes
         return out
 
-    def up(self, slots: list[int], blocks: list[int]) -> None:
-        """Copies slots into device blocks (allocated by the caller); the slots stay taken."""
+    def up(self, slots: list[int], blocks: list[int], wait: bool = True):
+        """Copies slots into device blocks (allocated by the caller); the slots stay taken.
+        `wait`: the current stream's next work comes after the copy. Else the copy's event is
+        returned for the step that reads the blocks to wait for (a swap-in ahead of its step,
+        kv/swap.py); None on the host, where the copy is done on return."""
         if not slots:
-            return
+            return None
         self._clock += 1
         of = slots if self._halves == 1 else [s // self._halves for s in slots]  # their rows
         last, clock = self._last, self._clock
@@ -454,11 +457,9 @@ class CPUTier:
                     )
                 else:
                     transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
-            if self._side is not None:  # the step that reads the blocks comes after
-                self._stage.order(torch.cuda.current_stream(self.device), self._side)
             self.counts["bytes_up"] += len(slots) * self.block_bytes
             self.counts["migrations_up"] += 1
-            return
+            return self._after_up(wait)
         rows = sorted(set(of))
         src = self._rows_of(rows)  # [m, row bytes]
         at = {r: i for i, r in enumerate(rows)}
@@ -477,6 +478,19 @@ class CPUTier:
             staged = torch.cat([codes, scales], dim=1)  # [n, codes + scales]
             self._scatter(staged, [blocks[i] for i in low], lowered=True)
         self.counts["migrations_up"] += 1
+        return self._after_up(wait)
+
+    def _after_up(self, wait: bool):
+        """The step that reads the blocks a move up wrote comes after it: the current stream's
+        next work (`wait`), or whoever waits for the event returned."""
+        if self._side is None:
+            return None
+        if wait:
+            self._stage.order(torch.cuda.current_stream(self.device), self._side)
+            return None
+        done = torch.cuda.Event()
+        done.record(self._side)
+        return done
 
     def _scatter(self, staged: torch.Tensor, blocks: list[int], lowered: bool) -> None:
         idx = self._ids(blocks)
@@ -487,8 +501,6 @@ class CPUTier:
             staged = staged.pin_memory()
             with self._on_side():  # everything made here is used here only
                 self._write(idx, staged.to(self.device, non_blocking=True), lowered)
-            # the step that reads the blocks comes after
-            self._stage.order(torch.cuda.current_stream(self.device), self._side)
         self.counts["bytes_up"] += nbytes
 
     def _write(self, idx: torch.Tensor, staged: torch.Tensor, lowered: bool) -> None:

@@ -32,9 +32,10 @@ from ... import _patching
 from ...engine import rank_plan
 from ...engine.scheduler import Chunk, Request, Solo, StepScheduler
 from ...engine.task import PRIORITIES, Task
+from ...kv.block_manager import KVCacheFull
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
-from ...kv.swap import swap_out, swappable
+from ...kv.swap import pending, swap_in, swap_out, swappable
 from ...kv.transfer import to_device
 from . import compat, graphs, merged_graphs
 from .attention import new_columns
@@ -206,6 +207,23 @@ class Merger:
         before = core.pool.manager.num_free
         core.drop_kv()
         return core.pool.manager.num_free - before
+
+    def fetch(self, call) -> tuple[bool, bool]:
+        """A chosen call swapped out to the CPU tier starts coming back now, ahead of its step
+        (kv.prefetch_distance > 0; the copy runs on the tier's side stream beside the steps
+        before it). Returns (whether that swap-in started here, whether the call sits this step
+        out: its copy is still running and it sat out fewer steps in a row than the distance)."""
+        core = call.state.cache._core
+        distance = call.state.cache.cfg.kv.prefetch_distance
+        if not distance or core.pool is None:
+            return False, False
+        started = core._swapped is not None
+        if started:
+            try:
+                swap_in(core, ahead=True)
+            except KVCacheFull:  # a call running alone took the blocks: its step swaps it in
+                return False, False
+        return started, call.sat_out < distance and pending(core)
 
     def run(self, chunks: list[Chunk]) -> bool:
         """One merged forward over `chunks`; False when nothing was served (a call running

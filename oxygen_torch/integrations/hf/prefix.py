@@ -34,6 +34,7 @@ import torch
 from ...kv.history import History
 from ...kv.pool import KVPool, get_pool
 from ...kv.storage import GUARD_BLOCK
+from ...kv.swap import settle
 from .cache import PagedKVCache
 
 _serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -173,6 +174,7 @@ def keep(prompt: Prompt, cache: PagedKVCache, out) -> None:
     seqs = core.seqs
     if seqs is None or core.pool is not prompt.pool:
         return
+    settle(core)  # a swap-in ahead still copying: the blocks' next reader comes after it
     sequences = getattr(out, "sequences", out)
     gen = None
     if not prompt.beams and isinstance(sequences, torch.Tensor) and sequences.dim() == 2:
