@@ -23,11 +23,11 @@ mode's memory cap is its own):
 - long: one 131,072-token prompt, 32 new tokens, under the 24 GiB cap: stock dynamic (does it
   fit?) and oxygen (chunked prefill): TTFT and time per output token.
 - swap: calls preempted to the CPU tier and back (the multi-task engine): low-priority calls
-  fill a small KV arena, high-priority calls arrive in two waves and swap the youngest out; the
-  same workload with their swap-in waited for in the step that takes them back
-  (kv.prefetch_distance 0, swap_wait) and started ahead while the others step (4, swap_ahead),
-  over SWAP_SEEDS workloads (prompt lengths drawn per seed). Figures: wall time and tok/s of
-  the whole workload, the steps' intervals (median, p99, worst), swaps and swap-ins ahead.
+  fill a small KV arena, high-priority calls arrive in two waves and swap the youngest out; each
+  of SWAP_SEEDS workloads (prompt lengths drawn per seed) run twice in turn, swap-ins waited for
+  in the step that takes the call back (as kv.prefetch_distance 0) and started ahead while the
+  others step (4). Figures: wall time and tok/s, the steps' median time and that of the steps
+  during which a swap-in ran, swaps and swap-ins ahead.
 
     python benchmarks/bench_tier.py [--parts migration capacity prefix long] [--modes ...]
     python benchmarks/bench_tier.py --smoke     # tiny model on CPU: the plumbing only
@@ -67,12 +67,11 @@ PARTS = {
         "long_hybrid_oxygen",
     ),
     "profile": ("prefix_profile",),
-    "swap": ("swap_wait", "swap_ahead"),
+    "swap": ("swap",),
 }
 TIMEOUT_S = {"migration": 300, "hf_offloaded": 300, "oxygen_tier": 420, "long_hf": 240,
              "long_oxygen": 240, "long_window_hf": 240, "long_window_oxygen": 240,
-             "long_hybrid_hf": 240, "long_hybrid_oxygen": 240, "swap_wait": 240,
-             "swap_ahead": 240}  # fmt: skip
+             "long_hybrid_hf": 240, "long_hybrid_oxygen": 240, "swap": 420}  # fmt: skip
 SMOKE = os.environ.get("BENCH_TIER_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 # (batch, prompt, new) per capacity mode; smoke: tiny
@@ -1048,67 +1047,85 @@ def _swap_run(model, low: list[dict], high: list[dict]) -> dict:
 
 
 def swap(mode: str) -> dict:
-    """swap_wait / swap_ahead: the workload of each seed (after one warm run of seed 0), the
-    same in both modes but for kv.prefetch_distance."""
+    """Each seed's workload twice in one process, in turn: its swap-ins waited for in the step
+    that takes the call back (as kv.prefetch_distance 0: the runner's fetch starts nothing) and
+    started ahead (4), after one warm run of seed 0 each way. Every merged step is timed to the
+    end of its GPU work (the device synchronized after it; generate() reads each step's tokens
+    anyway) and tagged when a swap-in ran during it: inside it (waited for) or beside it (ahead,
+    the call sitting out)."""
     import oxygen_torch
     from oxygen_torch.integrations.hf import batched
 
     rows, lows, lp, ln, highs, hp, hn = SWAP
-    distance = 4 if mode == "swap_ahead" else 0
     arena = kv_arena_bytes(SWAP_FIT * rows, lp + lp // 2 + ln)
     oxygen_torch.enable(
-        kv={"arena_bytes": arena, "prefetch_distance": distance},
+        kv={"arena_bytes": arena, "prefetch_distance": 4},
         pool={"cpu_tier_bytes": 4 * GIB if not SMOKE else 64 * MIB},
     )
     model = build_model()
-    _swap_run(model, *_swap_workload(0))  # warm: kernels, decode graphs
-    res = dict(mode=mode, distance=distance, arena_MiB=arena / MIB, seeds=[])
-    for seed in SWAP_SEEDS:
-        stamps: list[float] = []
-        scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
-        before = [
-            (x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out, x.stats.steps) for x in scheds
-        ]
+    fetch, run = batched.Merger.fetch, batched.Merger.run
+    way = {"ahead": True}
+    steps: list[tuple[float, bool]] = []  # (seconds, a swap-in ran during it)
 
-        def on_step(event, call, stamps=stamps, **kw):
-            if event == "step":
-                stamps.append(time.perf_counter())
+    def fetch_either(self, call):
+        return fetch(self, call) if way["ahead"] else (False, False)
 
-        for x in scheds:
-            x.observers.append(on_step)
-        up0 = tier_stats().get("bytes_up", 0)
-        low, high = _swap_workload(seed)
-        got = _swap_run(model, low, high)
-        for x in scheds:
-            x.observers.remove(on_step)
-        after = [
-            (x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out, x.stats.steps) for x in scheds
-        ]
-        diff = [sum(a[k] - b[k] for a, b in zip(after, before)) for k in range(4)]
-        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
-        tokens = sum(kw["input_ids"].shape[0] * kw["max_new_tokens"] for kw in low + high)
-        one = dict(
-            seed=seed,
-            wall_s=got["wall"],
-            tok_per_s=tokens / got["wall"],
-            steps=diff[3],
-            step_ms_p50=1e3 * gaps[len(gaps) // 2] if gaps else 0.0,
-            step_ms_p99=1e3 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
-            step_ms_worst=1e3 * gaps[-1] if gaps else 0.0,
-            swaps=diff[0],
-            swaps_ahead=diff[1],
-            sat_out=diff[2],
-            up_MiB=(tier_stats().get("bytes_up", 0) - up0) / MIB,
-            last_tokens=[o[:, -4:].tolist() for o in got["outs"]],
+    def run_timed(self, chunks):
+        inside = any(
+            ch.part != "solo" and ch.request.payload.cache._core._swapped is not None
+            for ch in chunks
         )
-        res["seeds"].append(one)
-        say(
-            f"{mode} seed {seed}: {one['wall_s']:.2f} s, {one['tok_per_s']:.0f} tok/s, "
-            f"{one['steps']} steps (interval median {one['step_ms_p50']:.2f} ms, p99 "
-            f"{one['step_ms_p99']:.2f}, worst {one['step_ms_worst']:.2f}), {one['swaps']} swaps "
-            f"({one['swaps_ahead']} swapped in ahead, {one['sat_out']} steps sat out), "
-            f"{one['up_MiB']:.0f} MiB up"
-        )
+        ahead = self.scheduler.stats.swaps_ahead
+        t = time.perf_counter()
+        out = run(self, chunks)
+        sync()
+        beside = self.scheduler.stats.swaps_ahead != getattr(self, "_bench_ahead", ahead)
+        self._bench_ahead = ahead
+        steps.append((time.perf_counter() - t, inside or beside))
+        return out
+
+    batched.Merger.fetch, batched.Merger.run = fetch_either, run_timed
+    res = dict(mode=mode, arena_MiB=arena / MIB, seeds=[])
+    for seed in [0, *SWAP_SEEDS]:
+        for ahead in (False, True):
+            way["ahead"] = ahead
+            scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
+            before = [(x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out) for x in scheds]
+            up0 = tier_stats().get("bytes_up", 0)
+            steps.clear()
+            low, high = _swap_workload(seed)
+            got = _swap_run(model, low, high)
+            scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
+            after = [(x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out) for x in scheds]
+            diff = [sum(a[k] for a in after) - sum(b[k] for b in before) for k in range(3)]
+            if seed == 0:
+                continue  # warm: kernels, graphs, the tier's buffers
+            tagged = [t for t, swap_in in steps if swap_in]
+            others = [t for t, swap_in in steps if not swap_in]
+            tokens = sum(kw["input_ids"].shape[0] * kw["max_new_tokens"] for kw in low + high)
+            one = dict(
+                seed=seed,
+                way="ahead" if ahead else "waited",
+                wall_s=got["wall"],
+                tok_per_s=tokens / got["wall"],
+                steps=len(steps),
+                step_ms=1e3 * statistics.median(others) if others else 0.0,
+                swap_step_ms=1e3 * statistics.median(tagged) if tagged else 0.0,
+                swap_steps=len(tagged),
+                swaps=diff[0],
+                swaps_ahead=diff[1],
+                sat_out=diff[2],
+                up_MiB=(tier_stats().get("bytes_up", 0) - up0) / MIB,
+                last_tokens=[o[:, -4:].tolist() for o in got["outs"]],
+            )
+            res["seeds"].append(one)
+            say(
+                f"swap seed {seed}, swap-ins {one['way']}: {one['wall_s']:.2f} s, "
+                f"{one['tok_per_s']:.0f} tok/s, {one['steps']} steps (median {one['step_ms']:.2f}"
+                f" ms; {one['swap_steps']} with a swap-in, median {one['swap_step_ms']:.2f} ms), "
+                f"{one['swaps']} swaps ({one['swaps_ahead']} ahead, {one['sat_out']} steps sat "
+                f"out), {one['up_MiB']:.0f} MiB up"
+            )
     return res
 
 
@@ -1302,27 +1319,24 @@ def table(r: dict) -> str:
 
 
 def _swap_table(r: dict) -> list[str]:
-    """swap_ahead against swap_wait, seed by seed (the worst seed's ratio last)."""
-    wait, ahead = r.get("swap_wait", {}), r.get("swap_ahead", {})
-    rows = [x for x in (wait, ahead) if x.get("seeds")]
+    """Swap-ins waited for against started ahead, seed by seed (the worst seed's ratio last)."""
+    rows = r.get("swap", {}).get("seeds")
     if not rows:
         return []
     out = [
         "",
-        "| swap workload | seed | wall s | tok/s | steps | step interval ms: median / p99 / worst "
-        "| swaps | swapped in ahead | steps sat out | MiB up |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| swap workload | seed | swap-ins | wall s | tok/s | steps | step ms, median | steps with "
+        "a swap-in: n, median ms | swaps | swapped in ahead | steps sat out | MiB up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
-        for s in x["seeds"]:
-            out.append(
-                f"| {x['mode']} (distance {x['distance']}) | {s['seed']} | {s['wall_s']:.2f} | "
-                f"{s['tok_per_s']:.0f} | {s['steps']} | {s['step_ms_p50']:.2f} / "
-                f"{s['step_ms_p99']:.2f} / {s['step_ms_worst']:.2f} | {s['swaps']} | "
-                f"{s['swaps_ahead']} | {s['sat_out']} | {s['up_MiB']:.0f} |"
-            )
-    if wait.get("seeds") and ahead.get("seeds"):
-        pairs = list(zip(wait["seeds"], ahead["seeds"]))
+        out.append(
+            f"| swap | {x['seed']} | {x['way']} | {x['wall_s']:.2f} | {x['tok_per_s']:.0f} | "
+            f"{x['steps']} | {x['step_ms']:.2f} | {x['swap_steps']}, {x['swap_step_ms']:.2f} | "
+            f"{x['swaps']} | {x['swaps_ahead']} | {x['sat_out']} | {x['up_MiB']:.0f} |"
+        )
+    pairs = [(w, a) for w, a in zip(rows[::2], rows[1::2])]
+    if pairs:
         ratios = [a["tok_per_s"] / w["tok_per_s"] for w, a in pairs]
         same = [
             sum(x == y for x, y in zip(w["last_tokens"], a["last_tokens"])) / len(w["last_tokens"])
@@ -1330,8 +1344,8 @@ def _swap_table(r: dict) -> list[str]:
         ]
         out += [
             "",
-            f"swap_ahead / swap_wait tok/s by seed: {', '.join(f'{q:.3f}' for q in ratios)} "
-            f"(worst {min(ratios):.3f}); calls whose last tokens agree: "
+            f"ahead / waited tok/s by seed: {', '.join(f'{q:.3f}' for q in ratios)} (worst "
+            f"{min(ratios):.3f}); calls whose last 4 tokens agree: "
             f"{', '.join(f'{q:.2f}' for q in same)}",
         ]
     return out

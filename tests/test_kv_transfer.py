@@ -279,27 +279,51 @@ def test_the_mapped_kernel_refuses_shapes_it_cannot_move_naming_them():
         block_rows([views[0].transpose(1, 2)], host, one, one, True, 4)
 
 
-def test_a_mapped_move_takes_the_small_grid_while_steps_run(monkeypatch):
-    """transfer.mapped's grid: MAPPED_PROGRAMS alone, MAPPED_PROGRAMS_BESIDE_STEPS within
-    BESIDE_S of a step begun on the device (note_step), the full grid again after."""
+def test_a_mapped_move_takes_the_small_grid_while_steps_run_and_the_bucket_of_its_size(
+    monkeypatch,
+):
+    """MappedMoves: the grid is MAPPED_PROGRAMS alone, MAPPED_PROGRAMS_BESIDE_STEPS within
+    BESIDE_S of a step begun on the device (note_step), the full grid again after; a move of n
+    blocks goes in the buffer of the smallest power-of-two bucket from MAPPED_BUCKET holding
+    it, [n, ids, rows] padded (the layout a captured graph reads on a GPU; eager here)."""
     from oxygen_torch.triton_kernels import block_rows as br
 
-    grids = []
-    monkeypatch.setattr(br, "block_rows", lambda *a: grids.append(a[-1]))
+    launched = []
+
+    def launch(views, host, buf, cap, up, grid):
+        launched.append((grid, cap, up, buf.tolist()))
+
+    monkeypatch.setattr(br, "launch", launch)
+    monkeypatch.setattr(br, "check", lambda views, host: None)
     monkeypatch.setattr(transfer, "_last_step", {})
     monkeypatch.setattr(transfer, "BESIDE_S", 0.2)
-    cpu, ids = torch.device("cpu"), torch.tensor([1])
-    transfer.mapped([], None, ids, ids, False)
+    cpu = torch.device("cpu")
+    moves = transfer.MappedMoves([], None, cpu)
+    moves.move([5, 9], [3, 0], False)
     transfer.note_step(cpu)
     assert transfer.beside_steps(cpu) and transfer.beside_steps(torch.device("cpu", 0))
     assert not transfer.beside_steps(torch.device("cpu", 1))  # another device's steps
-    transfer.mapped([], None, ids, ids, True)
+    moves.move(list(range(65)), list(range(100, 165)), True)
     monkeypatch.setattr(transfer, "BESIDE_S", 0.0)  # the step is now older than the window
     assert not transfer.beside_steps(cpu)
-    transfer.mapped([], None, ids, ids, False)
-    assert grids == [transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS,
-                     transfer.MAPPED_PROGRAMS]  # fmt: skip
-    assert transfer.MAPPED_PROGRAMS_BESIDE_STEPS < transfer.MAPPED_PROGRAMS
+    moves.move(list(range(64)), list(range(64)), False)
+    moves.move([], [], False)  # nothing: no launch
+    bucket, alone, beside = (
+        transfer.MAPPED_BUCKET,
+        transfer.MAPPED_PROGRAMS,
+        transfer.MAPPED_PROGRAMS_BESIDE_STEPS,
+    )
+    assert [x[:3] for x in launched] == [
+        (alone, bucket, False), (beside, 2 * bucket, True), (alone, bucket, False)
+    ]  # fmt: skip
+    pad = [0] * (bucket - 2)
+    assert launched[0][3] == [2, 5, 9, *pad, 3, 0, *pad]
+    buf = launched[1][3]
+    assert buf[0] == 65 and buf[1:66] == list(range(65)) and buf[129:194] == list(range(100, 165))
+    assert moves.counts == {"graphs": 0, "replays": 0, "eager": 3}
+    assert beside < alone
+    with pytest.raises(ValueError, match="2 blocks for 1 rows"):
+        moves.move([1, 2], [1], False)
 
 
 def test_auto_moves_down_by_the_kernel_beside_steps_on_a_gpu_and_gathers_otherwise(monkeypatch):

@@ -93,6 +93,9 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     else:
         assert s["blocks_copied"] == 0
     assert s["blocks_mapped"] == mapped
+    # each move by the kernel: one replay of its bucket's graph, captured at its first move
+    moves = (mapped == 2 * 37) + (mapped > 0)
+    assert (s["mapped_replays"], s["mapped_graphs"], s["mapped_eager"]) == (moves, moves, 0)
     # kept, allocated once (the mapped kernel stages nothing)
     assert s["staging_bytes"] == (0 if copies == "mapped" else chunk * tier.block_bytes)
     with pool.lock:
@@ -136,13 +139,13 @@ def test_a_swap_in_ahead_is_waited_for_by_the_next_step_not_by_the_current_strea
     wrote into the freed blocks meanwhile."""
     from oxygen_torch.kv.swap import pending, resident, swap_in, swap_out
 
-    model = hf.apply(llama(seed=2).cuda())
+    model = hf.apply(llama(seed=2).cuda(), load_config(kv={"arena_bytes": 32 * MiB}))
     ids = torch.randint(1, 128, (2, 37), generator=torch.Generator().manual_seed(9)).cuda()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     core = out.past_key_values._core
     want = [core.dense(layer) for layer in range(core.num_layers)]
-    tier = core.pool.cpu_tier(16 * MiB)
+    tier = core.pool.cpu_tier(16 * MiB)  # (a small arena: every free block is taken below)
     assert swap_out(core) > 0
     with core.pool.lock:  # the freed blocks are overwritten by someone else meanwhile
         taken = core.pool.manager.allocate(core.pool.manager.num_free)
@@ -162,6 +165,45 @@ def test_a_swap_in_ahead_is_waited_for_by_the_next_step_not_by_the_current_strea
     for layer, ((k, v), (gk, gv)) in enumerate(zip(want, got)):
         assert torch.equal(gk, k) and torch.equal(gv, v), layer
     assert not pending(core)
+
+
+def test_mapped_moves_replay_one_graph_a_bucket_byte_exact(oxygen, monkeypatch):
+    """transfer.MappedMoves on the GPU: moves of 3 to 300 blocks down and back up by graph
+    replays (one graph per direction and bucket: 64, 64, 128, 512), each byte in place, behind
+    queued work on the current stream; a graph replayed for a smaller move of its bucket moves
+    only that move's blocks."""
+    dev = torch.device("cuda")
+    monkeypatch.setattr(transfer, "COPIES", "mapped")
+    monkeypatch.setattr(transfer, "_last_step", {})  # no steps: one grid throughout
+    key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
+    pool = get_pool(key)
+    tier = pool.cpu_tier(64 * MiB)
+    st = pool.storage
+    big = torch.randn(4096, 4096, device=dev)
+    g = torch.Generator(device=dev).manual_seed(3)
+    for n in (3, 40, 65, 300, 40):
+        with pool.lock:
+            blocks = pool.manager.allocate(n)
+        idx = torch.tensor(blocks, device=dev)
+        want = []
+        for cache in (*st.k, *st.v):
+            _ = big @ big
+            data = torch.randn(n, *cache.shape[1:], device=dev, generator=g).to(cache.dtype)
+            cache.index_copy_(0, idx, data)
+            want.append(data)
+        slots = tier.down(blocks)
+        tier.wait()
+        for cache in (*st.k, *st.v):
+            cache.index_fill_(0, idx, 5.0)
+        tier.up(slots, blocks)
+        for cache, data in zip((*st.k, *st.v), want):
+            assert torch.equal(cache.index_select(0, idx), data), n
+        tier.release(slots)
+        with pool.lock:
+            pool.manager.decref(blocks)
+    s = tier.stats()
+    assert s["blocks_mapped"] == 2 * (3 + 40 + 65 + 300 + 40)
+    assert (s["mapped_graphs"], s["mapped_replays"], s["mapped_eager"]) == (6, 10, 0), s
 
 
 def test_prefix_cache_hits_on_the_gpu(oxygen):

@@ -24,28 +24,29 @@ _WORDS = (torch.int32, torch.int16, torch.uint8)  # the widest that divides ever
 MAX_BLOCK = 4096  # words a program moves at once
 
 
-# a move's counts change from move to move: not specialized on (divisible by 16, equal to 1),
-# so a new count does not compile the kernel again in the middle of a step
-@triton.jit(do_not_specialize=["n", "col", "items"])
+# A move names its blocks and rows in one int64 buffer, meta = [n, ids (cap), rows (cap)], read by
+# the kernel: a CUDA graph of its launches (kv/transfer.py MappedMoves) serves every move of up
+# to `cap` blocks; n comes from the buffer, so the grid's pieces are counted in the kernel (cap:
+# not specialized, block_rows passes n there).
+@triton.jit(do_not_specialize=["cap"])
 def _block_rows_kernel(
     view_ptr,
     host_ptr,
-    ids_ptr,
-    rows_ptr,
-    n,
+    meta_ptr,
+    cap,
     s_block,
     s_region,
     regions,
     width,
     row_stride,
     col,
-    items,
     UP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    total = n * regions
+    total = tl.load(meta_ptr) * regions
+    items = (total + nprog - 1) // nprog
     offs = tl.arange(0, BLOCK)
     for k in range(0, items):
         w = pid + k * nprog
@@ -54,9 +55,9 @@ def _block_rows_kernel(
         live = tl.where(w < total, width, 0)
         w = tl.minimum(w, total - 1)
         i = w // regions
-        r = (w - i * regions).to(tl.int64)
-        b = tl.load(ids_ptr + i).to(tl.int64)
-        row = tl.load(rows_ptr + i).to(tl.int64)
+        r = w - i * regions
+        b = tl.load(meta_ptr + 1 + i)
+        row = tl.load(meta_ptr + 1 + cap + i)
         dev = view_ptr + b * s_block + r * s_region
         hst = host_ptr + row * row_stride + col + r * width
         for c in range(0, width, BLOCK):
@@ -83,6 +84,24 @@ def _word(views: list[torch.Tensor], host: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
+def check(views: list[torch.Tensor], host: torch.Tensor) -> None:
+    """ValueError unless `views` are block views and `host` rows that hold their blocks."""
+    if host.dtype != torch.uint8 or host.dim() != 2 or host.stride(1) != 1:
+        raise ValueError("block_rows: host must be uint8 [rows, bytes] with unit last stride")
+    need = sum(v.shape[1] * v.shape[2] * v.element_size() for v in views)
+    if host.shape[1] < need:
+        raise ValueError(f"block_rows: host rows of {host.shape[1]} bytes hold no block of {need}")
+    for v in views:
+        if v.dim() != 3 or v.stride(2) != 1:
+            raise ValueError(f"block_rows: {tuple(v.shape)} {v.stride()} is not a block view")
+
+
+def meta(ids: list[int], rows: list[int], cap: int) -> list[int]:
+    """A move's int64 buffer for the kernel: [n, ids padded to cap, rows padded to cap]."""
+    pad = [0] * (cap - len(ids))
+    return [len(ids), *ids, *pad, *rows, *pad]
+
+
 def block_rows(
     views: list[torch.Tensor],
     host: torch.Tensor,
@@ -98,38 +117,38 @@ def block_rows(
     n = ids.numel()
     if rows.numel() != n:
         raise ValueError(f"block_rows: {n} block ids for {rows.numel()} rows")
-    if host.dtype != torch.uint8 or host.dim() != 2 or host.stride(1) != 1:
-        raise ValueError("block_rows: host must be uint8 [rows, bytes] with unit last stride")
-    need = sum(v.shape[1] * v.shape[2] * v.element_size() for v in views)
-    if host.shape[1] < need:
-        raise ValueError(f"block_rows: host rows of {host.shape[1]} bytes hold no block of {need}")
-    for v in views:
-        if v.dim() != 3 or v.stride(2) != 1:
-            raise ValueError(f"block_rows: {tuple(v.shape)} {v.stride()} is not a block view")
+    check(views, host)
     if not n:
         return
     if programs < 1:
         raise ValueError(f"block_rows: programs {programs} must be at least 1")
+    buf = torch.cat([ids.new_tensor([n]), ids.to(torch.int64), rows.to(torch.int64)])
+    launch(views, host, buf, n, up, programs)
+
+
+def launch(
+    views: list[torch.Tensor], host: torch.Tensor, meta: torch.Tensor, cap: int, up: bool, grid: int
+) -> None:
+    """The kernel over a move's buffer (`meta`: int64 [1 + 2 cap] on the views' device, see
+    meta()), one launch a view, `grid` programs each; what block_rows and a CUDA graph of a
+    move (kv/transfer.py MappedMoves) launch. Arguments as block_rows' (checked there)."""
     wdt = _word(views, host)
     h = host.view(wdt)
     col = 0
     for v in views:
         w = v.view(wdt)
         width, regions = w.shape[2], w.shape[1]
-        grid = min(programs, n * regions)
         _block_rows_kernel[(grid,)](
             w,
             h,
-            ids,
-            rows,
-            n,
+            meta,
+            cap,
             w.stride(0),
             w.stride(1),
             regions,
             width,
             h.stride(0),
             col,
-            -(-n * regions // grid),
             UP=up,
             BLOCK=min(MAX_BLOCK, next_pow2(width)),
             num_warps=8 if width >= 2048 else 4,

@@ -96,7 +96,8 @@ class CPUTier:
         self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
         self._fence = None  # the event of the last down: its blocks are free once it passed
         self._copies: transfer.BlockCopies | None = None  # made on the first move by copies
-        self._alias: torch.Tensor | None | bool = None  # the rows' device alias (COPIES mapped)
+        # the moves through the rows' device alias (COPIES mapped); False: none to be had
+        self._alias: transfer.MappedMoves | None | bool = None
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
@@ -130,9 +131,10 @@ class CPUTier:
             self._copies = transfer.BlockCopies(self._views)
         return self._copies if self._copies.usable else None
 
-    def _by_kernel(self, up: bool) -> torch.Tensor | None:
-        """The host rows' device alias when this move goes by the mapped kernel (transfer.COPIES
-        "mapped", or "auto" for a move down on a GPU while steps run there), else None. On the
+    def _by_kernel(self, up: bool) -> transfer.MappedMoves | None:
+        """The moves over the host rows' device alias when this move goes by the mapped kernel
+        (transfer.COPIES "mapped", or "auto" for a move down on a GPU while steps run there),
+        else None. On the
         host backend the kernel runs when asked for by name, in Triton's interpreter only
         (there is no PCIe to cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows
         have no device alias it warns once and gathers."""
@@ -143,7 +145,8 @@ class CPUTier:
             why = ""
             if self.device.type == "cuda" or interpreting():
                 try:
-                    self._alias = mapped_view(self.host, self.device)
+                    alias = mapped_view(self.host, self.device)
+                    self._alias = transfer.MappedMoves(self._views, alias, self.device)
                 except Exception as exc:
                     why = str(exc)
             else:
@@ -193,10 +196,11 @@ class CPUTier:
         n = len(blocks)
         # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids (a list when the
         # copies alone move them, else on their device)
+        kernel = None if lowered else self._by_kernel(up=False)  # (decided once a move)
         if lowered:
             staged = self._lowered(blocks)
         else:
-            staged = blocks if self._by_copies() else self._ids(blocks)
+            staged = blocks if kernel is not None or self._by_copies() else self._ids(blocks)
         self._clock += 1
         rows, mask, last, clock = self._rows, self._mask, self._last, self._clock
         fresh = rows.take(need)
@@ -217,7 +221,8 @@ class CPUTier:
         where, row_at = self._where, self._row_at
         try:
             if opened:
-                self._put([where[r] for r in opened], places[: len(opened)], staged, lowered)
+                self._put([where[r] for r in opened], places[: len(opened)], staged, lowered,
+                          kernel)  # fmt: skip
             done = len(opened)
             for i in range(0, need, self.num_slots):  # at most a CPU tier's rows at a time
                 chunk = fresh[i : i + self.num_slots]
@@ -234,7 +239,7 @@ class CPUTier:
                     )
                 # the copies first: the bookkeeping below overlaps them
                 half = places[done : done + k] if lowered else None
-                self._put(pos, half, staged[done : done + k], lowered)
+                self._put(pos, half, staged[done : done + k], lowered, kernel)
                 for r, p in zip(chunk, at if lowered else pos):
                     where[r] = p
                     row_at[p] = r
@@ -253,19 +258,17 @@ class CPUTier:
         self.counts["lowered_blocks"] += n if lowered else 0
         return slots
 
-    def _put(self, pos: list[int], places: list, staged: torch.Tensor, lowered: bool) -> None:
+    def _put(self, pos: list[int], places: list, staged, lowered: bool, kernel) -> None:
         """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
-        (copied down on the side stream; a list: by block copies), or lowered blocks, put at
-        their halves (places[i][1])."""
+        (copied down on the side stream; a list: by `kernel`, the mapped moves, or else by
+        block copies), or lowered blocks, put at their halves (places[i][1])."""
         if not pos:
             return
         if not lowered:
-            alias = self._by_kernel(up=False)
-            rows = self._ids(pos) if alias is not None else None
             with self._on_side():
                 host = self.host[:, : self.block_bytes]
-                if alias is not None:
-                    transfer.mapped(self._views, alias, staged, rows, up=False)
+                if kernel is not None:  # (staged: the blocks' ids as a list)
+                    kernel.move(staged, pos, up=False)
                     self.counts["blocks_mapped"] += len(pos)
                 elif isinstance(staged, list):
                     self.counts["blocks_copied"] += transfer.down_blocks(
@@ -436,13 +439,12 @@ class CPUTier:
             else:
                 host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
-            alias = self._by_kernel(up=True) if on_cpu else None
-            copies = None if alias is not None else self._by_copies()
-            idx = None if copies else self._ids(blocks)
-            rows = self._ids(at_cpu) if alias is not None else None
+            kernel = self._by_kernel(up=True) if on_cpu else None
+            copies = None if kernel is not None else self._by_copies()
+            idx = None if copies or kernel is not None else self._ids(blocks)
             with self._on_side():
-                if alias is not None:  # (rows read from disk are in a fresh tensor: gathered)
-                    transfer.mapped(self._views, alias, idx, rows, up=True)
+                if kernel is not None:  # (rows read from disk are in a fresh tensor: gathered)
+                    kernel.move(blocks, at_cpu, up=True)
                     self.counts["blocks_mapped"] += len(blocks)
                 elif copies:
                     self.counts["blocks_copied"] += transfer.up_blocks(
@@ -518,11 +520,18 @@ class CPUTier:
             "used_bytes": self.used_bytes(),
             "capacity_bytes": self.num_slots * self.row_bytes,
             "staging_bytes": self._stage.nbytes,
+            # the mapped moves' CUDA graphs captured, and moves replayed from one
+            **{f"mapped_{k}": v for k, v in self._mapped_counts().items()},
             "lowered_held": sum((m & 1) + (m >> 1 & 1) for m in self._mask if m != FULL),
             "disk_slots_total": disk.num_records if disk else 0,
             "disk_used_bytes": self.disk_used_bytes(),
             "disk_capacity_bytes": disk.num_records * self.row_bytes if disk else 0,
         }
+
+    def _mapped_counts(self) -> dict:
+        if self._alias:
+            return dict(self._alias.counts)
+        return {"graphs": 0, "replays": 0, "eager": 0}
 
     def close(self) -> None:
         self.wait()

@@ -35,16 +35,17 @@ than the gathers (40.5 / 43.7 GB/s on consecutive blocks, 30.3 / 33.8 in runs of
 43.9 / 49.4) and TPOT beside it rose as much (+22 % median over 4 rounds, the gathers +26 %), so
 it stays opt-in.
 
-`mapped` (COPIES "mapped", and "auto" beside steps, the default on a GPU) takes neither the
+`MappedMoves` (COPIES "mapped", and "auto" beside steps, the default on a GPU) takes neither the
 staging buffer nor the copy engine: one kernel a view (triton_kernels/block_rows.py) reads the
 blocks from the arena and stores them into the pinned rows through their device address, or
-back, its grid the number of SMs it takes. Whether a step runs on the device is known from the
-paged cache's step planning (`note_step`, a time a step); beside steps "auto" moves down by the
-kernel's MAPPED_PROGRAMS_BESIDE_STEPS programs, which take a smaller share of PCIe than the
-copy engine's copies (36-44 GB/s down with 2, only 17-18 up: moves up, which a step waits for,
-stay on the copy engine), and alone by the gathers, the copy engine's full speed (through the tier
-the kernel's 16 programs were no faster: 44.6 GB/s each way at 256 MiB against 44.3-47.5 down
-and 48.2-51.4 up for the gathers, 28 at 32 MiB against 30-39 down and 35-43 up).
+back, its grid the number of SMs it takes; a move is one upload of its ids and one replay of a
+CUDA graph of those launches, captured per size bucket. Whether a step runs on the device is
+known from the paged cache's step planning (`note_step`, a time a step); beside steps "auto"
+moves down by the kernel's MAPPED_PROGRAMS_BESIDE_STEPS programs, which take a smaller share of
+PCIe than the copy engine's copies (36-44 GB/s down with 2, only 17-18 up: moves up, which a
+step waits for, stay on the copy engine), and alone by the gathers, the copy engine's full speed
+(through the tier the kernel's 16 programs were no faster: 44.6 GB/s each way at 256 MiB against
+44.3-47.5 down and 48.2-51.4 up for the gathers, 28 at 32 MiB against 30-39 down and 35-43 up).
 
 Nothing here waits: on a GPU the caller runs these on its side stream and orders the streams.
 Host time counts too: a thread migrating holds the interpreter lock against a decode loop beside
@@ -267,15 +268,90 @@ def _pieces_of(n: int, block_bytes: int):
     return [(lo, min(n, lo + most)) for lo in range(0, n, most)]
 
 
-def mapped(views, host: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, up: bool) -> None:
-    """host[rows[i]] = the bytes of block ids[i] (up: the inverse) by one kernel a view
-    (COPIES "mapped"), on the current stream, not waited for: `host` is the pinned rows' device
-    alias (triton_kernels.block_rows.mapped_view), ids and rows int64 on the views' device. The
-    grid is MAPPED_PROGRAMS, or MAPPED_PROGRAMS_BESIDE_STEPS while steps run on the device."""
-    from ..triton_kernels.block_rows import block_rows
+def mapped_grid(device: torch.device) -> int:
+    """The mapped kernel's grid: MAPPED_PROGRAMS, or MAPPED_PROGRAMS_BESIDE_STEPS while steps run
+    on `device`."""
+    return MAPPED_PROGRAMS_BESIDE_STEPS if beside_steps(device) else MAPPED_PROGRAMS
 
-    grid = MAPPED_PROGRAMS_BESIDE_STEPS if beside_steps(ids.device) else MAPPED_PROGRAMS
-    block_rows(views, host, ids, rows, up, grid)
+
+MAPPED_BUCKET = 64  # the smallest move a mapped move's CUDA graph is captured for, in blocks
+
+
+class MappedMoves:
+    """A tier's moves by the mapped kernel (COPIES "mapped", and "auto" beside steps): each move
+    is one upload of its int64 buffer [n, ids, rows] (triton_kernels.block_rows.meta) and one
+    replay of a CUDA graph of the kernel's launches over that buffer (seed 3.1: a move's copy
+    sequence captured per size bucket). A graph per (direction, grid, bucket): moves of up to
+    `bucket` blocks, powers of two from MAPPED_BUCKET, replay it, captured at the first such move
+    (after one launch that compiles the kernel). Graphs are captured in thread-local mode on a
+    stream of their own, so other threads' CUDA calls (a decode step, its own capture) go on.
+    On the host backend (Triton's interpreter) the kernel runs over the same buffer, eagerly.
+    A capture that fails says why once and that bucket's moves launch the kernel eagerly.
+    `move` runs on the current stream (the tier's side stream: one buffer per graph, so its moves
+    must queue on one stream) and does not wait."""
+
+    def __init__(self, views: list[torch.Tensor], host: torch.Tensor, device: torch.device):
+        from ..triton_kernels.block_rows import check
+
+        check(views, host)
+        self.views, self.host, self.device = views, host, device
+        self._graphs: dict[tuple[bool, int, int], tuple] = {}
+        self._capture_stream: torch.cuda.Stream | None = None
+        self.counts = {"graphs": 0, "replays": 0, "eager": 0}
+
+    def move(self, blocks: list[int], rows: list[int], up: bool) -> None:
+        """host[rows[i]] = the bytes of block blocks[i] (up: the inverse)."""
+        from ..triton_kernels.block_rows import launch, meta
+
+        n = len(blocks)
+        if n != len(rows):
+            raise ValueError(f"MappedMoves.move: {n} blocks for {len(rows)} rows")
+        if not n:
+            return
+        grid = mapped_grid(self.device)
+        cap = max(MAPPED_BUCKET, 1 << (n - 1).bit_length())
+        buf = int64(meta(blocks, rows, cap))
+        if self.device.type != "cuda":
+            self.counts["eager"] += 1
+            launch(self.views, self.host, buf, cap, up, grid)
+            return
+        key = (up, grid, cap)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(up, grid, cap)
+        graph, static = self._graphs[key]
+        if graph is None:  # its capture failed (said once): the kernel itself
+            self.counts["eager"] += 1
+            launch(self.views, self.host, to_device(buf, self.device), cap, up, grid)
+            return
+        static.copy_(buf.pin_memory(), non_blocking=True)
+        graph.replay()
+        self.counts["replays"] += 1
+
+    def _capture(self, up: bool, grid: int, cap: int) -> tuple:
+        """(graph, its buffer) for moves of up to `cap` blocks; (None, None) when the capture
+        failed (one warning)."""
+        from ..triton_kernels.block_rows import launch
+
+        static = torch.zeros(1 + 2 * cap, dtype=torch.int64, device=self.device)  # n = 0
+        launch(self.views, self.host, static, cap, up, grid)  # compiles; moves nothing
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launch(self.views, self.host, static, cap, up, grid)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - said, and the moves still run (eagerly)
+            warn_once(
+                f"oxygen_torch: the CPU tier's mapped moves of up to {cap} blocks run without "
+                f"a CUDA graph (each launches the kernel): capturing one failed: {exc}"
+            )
+            return None, None
+        self.counts["graphs"] += 1
+        return graph, static
 
 
 def check_pace() -> None:
