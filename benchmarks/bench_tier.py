@@ -1049,7 +1049,7 @@ def _swap_run(model, low: list[dict], high: list[dict]) -> dict:
 def swap(mode: str) -> dict:
     """Each seed's workload twice in one process, in turn: its swap-ins waited for in the step
     that takes the call back (as kv.prefetch_distance 0: the runner's fetch starts nothing) and
-    started ahead (4), after one warm run of seed 0 each way. Every merged step is timed to the
+    started ahead (4), after one warm run of the seed's workload. Every merged step is timed to the
     end of its GPU work (the device synchronized after it; generate() reads each step's tokens
     anyway) and tagged when a swap-in ran during it: inside it (waited for) or beside it (ahead,
     the call sitting out)."""
@@ -1086,9 +1086,9 @@ def swap(mode: str) -> dict:
 
     batched.Merger.fetch, batched.Merger.run = fetch_either, run_timed
     res = dict(mode=mode, arena_MiB=arena / MIB, seeds=[])
-    for seed in [0, *SWAP_SEEDS]:
-        for ahead in (False, True):
-            way["ahead"] = ahead
+    for seed in SWAP_SEEDS:
+        for ahead in (None, False, True):  # None: a warm run of the seed's shapes, not timed
+            way["ahead"] = ahead is not False
             scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
             before = [(x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out) for x in scheds]
             up0 = tier_stats().get("bytes_up", 0)
@@ -1098,8 +1098,8 @@ def swap(mode: str) -> dict:
             scheds = [m.scheduler for m in batched._mergers.get(model, {}).values()]
             after = [(x.stats.swaps, x.stats.swaps_ahead, x.stats.sat_out) for x in scheds]
             diff = [sum(a[k] for a in after) - sum(b[k] for b in before) for k in range(3)]
-            if seed == 0:
-                continue  # warm: kernels, graphs, the tier's buffers
+            if ahead is None:
+                continue  # warm: kernels for the seed's shapes, graphs, the tier's buffers
             tagged = [t for t, swap_in in steps if swap_in]
             others = [t for t, swap_in in steps if not swap_in]
             tokens = sum(kw["input_ids"].shape[0] * kw["max_new_tokens"] for kw in low + high)

@@ -85,6 +85,8 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
         got = cache.index_select(0, torch.tensor(order, device=dev))
         assert torch.equal(got, data)
     tier.release(slots)
+    with pool.lock:
+        pool.manager.decref(taken)
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
     chunk = staging_blocks or transfer.STAGING_BYTES // tier.block_bytes
@@ -98,8 +100,6 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     assert (s["mapped_replays"], s["mapped_graphs"], s["mapped_eager"]) == (moves, moves, 0)
     # kept, allocated once (the mapped kernel stages nothing)
     assert s["staging_bytes"] == (0 if copies == "mapped" else chunk * tier.block_bytes)
-    with pool.lock:
-        pool.manager.decref(taken)
 
 
 @pytest.mark.parametrize("distance", [4, 0])

@@ -59,6 +59,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import gc
 import time
 
 import torch
@@ -337,6 +338,8 @@ class MappedMoves:
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()  # a graph collected meanwhile (its reset) would invalidate the capture
         try:
             with torch.cuda.stream(self._capture_stream):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -350,6 +353,9 @@ class MappedMoves:
                 f"a CUDA graph (each launches the kernel): capturing one failed: {exc}"
             )
             return None, None
+        finally:
+            if collecting:
+                gc.enable()
         self.counts["graphs"] += 1
         return graph, static
 
