@@ -1065,7 +1065,7 @@ def swap(mode: str) -> dict:
     model = build_model()
     fetch, run = batched.Merger.fetch, batched.Merger.run
     way = {"ahead": True}
-    steps: list[tuple[float, bool]] = []  # (seconds, a swap-in ran during it)
+    steps: list[tuple[float, bool, int]] = []  # (seconds, a swap-in ran during it, rows)
 
     def fetch_either(self, call):
         return fetch(self, call) if way["ahead"] else (False, False)
@@ -1081,7 +1081,7 @@ def swap(mode: str) -> dict:
         sync()
         beside = self.scheduler.stats.swaps_ahead != getattr(self, "_bench_ahead", ahead)
         self._bench_ahead = ahead
-        steps.append((time.perf_counter() - t, inside or beside))
+        steps.append((time.perf_counter() - t, inside or beside, sum(ch.rows for ch in chunks)))
         return out
 
     batched.Merger.fetch, batched.Merger.run = fetch_either, run_timed
@@ -1100,8 +1100,8 @@ def swap(mode: str) -> dict:
             diff = [sum(a[k] for a in after) - sum(b[k] for b in before) for k in range(3)]
             if ahead is None:
                 continue  # warm: kernels for the seed's shapes, graphs, the tier's buffers
-            tagged = [t for t, swap_in in steps if swap_in]
-            others = [t for t, swap_in in steps if not swap_in]
+            tagged = [t for t, swap_in, _ in steps if swap_in]
+            others = [t for t, swap_in, _ in steps if not swap_in]
             tokens = sum(kw["input_ids"].shape[0] * kw["max_new_tokens"] for kw in low + high)
             one = dict(
                 seed=seed,
@@ -1109,6 +1109,7 @@ def swap(mode: str) -> dict:
                 wall_s=got["wall"],
                 tok_per_s=tokens / got["wall"],
                 steps=len(steps),
+                rows_per_step=statistics.mean(r for _, _, r in steps) if steps else 0.0,
                 step_ms=1e3 * statistics.median(others) if others else 0.0,
                 swap_step_ms=1e3 * statistics.median(tagged) if tagged else 0.0,
                 swap_steps=len(tagged),
@@ -1121,7 +1122,8 @@ def swap(mode: str) -> dict:
             res["seeds"].append(one)
             say(
                 f"swap seed {seed}, swap-ins {one['way']}: {one['wall_s']:.2f} s, "
-                f"{one['tok_per_s']:.0f} tok/s, {one['steps']} steps (median {one['step_ms']:.2f}"
+                f"{one['tok_per_s']:.0f} tok/s, {one['steps']} steps of "
+                f"{one['rows_per_step']:.1f} rows on average (median {one['step_ms']:.2f}"
                 f" ms; {one['swap_steps']} with a swap-in, median {one['swap_step_ms']:.2f} ms), "
                 f"{one['swaps']} swaps ({one['swaps_ahead']} ahead, {one['sat_out']} steps sat "
                 f"out), {one['up_MiB']:.0f} MiB up"
@@ -1325,14 +1327,16 @@ def _swap_table(r: dict) -> list[str]:
         return []
     out = [
         "",
-        "| swap workload | seed | swap-ins | wall s | tok/s | steps | step ms, median | steps with "
-        "a swap-in: n, median ms | swaps | swapped in ahead | steps sat out | MiB up |",
+        "| swap workload | seed | swap-ins | wall s | tok/s | steps (rows a step) | step ms, "
+        "median | steps with a swap-in: n, median ms | swaps | swapped in ahead | steps sat out "
+        "| MiB up |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in rows:
         out.append(
             f"| swap | {x['seed']} | {x['way']} | {x['wall_s']:.2f} | {x['tok_per_s']:.0f} | "
-            f"{x['steps']} | {x['step_ms']:.2f} | {x['swap_steps']}, {x['swap_step_ms']:.2f} | "
+            f"{x['steps']} ({x.get('rows_per_step', 0):.1f}) | {x['step_ms']:.2f} | "
+            f"{x['swap_steps']}, {x['swap_step_ms']:.2f} | "
             f"{x['swaps']} | {x['swaps_ahead']} | {x['sat_out']} | {x['up_MiB']:.0f} |"
         )
     pairs = [(w, a) for w, a in zip(rows[::2], rows[1::2])]
