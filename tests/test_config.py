@@ -35,7 +35,7 @@ def test_documented_defaults():
     assert cfg.pool.hot_zone_ratio == 0.6
     assert cfg.pool.migration_threshold == 0.8
     assert cfg.pool.backend == "auto"
-    assert cfg.kv.prefetch_distance == 4
+    assert cfg.kv.prefetch_distance == 0  # swap-ins ahead: opt-in
     assert cfg.kv.kv_dtype == "auto"
     assert cfg.kernel.precision is oxygen_torch.PrecisionMode.AUTO_MIXED
     assert cfg.kernel.attention_type == "dense"

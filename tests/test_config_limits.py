@@ -144,7 +144,7 @@ def test_a_field_not_wired_yet_warns_once(caplog, monkeypatch):
     monkeypatch.setattr(config.sources, "NOT_WIRED", {"kv.prefetch_distance": "a later feature"})
     caplog.set_level(logging.WARNING, logger="oxygen_torch")
     load_config()  # defaults: silent
-    load_config(prefetch_distance=4)  # the default, given: silent
+    load_config(prefetch_distance=0)  # the default, given: silent
     assert not [r for r in caplog.records if "has no effect yet" in r.getMessage()]
     load_config(prefetch_distance=2)
     oxygen_torch.enable(prefetch_distance=2)  # enable() reads through load_config: still once
@@ -167,7 +167,7 @@ def test_every_field_is_wired_prefetch_distance_included(caplog, monkeypatch, tm
     assert load_config().kv.prefetch_distance == 0
     assert load_config(prefetch_distance=3).kv.prefetch_distance == 3
     assert not [r for r in caplog.records if "has no effect yet" in r.getMessage()]
-    assert KVConfig().prefetch_distance == 4  # the documented default is unchanged
+    assert KVConfig().prefetch_distance == 0  # the documented default: off
 
 
 def test_scheduler_weights_are_wired_and_say_nothing(caplog):

@@ -284,6 +284,76 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
     assert pool["cpu_tier"]["slots_used"] == 0 and pool["blocks_used"] == 0
 
 
+class _Steps:
+    """A runner for the step scheduler alone: every request is one token of one row, a step
+    takes `step_s`; call "B" sits its `sit_at`-th chosen step out once (a swap-in ahead)."""
+
+    def __init__(self, step_s: float, sit_at: int):
+        self.step_s, self.sit_at, self.chosen, self.log = step_s, sit_at, 0, []
+
+    def plan(self, req, budget):
+        from oxygen_torch.engine.scheduler import Chunk
+
+        return Chunk(req, 1, 1, 0, None)
+
+    def run(self, chunks):
+        import time
+
+        time.sleep(self.step_s)
+        self.log.append(sorted(ch.request.call.key for ch in chunks))
+        for ch in chunks:
+            ch.request.result, ch.request.done = None, True
+        return True
+
+    def free_blocks(self):
+        return 1 << 20
+
+    def total_blocks(self):
+        return 1 << 20
+
+    def preempt(self, call):
+        return 0
+
+    def fetch(self, call):
+        if call.key != "B":
+            return False, False
+        self.chosen += 1
+        return False, self.chosen == self.sit_at
+
+
+def test_a_call_that_sat_out_steps_with_the_others_again():
+    """After a call sits a step out (its swap-in ahead still copying), it waits for the next
+    step with the others, as a fresh submit does: its request, older than the gather deadline
+    once the step is over, must not make a step due at once with it alone while the others are
+    in their own code, which would keep the two a step apart from then on."""
+    import threading
+    import time
+
+    from oxygen_torch.config import SchedulerConfig
+    from oxygen_torch.engine.scheduler import StepScheduler
+    from oxygen_torch.engine.task import Task
+
+    runner = _Steps(step_s=0.12, sit_at=3)  # a step: 3x the gather deadline
+    sched = StepScheduler(SchedulerConfig(gather_ms=40.0), runner)
+    calls = {k: sched.enter(Task(), key=k) for k in "AB"}
+
+    def loop(key):
+        for _ in range(12):
+            sched.submit(calls[key], None)
+            time.sleep(0.002)  # sampling, in the call's own code
+        sched.leave(calls[key])
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in "AB"]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sched.stats.sat_out == 1
+    after = runner.log[runner.log.index(["A"]) + 1 :]  # the step B sat out, then
+    assert after[0] == ["A", "B"] or after[1] == ["A", "B"]
+    assert sum(step == ["A", "B"] for step in after) >= len(after) - 3, runner.log
+
+
 def test_a_full_cpu_tier_degrades_to_recompute_with_one_warning(oxygen, caplog):
     model, kws = _burst(256 * 1024)  # one slot: no call's KV fits
     with caplog.at_level(logging.WARNING, logger="oxygen_torch"):

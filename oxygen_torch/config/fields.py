@@ -221,8 +221,9 @@ class KVConfig:
     kv_dtype: str = "auto"  # auto: the model's dtype
     # the engine's prefetch: a call swapped out to the CPU tier starts coming back when a step
     # chooses it, and sits out up to this many steps in a row while its copy runs beside the
-    # other calls' steps; 0 = its step waits for the copy (integrations/hf/batched.py fetch)
-    prefetch_distance: int = 4
+    # other calls' steps; 0 = its step waits for the copy (integrations/hf/batched.py fetch).
+    # Off by default: not yet measured faster end to end on the H200 (docs/operations.md)
+    prefetch_distance: int = 0
     # virtual size of the KV arena; 0 = sized from device memory; at most 128 TiB (address space)
     arena_bytes: int = 0
     debug_checks: bool = False  # check block ids against mapped pages before every launch

@@ -134,6 +134,7 @@ class StepScheduler:
         self.runner = runner
         self.coordinator = coordinator
         self._told: dict = {}  # what the step being chosen did, for the other ranks
+        self._resting: list[Call] = []  # the calls the step being run left out (_fetch_ahead)
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
         self._cond = threading.Condition()
         self._calls: list[Call] = []
@@ -336,6 +337,14 @@ class StepScheduler:
             else:
                 for ch in chunks:
                     ch.request.taken = False
+            # a call left out waits for the next step with the others, as if it had just
+            # submitted: its old request would make that step due at once, run it alone while
+            # the others are in their own code, and keep the two apart from then on
+            now = time.monotonic()
+            for call in self._resting:
+                if call.queued is not None and not call.queued.done:
+                    call.queued.arrived = now
+            self._resting = []
             self._stepping = False
             self._cond.notify_all()
         if failed is not None and not isinstance(failed, Exception):
@@ -432,6 +441,7 @@ class StepScheduler:
             step.drop(call)
             call.sat_out += 1
             self.stats.sat_out += 1
+        self._resting = out
         for ch in step.chosen:
             ch.request.call.sat_out = 0
 
