@@ -85,7 +85,7 @@ HYBRID_EVERY = int(os.environ.get("BENCH_TIER_HYBRID_EVERY", "6"))
 TPOT_ROUNDS = int(os.environ.get("BENCH_TIER_TPOT_ROUNDS", "3"))  # migration: TPOT rounds
 # swap: (rows a call, low calls, their prompt's shortest, new tokens; high calls a wave, their
 # prompt, new tokens); the arena holds SWAP_FIT calls of the longest low prompt
-SWAP = (8, 4, 512, 192, 2, 512, 64) if not SMOKE else (2, 3, 24, 12, 1, 24, 6)
+SWAP = (8, 4, 512, 192, 2, 512, 64) if not SMOKE else (4, 4, 24, 12, 1, 24, 6)
 SWAP_FIT = 4  # = the low calls: the high waves make room by swapping lows out
 SWAP_SEEDS = [int(x) for x in os.environ.get("BENCH_TIER_SWAP_SEEDS", "1,2").split(",")]
 
@@ -1058,8 +1058,12 @@ def swap(mode: str) -> dict:
 
     rows, lows, lp, ln, highs, hp, hn = SWAP
     arena = kv_arena_bytes(SWAP_FIT * rows, lp + lp // 2 + ln)
+    kv = {"arena_bytes": arena, "prefetch_distance": 4}
+    if SMOKE:  # blocks of 256 tokens, one 2 MiB page a region: 15 blocks, a row's prompt each
+        kv.update(arena_bytes=2 * shape()["num_hidden_layers"] * 2 * MIB, block_tokens=256)
+        arena = kv["arena_bytes"]
     oxygen_torch.enable(
-        kv={"arena_bytes": arena, "prefetch_distance": 4},
+        kv=kv,
         pool={"cpu_tier_bytes": 4 * GIB if not SMOKE else 64 * MIB},
     )
     model = build_model()
