@@ -135,8 +135,12 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     import oxygen_torch
 
     if mode.startswith("oxygen") or mode == "burst":
+        from oxygen_torch.engine import scheduler
+
         policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
         oxygen_torch.enable(scheduler={"policy": policy})
+        # BENCH_GATHER_STEP_MATES=0: the gather deadline of the rule before (to compare)
+        scheduler.GATHER_STEP_MATES = os.environ.get("BENCH_GATHER_STEP_MATES", "1") != "0"
     model = build_model()
     rate = 4.0 if SMOKE else 8.0
     cap_p, cap_n = (40, 24) if SMOKE else (2048, 1024)
@@ -154,7 +158,14 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     else:
         results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
-    return summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
+    out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
+    if mode.startswith("oxygen") or mode == "burst":  # the merged steps: how many, how full
+        from oxygen_torch.integrations.hf import batched
+
+        stats = [m.scheduler.stats for m in batched._mergers.get(model, {}).values()]
+        out["steps"] = sum(s.steps for s in stats)
+        out["tokens_per_step"] = round(sum(s.tokens for s in stats) / max(1, out["steps"]), 1)
+    return out
 
 
 def summarize(mode, seed, cv, results, oom, took, peak, n) -> dict:
@@ -188,12 +199,13 @@ def spawn(mode: str, seed: int, cv: float, n: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| mode | seed | cv | tok/s | done/lost/OOM | peak GiB | high TTFT P50/P99 s | "
-            "high TPOT P50/P99 ms | high mean done s | low mean done s |")  # fmt: skip
-    lines = [head, "|" + "---|" * 10]
+            "high TPOT P50/P99 ms | high mean done s | low mean done s | "
+            "steps (tokens a step) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | {r['seed']} | {r['cv']} | error: "
-                         f"{r['error'].strip().splitlines()[-1][:60]} |||||||")  # fmt: skip
+                         f"{r['error'].strip().splitlines()[-1][:60]} ||||||||")  # fmt: skip
             continue
         h, lo = r.get("high", {}), r.get("low", {})
         lines.append(
@@ -201,7 +213,8 @@ def table(rows: list[dict]) -> str:
             f"{r['lost']}/{r['oom']} | {r['peak_GiB']} | {h.get('ttft_p50', 0):.3f}/"
             f"{h.get('ttft_p99', 0):.3f} | {1e3 * h.get('tpot_p50', 0):.1f}/"
             f"{1e3 * h.get('tpot_p99', 0):.1f} | {h.get('mean_done', 0):.2f} | "
-            f"{lo.get('mean_done', 0):.2f} |"
+            f"{lo.get('mean_done', 0):.2f} | "
+            + (f"{r['steps']} ({r['tokens_per_step']}) |" if "steps" in r else "- |")
         )
     return "\n".join(lines)
 

@@ -1054,8 +1054,11 @@ def swap(mode: str) -> dict:
     anyway) and tagged when a swap-in ran during it: inside it (waited for) or beside it (ahead,
     the call sitting out)."""
     import oxygen_torch
+    from oxygen_torch.engine import scheduler
     from oxygen_torch.integrations.hf import batched
 
+    # BENCH_GATHER_STEP_MATES=0: the gather deadline of the rule before (to compare)
+    scheduler.GATHER_STEP_MATES = os.environ.get("BENCH_GATHER_STEP_MATES", "1") != "0"
     rows, lows, lp, ln, highs, hp, hn = SWAP
     arena = kv_arena_bytes(SWAP_FIT * rows, lp + lp // 2 + ln)
     kv = {"arena_bytes": arena, "prefetch_distance": 4}

@@ -42,6 +42,9 @@ FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls ran
 # gather deadline; this is only the longest it sleeps between two looks (no wake-up is lost by
 # design: 64 threads polling every gather_ms / 4 cost the host more than their steps did)
 IDLE_WAIT_S = 0.05
+# The gather deadline (_step_due) counts from the last step's end and waits while submits keep
+# coming, up to a step's time; False: from the oldest request's arrival alone
+GATHER_STEP_MATES = True
 
 
 class KVBudgetError(RuntimeError):
@@ -134,7 +137,8 @@ class StepScheduler:
         self.runner = runner
         self.coordinator = coordinator
         self._told: dict = {}  # what the step being chosen did, for the other ranks
-        self._resting: list[Call] = []  # the calls the step being run left out (_fetch_ahead)
+        self._ended = 0.0  # when the last step ended (time.monotonic())
+        self._step_s = 0.0  # how long a step takes (a moving average of the runner's run)
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
         self._cond = threading.Condition()
         self._calls: list[Call] = []
@@ -225,16 +229,32 @@ class StepScheduler:
 
     def _step_due(self) -> float:
         """0 when a step should start now: a request is queued and every call is either
-        waiting in submit or marked late, or the oldest request has waited gather_ms (the calls
-        still awaited are then marked late). Else the seconds until that deadline (IDLE_WAIT_S
-        when nothing is queued)."""
+        waiting in submit or marked late, or the gather deadline has passed (the calls still
+        awaited are then marked late). Else the seconds until that deadline (IDLE_WAIT_S when
+        nothing is queued).
+
+        The deadline is gather_ms after the latest submit, and at most a step's time (a moving
+        average, or gather_ms if longer) after the first, each counted from the last step's end
+        at the earliest. So a step waits for the calls of the last one while they keep coming
+        back from their own code (sampling, one thread after the other under the interpreter
+        lock), and a request that came while a step ran (its call was left out, sat the step
+        out, or was late) waits for them too. Counted from that request's arrival, the deadline
+        would make the next step due at once, run it alone while the others sample, and keep
+        the calls in two phases a step apart from then on: twice the steps, half the rows each.
+        Waiting longer than a step would cost more than a step of the latecomers alone."""
         queued = [c for c in self._calls if self._waiting(c)]
         if not queued:
             return IDLE_WAIT_S
         awaited = [c for c in self._calls if (c.queued is None or c.queued.done) and not c.late]
         if not awaited:
             return 0.0
-        left = min(c.queued.arrived for c in queued) + self.cfg.gather_ms / 1000 - time.monotonic()
+        gather = self.cfg.gather_ms / 1000
+        if GATHER_STEP_MATES:
+            arrived = [max(c.queued.arrived, self._ended) for c in queued]
+            longest = min(arrived) + max(gather, self._step_s)
+            left = min(max(arrived) + gather, longest) - time.monotonic()
+        else:  # (the rule before: the oldest request's gather_ms; benchmarks compare the two)
+            left = min(c.queued.arrived for c in queued) + gather - time.monotonic()
         if left <= 0:
             for c in awaited:  # steps go on without them until they submit again
                 c.late = True
@@ -326,6 +346,7 @@ class StepScheduler:
             ch.request.taken = True
         self._cond.release()
         failed, served = None, False
+        start = time.monotonic()
         try:
             served = self.runner.run(chunks)
         except BaseException as err:  # noqa: BLE001 - given to the requests of the step
@@ -337,14 +358,9 @@ class StepScheduler:
             else:
                 for ch in chunks:
                     ch.request.taken = False
-            # a call left out waits for the next step with the others, as if it had just
-            # submitted: its old request would make that step due at once, run it alone while
-            # the others are in their own code, and keep the two apart from then on
-            now = time.monotonic()
-            for call in self._resting:
-                if call.queued is not None and not call.queued.done:
-                    call.queued.arrived = now
-            self._resting = []
+            self._ended = time.monotonic()
+            took = self._ended - start
+            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
             self._stepping = False
             self._cond.notify_all()
         if failed is not None and not isinstance(failed, Exception):
@@ -441,7 +457,6 @@ class StepScheduler:
             step.drop(call)
             call.sat_out += 1
             self.stats.sat_out += 1
-        self._resting = out
         for ch in step.chosen:
             ch.request.call.sat_out = 0
 
