@@ -11,6 +11,7 @@ from test_engine import call_kw, in_threads, llama, prompt, schedulers
 
 import oxygen_torch
 from oxygen_torch.config import load_config
+from oxygen_torch.config.fields import default_cpu_tier_bytes
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats, transfer
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
@@ -102,13 +103,14 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     assert s["staging_bytes"] == (0 if copies == "mapped" else chunk * tier.block_bytes)
 
 
-@pytest.mark.parametrize("distance", [4, 0])
-def test_swap_preemption_on_the_gpu(oxygen, distance):
+@pytest.mark.parametrize("distance, tier_bytes", [(4, 64 * MiB), (0, 64 * MiB), (0, None)])
+def test_swap_preemption_on_the_gpu(oxygen, distance, tier_bytes):
     """Swap preemption on the GPU; kv.prefetch_distance 4: swapped calls start coming back when
-    a step chooses them (their copy on the side stream) and may sit out while it runs."""
+    a step chooses them (their copy on the side stream) and may sit out while it runs. None:
+    the CPU tier of the default size (pool.cpu_tier_bytes not set)."""
+    pool_cfg = {} if tier_bytes is None else {"cpu_tier_bytes": tier_bytes}
     cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20,
-                          "prefetch_distance": distance},
-                      pool={"cpu_tier_bytes": 64 * MiB})  # fmt: skip
+                          "prefetch_distance": distance}, pool=pool_cfg)  # fmt: skip
     model = hf.apply(llama().cuda(), cfg)
     kws = []
     for s in range(6):
@@ -130,6 +132,9 @@ def test_swap_preemption_on_the_gpu(oxygen, distance):
     assert st.swaps > 0 and tier["bytes_up"] == tier["bytes_down"] > 0
     assert (st.swaps_ahead > 0) == (distance > 0) and st.swaps_ahead <= st.swaps
     assert tier["slots_used"] == 0 and pool["blocks_used"] == 0
+    if tier_bytes is None:  # the default's size, in whole rows
+        want = default_cpu_tier_bytes()
+        assert want - tier["capacity_bytes"] < tier["capacity_bytes"] // tier["slots_total"]
 
 
 def test_a_swap_in_ahead_is_waited_for_by_the_next_step_not_by_the_current_stream(oxygen):

@@ -257,7 +257,8 @@ def test_a_bad_disk_tier_path_or_size_is_refused_when_made(pool, tmp_path):
     with pytest.raises(ValueError, match="pool.disk_tier_bytes: .* without pool.disk_tier_path"):
         load_config(pool={"cpu_tier_bytes": MiB, "disk_tier_bytes": MiB})
     with pytest.raises(ValueError, match="pool.disk_tier_path: .* needs a CPU tier"):
-        load_config(pool={"disk_tier_path": str(tmp_path), "disk_tier_bytes": MiB})
+        load_config(pool={"cpu_tier_bytes": 0, "disk_tier_path": str(tmp_path),
+                          "disk_tier_bytes": MiB})  # fmt: skip
     with pytest.raises(ValueError, match="pool.disk_tier_bytes: .* is more than the .* free"):
         load_config(pool={**cfg, "disk_tier_path": str(tmp_path), "disk_tier_bytes": 1 << 60})
     # the tier itself (space taken between configuration and first use; direct use)

@@ -97,6 +97,13 @@ def host_memory_bytes() -> int:
         return MAX_VIRTUAL_BYTES
 
 
+def default_cpu_tier_bytes() -> int:
+    """pool.cpu_tier_bytes by default: 4 GiB, or an eighth of this machine's memory when that is
+    less (whole MiB). The tier is made (and pinned) at the first preemption or cold prefix block
+    that needs it, never at enable()."""
+    return min(4 * GiB, host_memory_bytes() // 8) // MiB * MiB
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -130,8 +137,9 @@ class PoolConfig:
     hot_zone_ratio: float = 0.6
     migration_threshold: float = 0.8
     # host bytes for the KV CPU tier (pinned on a GPU): the engine's preempted calls swap their
-    # KV there instead of being recomputed; 0 = no tier; at most host memory
-    cpu_tier_bytes: int = 0
+    # KV there instead of being recomputed; 0 = no tier; at most host memory. By default 4 GiB
+    # or an eighth of host memory, whichever is less, pinned only when first needed
+    cpu_tier_bytes: int = field(default_factory=default_cpu_tier_bytes)
     # a directory on local NVMe for a disk tier behind the CPU tier (one preallocated file of
     # pool.disk_tier_bytes, removed when the pool closes): when the CPU tier is full its least
     # recently used blocks move there; "" = no disk tier
