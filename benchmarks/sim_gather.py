@@ -19,18 +19,19 @@ from oxygen_torch.engine import scheduler as sch
 from oxygen_torch.engine.task import Task
 
 
-class _Runner:
-    """Every request is one row; a step sleeps `step_s` (plus 0.4 ms a row)."""
+class Steps:
+    """A runner for the step scheduler alone: every request is one token of one row, a step
+    sleeps `step_s` plus `row_s` a row; `log` holds each step's call keys, sorted."""
 
-    def __init__(self, step_s: float):
-        self.step_s, self.rows = step_s, []
+    def __init__(self, step_s: float, row_s: float = 0.0):
+        self.step_s, self.row_s, self.log = step_s, row_s, []
 
     def plan(self, req, budget):
         return sch.Chunk(req, 1, 1, 0, None)
 
     def run(self, chunks):
-        time.sleep(self.step_s + 0.0004 * len(chunks))
-        self.rows.append(len(chunks))
+        time.sleep(self.step_s + self.row_s * len(chunks))
+        self.log.append(sorted(ch.request.call.key for ch in chunks))
         for ch in chunks:
             ch.request.result, ch.request.done = None, True
         return True
@@ -57,7 +58,7 @@ def _spin(seconds: float) -> None:
 def run(calls: int, host_s: float, step_s: float, tokens: int, step_mates: bool) -> tuple:
     sch.GATHER_STEP_MATES = step_mates
     rng = random.Random(0)
-    runner = _Runner(step_s)
+    runner = Steps(step_s, row_s=0.0004)
     sched = sch.StepScheduler(SchedulerConfig(gather_ms=5.0), runner)
     live = [sched.enter(Task(), key=i) for i in range(calls)]
     spans = [[host_s * rng.uniform(0.5, 1.5) for _ in range(tokens)] for _ in live]
@@ -75,7 +76,8 @@ def run(calls: int, host_s: float, step_s: float, tokens: int, step_mates: bool)
     for th in threads:
         th.join()
     wall = time.perf_counter() - start
-    return len(runner.rows), sum(runner.rows) / len(runner.rows), wall
+    rows = [len(step) for step in runner.log]
+    return len(rows), sum(rows) / len(rows), wall
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ the tier); swap preemption against the same calls run alone (float32, greedy: th
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,9 @@ from oxygen_torch.kv.heat import HOT, Heat
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
 from oxygen_torch.tools import metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from sim_gather import Steps  # noqa: E402  (the scheduler's stand-in runner)
 
 MiB = 1 << 20
 
@@ -284,35 +289,13 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
     assert pool["cpu_tier"]["slots_used"] == 0 and pool["blocks_used"] == 0
 
 
-class _Steps:
-    """A runner for the step scheduler alone: every request is one token of one row, a step
-    takes `step_s`; call "B" sits its `sit_at`-th chosen step out once (a swap-in ahead)."""
+class _Steps(Steps):
+    """benchmarks/sim_gather.py's runner: call "B" sits its `sit_at`-th chosen step out once
+    (a swap-in ahead)."""
 
     def __init__(self, step_s: float, sit_at: int):
-        self.step_s, self.sit_at, self.chosen, self.log = step_s, sit_at, 0, []
-
-    def plan(self, req, budget):
-        from oxygen_torch.engine.scheduler import Chunk
-
-        return Chunk(req, 1, 1, 0, None)
-
-    def run(self, chunks):
-        import time
-
-        time.sleep(self.step_s)
-        self.log.append(sorted(ch.request.call.key for ch in chunks))
-        for ch in chunks:
-            ch.request.result, ch.request.done = None, True
-        return True
-
-    def free_blocks(self):
-        return 1 << 20
-
-    def total_blocks(self):
-        return 1 << 20
-
-    def preempt(self, call):
-        return 0
+        super().__init__(step_s)
+        self.sit_at, self.chosen = sit_at, 0
 
     def fetch(self, call):
         if call.key != "B":
