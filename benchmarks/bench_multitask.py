@@ -134,7 +134,8 @@ def run_batch(model, reqs: list[dict]) -> tuple[list[dict], int, float]:
 def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     import oxygen_torch
 
-    if mode.startswith("oxygen") or mode == "burst":
+    oxygen = mode.startswith("oxygen") or mode == "burst"
+    if oxygen:
         from oxygen_torch.engine import scheduler
 
         policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
@@ -159,7 +160,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
-    if mode.startswith("oxygen") or mode == "burst":  # the merged steps: how many, how full
+    if oxygen:  # the merged steps: how many, how full
         from oxygen_torch.integrations.hf import batched
 
         stats = [m.scheduler.stats for m in batched._mergers.get(model, {}).values()]

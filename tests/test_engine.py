@@ -363,13 +363,13 @@ def test_calls_that_sample_one_after_the_other_keep_stepping_together(monkeypatc
     a step's time (200 ms). Each step must wait for them all while they keep coming. The rule
     before, gather_ms from the oldest request, splits them into two groups a step apart: that
     case shows the test can tell."""
-    from test_kv_tier import _Steps
+    from test_kv_tier import Steps
 
     from oxygen_torch.config import SchedulerConfig
     from oxygen_torch.engine import scheduler as sch
 
     monkeypatch.setattr(sch, "GATHER_STEP_MATES", rule == "step mates")
-    runner = _Steps(step_s=0.2, sit_at=0)
+    runner = Steps(step_s=0.2)
     sched = sch.StepScheduler(SchedulerConfig(gather_ms=25.0), runner)
     calls = {k: sched.enter(Task(), key=k) for k in "ABCD"}
     interpreter = threading.Lock()
@@ -381,11 +381,8 @@ def test_calls_that_sample_one_after_the_other_keep_stepping_together(monkeypatc
                 time.sleep(0.015)  # sampling, one call at a time
         sched.leave(calls[key])
 
-    threads = [threading.Thread(target=loop, args=(k,)) for k in "ABCD"]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _, errors = in_threads(loop, [(k,) for k in "ABCD"])
+    assert not errors, errors
     together = sum(step == list("ABCD") for step in runner.log)
     if rule == "step mates":
         assert len(runner.log) <= 10 and together >= 6, runner.log

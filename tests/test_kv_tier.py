@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import llama, prompt, schedulers, together_as_alone
+from test_engine import in_threads, llama, prompt, schedulers, together_as_alone
 
 import oxygen_torch
 from oxygen_torch.config import load_config
@@ -273,6 +273,8 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
 
     monkeypatch.setattr(batched.Merger, "fetch", watched)
     model, kws = _burst(64 * MiB, prefetch=distance)
+    for s, kw in enumerate(kws):  # calls that end apart: a swapped call comes back beside others
+        kw["max_new_tokens"] += 6 * s
     together_as_alone(model, kws)
     (sched,) = schedulers(model)
     st = sched.stats
@@ -309,7 +311,6 @@ def test_a_call_that_sat_out_steps_with_the_others_again():
     step with the others, as a fresh submit does: its request, older than the gather deadline
     once the step is over, must not make a step due at once with it alone while the others are
     in their own code, which would keep the two a step apart from then on."""
-    import threading
     import time
 
     from oxygen_torch.config import SchedulerConfig
@@ -326,11 +327,8 @@ def test_a_call_that_sat_out_steps_with_the_others_again():
             time.sleep(0.002)  # sampling, in the call's own code
         sched.leave(calls[key])
 
-    threads = [threading.Thread(target=loop, args=(k,)) for k in "AB"]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _, errors = in_threads(loop, [(k,) for k in "AB"])
+    assert not errors, errors
     assert sched.stats.sat_out == 1
     after = runner.log[runner.log.index(["A"]) + 1 :]  # the step B sat out, then
     assert after[0] == ["A", "B"] or after[1] == ["A", "B"]
