@@ -63,6 +63,32 @@ def test_storage_maps_pages_of_live_blocks_in_every_region():
         st.check_blocks(torch.tensor([GUARD_BLOCK, 7, 5]))
 
 
+def test_debug_check_reads_the_full_layers_pages_not_the_window_layers():
+    """On a hybrid model whose first layer slides (Gemma3), a narrowed block's pages leave the
+    window layer's regions (regions 0-1 here) but stay in the full layer's: the debug check
+    passes for it, and fails for a block whose full-layer page is really gone. (It looked up
+    region pages as arena pages, so it read region 0 -- the window layer -- and raised
+    "block ... lies on unmapped page 1" on the H200 for a block the kernels may read.)"""
+    backing = RecordingBacking(4 * 64 * KiB, 16 * KiB)
+    st = KVStorage(
+        backing, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+        block_tokens=16, window_layers=(0,),
+    )  # fmt: skip
+    blocks = [int(b) for b in torch.randperm(st.num_blocks - 2)[:3] + 2]  # pages 1-3
+    st.on_alloc(blocks)
+    st.on_narrow(blocks)  # behind every holder's window: the window layer's pages go
+    pages = {b * st.block_bytes // (16 * KiB) for b in blocks}
+    assert not any(p in backing.mapped for p in pages)  # region 0 is the window layer's
+    assert all(2 * st.region_pages + p in backing.mapped for p in pages)
+    st.check_blocks(torch.tensor([GUARD_BLOCK, *blocks]))
+    st.on_free(blocks)
+    with pytest.raises(RuntimeError, match="unmapped page"):
+        st.check_blocks(torch.tensor([blocks[0]]))
+    backing.mapped.discard(2 * st.region_pages)  # the guard's page, gone behind the storage
+    with pytest.raises(RuntimeError, match="unmapped page 0"):
+        st.check_blocks(torch.tensor([GUARD_BLOCK]))
+
+
 def _dense_out(q, keys, values, scale, window):
     """q: [Hq, n_q, D] for the LAST n_q of keys [Hkv, n, D] -> [n_q, Hq, D]."""
     o = dense_attention_ref(
