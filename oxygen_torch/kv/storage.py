@@ -287,8 +287,7 @@ class KVStorage:
                 )
             for p in self._pages_of(b):
                 unmapped = p not in self._all.mapped or any(
-                    not self.backing.is_mapped(r * self.region_pages + p)
-                    for r in self._all.regions
+                    not self.backing.is_mapped(r * self.region_pages + p) for r in self._all.regions
                 )
                 if unmapped:
                     raise RuntimeError(f"oxygen KV debug: block {b} lies on unmapped page {p}")
