@@ -255,3 +255,33 @@ def test_idle_connections_neither_make_threads_nor_stay_open(pool):
         metrics.stop_http_servers()
     time.sleep(0.2)
     assert threading.active_count() <= before + 1
+
+
+@pytest.mark.parametrize("port", ["in use", -1, 70000])
+def test_a_port_in_use_or_out_of_range_is_an_error_naming_it(port):
+    """socketserver calls server_close() when bind() fails, before the server's own __init__ had
+    set what that closes: an AttributeError ('_closed') came out instead of these."""
+    import errno
+    import threading
+
+    before = set(threading.enumerate())
+    taken = socket.socket()
+    try:
+        if port == "in use":
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(OSError, match=f"127.0.0.1:{port}: .*in use") as info:
+                metrics.start_http_server(port=port)
+            assert info.value.errno == errno.EADDRINUSE
+        else:
+            with pytest.raises(ValueError, match=f"port {port} is out of range; allowed: 0 to"):
+                metrics.start_http_server(port=port)
+    finally:
+        taken.close()
+    assert not set(threading.enumerate()) - before  # no watcher left behind
+    server = metrics.start_http_server(port=0)  # the next one starts as usual
+    try:
+        assert "oxygen:pool_mapped_bytes" in _scrape(server.socket.getsockname()[1])
+    finally:
+        metrics.stop_http_servers()

@@ -52,9 +52,13 @@ class BoundedWSGIServer(WSGIServer):
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_waiting: int = MAX_WAITING,
     ):
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise ValueError(f"oxygen metrics: port {port!r} is not an integer from 0 to 65535")
+        if not 0 <= port <= 65535:
+            raise ValueError(
+                f"oxygen metrics: port {port} is out of range; allowed: 0 to 65535 (0: a free one)"
+            )
         self.address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        super().__init__((addr, port), _Handler)
-        self.set_app(app)
         self.request_timeout_s = request_timeout_s
         self._idle_timeout_s = idle_timeout_s
         self._max_waiting = max_waiting
@@ -72,6 +76,15 @@ class BoundedWSGIServer(WSGIServer):
         self._watcher = threading.Thread(
             target=self._watch, name="oxygen-metrics-idle", daemon=True
         )
+        # everything server_close() closes is set before bind(): socketserver calls it when
+        # bind() fails
+        try:
+            super().__init__((addr, port), _Handler)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"oxygen metrics: cannot serve on {addr}:{port}: {exc.strerror or exc}"
+            ) from exc
+        self.set_app(app)
         self._watcher.start()
 
     # -- called on the serve_forever thread after accept() -------------------------------------
@@ -163,7 +176,8 @@ class BoundedWSGIServer(WSGIServer):
     def server_close(self) -> None:
         self._closed.set()
         self._wake()
-        self._watcher.join(timeout=5)
+        if self._watcher.ident is not None:  # (not started when bind() failed)
+            self._watcher.join(timeout=5)
         for _ in self._workers:
             self._ready.put(None)
         self._wake_w.close()
