@@ -2,6 +2,12 @@
 reader, pool.backend=cuda without a GPU, and the warning for fields that do nothing yet."""
 
 import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -127,6 +133,74 @@ def test_non_utf8_yaml_names_the_file_and_the_variable(monkeypatch, tmp_path):
     msg = str(info.value)
     assert msg.startswith(f"{ENV_FILE}: {str(f)!r} is not UTF-8 text (byte 18")
     assert "must be YAML in UTF-8" in msg
+
+
+def _load_config_on_a_thread(monkeypatch, path, timeout=20):
+    """load_config() with OXYGEN_CONFIG_FILE = path on a thread: its exception, or a failure when
+    it did not finish within `timeout` seconds (a reader blocked on a FIFO is let go first)."""
+    monkeypatch.setenv(ENV_FILE, str(path))
+    out = []
+
+    def load():
+        try:
+            load_config()
+            out.append(None)
+        except Exception as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # the blocked open() returns
+        t.join(5)
+        pytest.fail(f"load_config() did not finish in {timeout} s reading {path}")
+    return out[0]
+
+
+def test_config_file_that_is_a_fifo_or_a_directory_is_refused_at_once(monkeypatch, tmp_path):
+    """A FIFO hung load_config() (open() waits for a writer)."""
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory")):
+        t0 = time.monotonic()
+        exc = _load_config_on_a_thread(monkeypatch, path)
+        assert time.monotonic() - t0 < 5
+        assert isinstance(exc, ValueError), exc
+        assert str(exc).startswith(f"{ENV_FILE}: {str(path)!r} is {kind}, not a regular file")
+
+
+def test_config_file_larger_than_the_bound_is_refused(monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    mib = 1 << 20  # the bound
+    f.write_bytes(b"#" * mib + b"\n")
+    exc = _load_config_on_a_thread(monkeypatch, f)
+    assert isinstance(exc, ValueError), exc
+    assert str(exc).startswith(f"{ENV_FILE}: {str(f)!r} holds {mib + 1} bytes, more than")
+    assert "1 MiB" in str(exc)
+    body = b"kv:\n  block_tokens: 32\n"
+    f.write_bytes(b"#" * (mib - len(body) - 1) + b"\n" + body)
+    monkeypatch.setenv(ENV_FILE, str(f))
+    assert load_config().kv.block_tokens == 32  # up to the bound, read as usual
+
+
+def test_config_file_dev_zero_is_refused_without_reading_it():
+    """/dev/zero ended in MemoryError after reading what memory there was; here in a process
+    whose address space is bounded (3 GiB), so a regression fails instead of filling memory."""
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from oxygen_torch.config import load_config\n"
+        "try:\n    load_config()\nexcept BaseException as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    env = {**os.environ, ENV_FILE: "/dev/zero", "PYTHONPATH": os.getcwd()}
+    env.pop(ENV_CONF, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.stdout.startswith(
+        f"ValueError {ENV_FILE}: '/dev/zero' is a character device, not a regular file"
+    ), out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")

@@ -13,6 +13,7 @@ from .fields import (
     ENV_CONF,
     ENV_FILE,
     FRESH_PREFILL,
+    MAX_CONFIG_FILE_BYTES,
     MAX_PAGE_SIZE,
     MAX_TOKENS,
     MAX_VIRTUAL_BYTES,
@@ -33,5 +34,5 @@ __all__ = [
     "KVConfig",
     "OxygenConfig", "PoolConfig", "SchedulerConfig", "describe", "load_config",
     "parse_conf_string", "NOT_WIRED", "host_memory_bytes", "check_page_size",
-    "MAX_PAGE_SIZE", "MAX_TOKENS", "MAX_VIRTUAL_BYTES",
+    "MAX_CONFIG_FILE_BYTES", "MAX_PAGE_SIZE", "MAX_TOKENS", "MAX_VIRTUAL_BYTES",
 ]  # fmt: skip

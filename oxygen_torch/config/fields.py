@@ -38,6 +38,9 @@ _MAX_DIGITS = 40
 
 ENV_CONF = "OXYGEN_CONF"
 ENV_FILE = "OXYGEN_CONFIG_FILE"
+# 1 MiB: the file ENV_FILE names is read whole; a real one is a few hundred bytes, and a bound
+# keeps a wrong path (a log, a disk image) from taking the process's memory
+MAX_CONFIG_FILE_BYTES = MiB
 
 
 def describe(value: Any) -> str:

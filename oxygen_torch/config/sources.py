@@ -7,11 +7,20 @@ import dataclasses
 import logging
 import os
 import re
+import stat
 import typing
 from typing import Any
 
 from ..triton_kernels.precision import PrecisionMode
-from .fields import _MAX_DIGITS, ENV_CONF, ENV_FILE, SECTIONS, OxygenConfig, describe
+from .fields import (
+    _MAX_DIGITS,
+    ENV_CONF,
+    ENV_FILE,
+    MAX_CONFIG_FILE_BYTES,
+    SECTIONS,
+    OxygenConfig,
+    describe,
+)
 
 log = logging.getLogger("oxygen_torch")
 
@@ -189,15 +198,53 @@ def _yaml_loader():
     return Loader
 
 
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+
+def _read_bytes(path: str) -> bytes:
+    """The bytes of the regular file at `path`, at most MAX_CONFIG_FILE_BYTES. Opened without
+    blocking and checked before reading: open() of a FIFO waits for a writer (forever, without
+    O_NONBLOCK), and /dev/zero never ends."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{ENV_FILE}: cannot read {path!r}: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _NOT_REGULAR if test(st.st_mode)), "not a file")
+            raise ValueError(
+                f"{ENV_FILE}: {path!r} is {kind}, not a regular file; {ENV_FILE} must name a "
+                "YAML file"
+            )
+        if st.st_size > MAX_CONFIG_FILE_BYTES:
+            raise ValueError(
+                f"{ENV_FILE}: {path!r} holds {st.st_size} bytes, more than the "
+                f"{MAX_CONFIG_FILE_BYTES} (1 MiB) a configuration file may hold"
+            )
+        with open(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_CONFIG_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{ENV_FILE}: cannot read {path!r}: {exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_FILE_BYTES:  # it grew after fstat()
+        raise ValueError(
+            f"{ENV_FILE}: {path!r} grew past {MAX_CONFIG_FILE_BYTES} bytes (1 MiB, the most a "
+            "configuration file may hold) while it was read"
+        )
+    return data
+
+
 def _read_file(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """YAML file -> ({dotted key: value}, {model_type: profile dict})."""
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ValueError(f"{ENV_FILE}: cannot read {path!r}: {exc}") from None
+        text = _read_bytes(path).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"{ENV_FILE}: {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); the file "
