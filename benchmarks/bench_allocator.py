@@ -1,26 +1,34 @@
-"""The pool against PyTorch's allocators on the GPU, side by side in one run (H200):
+"""The VMM pool against PyTorch's allocators, side by side in one run.
+
+On the GPU (H200), each measurement in its own child process (the global route must be
+installed before CUDA initialises):
 
 1. malloc+free latency, 4 KiB ... 64 MiB: torch.empty + del (Python) under the default caching
-   allocator and under the pool (global route); the pool also from C (a loop in the library, no
-   Python per call) and through ctypes (one Python call per malloc and per free: overhead
-   included), next to torch.cuda.caching_allocator_alloc/delete from Python.
-2. The mixed HF generate() workload (benchmarks/mixed_workload.py) in three processes: default,
-   expandable_segments:True, oxygen: peak allocated, peak reserved/mapped, fragmentation, memory
-   still held after, tokens/s.
+   allocator (the anchor) and under the pool (global route), with the ratio; the pool also from
+   C (a loop in the library, no Python per call) and through ctypes (one Python call per malloc
+   and per free), next to torch.cuda.caching_allocator_alloc/delete from Python.
+2. Mixed generate() workloads (workloads.py) in one process per allocator: default,
+   expandable_segments:True (the anchor), oxygen: peak allocated, peak reserved/mapped,
+   fragmentation (1 - peak allocated / peak reserved), memory still held after, tokens/s and
+   oxygen's over expandable's. --seeds picks the family's workloads (default 0-7; none with
+   `--seeds` alone), --anchor adds the anchor's 14-call workload, --calls keeps the first N calls.
+   OXYGEN_HYSTERESIS_MS=2 runs the oxygen process with that pool.hysteresis_ms.
 3. Growth: time on the allocating thread to make 1 GiB more usable, with handles prepared ahead
-   (map + set-access only) and without (create too); cudaMalloc of 1 GiB for reference.
+   (map + set-access only) and without (create too), beside cudaMalloc of 1 GiB; goal < 2 ms.
 
-Every measurement runs in its own child process (the global route must be installed before CUDA
-initialises). Prints a table last; writes bench_allocator.json and bench_allocator.md to $OUT.
+On the CPU, --host runs the host backend's side instead (host_random.py), every block's content
+checked: each seed's trace cut to --layers and --max-new (fragmentation per seed and the worst);
+--threads x --ops random malloc/free of 512 B - 45 MiB (goal: no corruption, mapped back to 0,
+fragmentation <= 5 %); and the trace recorded from generate() on the H200
+(tests/data/generate_trace.jsonl.gz) paced at its recorded rate for each --hysteresis-ms: maps a
+decode step beside the 2 ms row's. --dry-run prints each seed's workload and the plan.
 
-The workload is a family (benchmarks/workloads.py): each of --seeds (default 0-7) draws a model
-shape, a prefill/decode mix and its calls; every allocator runs every seed, and the table gives
-each seed and the worst. --anchor adds the anchor's 14-call workload. On a CPU: --dry-run prints
-the plan; --replay-host replays each seed's trace (cut to --layers and --max-new) on the host
-backend with content checks and prints each seed's fragmentation and the worst.
+Prints a table last; with $OUT set, writes bench_allocator.json and bench_allocator.md there.
 
-    python benchmarks/bench_allocator.py [--seeds 0 1 ...] [--calls N] [--skip-workload]
-        [--allocators oxygen ...] [--anchor] [--dry-run] [--replay-host]
+    python benchmarks/bench_allocator.py                      # H200, ~2 min per allocator a seed
+    python benchmarks/bench_allocator.py --anchor --seeds --calls 7 --allocators expandable oxygen
+    python benchmarks/bench_allocator.py --host               # CPU: seeds, random threads, pacing
+    python benchmarks/bench_allocator.py --host --threads 4 --ops 3000 --hysteresis-ms 2 20
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ from oxygen_torch.tools.progress import progress
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import host_random  # noqa: E402  (this folder: the CPU side)
+import workloads  # noqa: E402
+
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 16 << 20, 64 << 20]
 ENABLE = (
     "import types; from oxygen_torch import pool as allocator; allocator.enable_allocator("
@@ -119,10 +131,7 @@ def bench_latency() -> dict:
     return {"default": default, "oxygen": oxygen}
 
 
-WORKLOAD_ALLOCATORS = ("default", "expandable", "oxygen")
-
-
-def bench_workload(calls: int | None, allocators=WORKLOAD_ALLOCATORS, seeds=(None,)) -> dict:
+def bench_workload(calls: int | None, allocators=workloads.ALLOCATORS, seeds=(None,)) -> dict:
     """{seed name: {allocator: figures}}; seed None is the anchor workload."""
     out: dict = {}
     for seed in seeds:
@@ -130,8 +139,8 @@ def bench_workload(calls: int | None, allocators=WORKLOAD_ALLOCATORS, seeds=(Non
         out[name] = {}
         for mode in progress(allocators, f"mixed workload, {name}"):
             code = (
-                f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import mixed_workload as m; "
-                f"print(json.dumps(m.run({mode!r}, {calls!r}, {seed!r})))"
+                f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import workloads as w; "
+                f"print(json.dumps(w.run({mode!r}, {calls!r}, {seed!r})))"
             )
             t = time.perf_counter()
             out[name][mode] = r = child(code, timeout=900)
@@ -152,9 +161,6 @@ def worst(per_seed: dict, key: str = "frag_pct") -> dict:
 
 def replay_host(seeds, layers: int, max_new: int) -> dict:
     """Each seed's trace on the host backend, content checked: the CPU side of the family."""
-    import host_random
-    import workloads
-
     out = {}
     for seed in seeds:
         ops = workloads.trace(workloads.family(seed), layers=layers, max_new=max_new)
@@ -169,6 +175,45 @@ def replay_host(seeds, layers: int, max_new: int) -> dict:
         }
         print(f"host replay seed {seed}: {r}", flush=True)
     return out
+
+
+def host(args) -> int:
+    """The CPU side: seeds replayed, random threads, the recorded trace paced by hysteresis."""
+    if args.seeds:
+        res = replay_host(args.seeds, args.layers, args.max_new)
+        v, name = max((r["frag_pct"], n) for n, r in res.items())
+        bad = sum(r["overwritten"] for r in res.values())
+        print(f"host replay: worst fragmentation over {len(res)} seeds {v} % ({name}); "
+              f"blocks overwritten {bad}")  # fmt: skip
+    if args.ops:
+        r = host_random.run(threads=args.threads, ops=args.ops)
+        ok = not r["errors"] and r["mapped_after_empty_cache"] == 0
+        print(f"random: {args.threads} threads x {args.ops} ops: fragmentation "
+              f"{r['fragmentation']:.2%} (goal <= 5 %), {len(r['errors'])} errors, mapped after "
+              f"empty_cache {r['mapped_after_empty_cache']} B: {'ok' if ok else 'FAILED'}, "
+              f"{r['seconds']} s")  # fmt: skip
+        if not ok:
+            return 1
+    if args.hysteresis_ms:
+        header, ops = host_random.load_trace()
+        steps = sum(new for _b, _p, new in header["workload"])
+        pace_ns = int(header["seconds"] * 1e9 / len(ops))
+        print(f"recorded trace: {len(ops)} events, {steps} decode steps, paced at "
+              f"{pace_ns / 1e3:.1f} us an event")  # fmt: skip
+        print("| hysteresis ms | maps | maps per step | vs 2 ms | unmaps | fragmentation "
+              "| mapped at end GiB | mapped +100 ms GiB |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        anchor = None  # the 2 ms row (the default before 20 ms) runs first
+        for h in [2.0] + [x for x in args.hysteresis_ms if x != 2.0]:
+            s = host_random.paced_replay(ops, pace_ns, h)
+            per_step = s["num_maps"] / steps
+            anchor = per_step if anchor is None else anchor
+            ratio = f"{per_step / anchor:.2f}x"
+            frag = 1 - s["peak_allocated_bytes"] / s["peak_mapped_bytes"]
+            print(f"| {h:g} | {s['num_maps']} | {per_step:.1f} | {ratio} | {s['num_unmaps']} | "
+                  f"{frag:.2%} | {s['mapped_bytes'] / 2**30:.2f} | "
+                  f"{s['mapped_after_100ms'] / 2**30:.2f} |", flush=True)  # fmt: skip
+    return 0
 
 
 def table(r: dict) -> str:
@@ -190,19 +235,22 @@ def table(r: dict) -> str:
     if "workload" in r:
         lines += ["", "## 2. mixed generate() workloads, one per seed", "",
                   "| workload | allocator | peak alloc GiB | peak reserved/mapped GiB "
-                  "| fragmentation % | held after GiB (now / +100 ms) | tok/s |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| fragmentation % | held after GiB (now / +100 ms) | tok/s "
+                  "| tok/s vs expandable |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, runs in r["workload"].items():
+            anchor = runs.get("expandable", {}).get("tok_per_s")
             for mode, w in runs.items():
                 if "error" in w:
-                    lines.append(f"| {name} | {mode} | error: {w['error'][-200:]!r} |||||")
+                    lines.append(f"| {name} | {mode} | error: {w['error'][-200:]!r} ||||||")
                     continue
+                ratio = f"{w['tok_per_s'] / anchor:.2f}x" if anchor else "-"
                 lines.append(f"| {name} ({w.get('arch')}) | {mode} | {w['peak_alloc_GiB']} | "
                              f"{w['peak_reserved_GiB']} | {w['frag_pct']} | "
                              f"{w['end_reserved_GiB']} / {w['end_reserved_100ms_GiB']} | "
-                             f"{w['tok_per_s']} |")  # fmt: skip
+                             f"{w['tok_per_s']} | {ratio} |")  # fmt: skip
         for mode, (v, name) in worst(r["workload"]).items():
-            lines.append(f"| **worst** | {mode} | | | {v} ({name}) | | |")
+            lines.append(f"| **worst** | {mode} | | | {v} ({name}) | | | |")
     g = r["growth"]
     lines += ["", "## 3. growth: 1 GiB more usable on the allocating thread", "",
               f"- handles prepared ahead (map + set-access only): "
@@ -218,13 +266,15 @@ def table(r: dict) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument(
         "--seeds",
         type=int,
-        nargs="+",
+        nargs="*",
         default=list(range(8)),
-        help="workload family seeds (benchmarks/workloads.py); default 0-7",
+        help="workload family seeds (workloads.py), default 0-7; none: no family workload",
     )
     ap.add_argument("--anchor", action="store_true", help="also the anchor's 14-call workload")
     ap.add_argument(
@@ -233,52 +283,56 @@ def parse(argv=None) -> argparse.Namespace:
         default=None,
         help="keep the first N calls of each workload (default: all)",
     )
-    ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument("--skip-workload", action="store_true", help="latency and growth only")
     ap.add_argument(
         "--allocators",
         nargs="+",
-        default=list(WORKLOAD_ALLOCATORS),
-        choices=WORKLOAD_ALLOCATORS,
-        help="which allocators run the workloads (each ~2 min on the H200)",
+        default=list(workloads.ALLOCATORS),
+        choices=workloads.ALLOCATORS,
+        help="which allocators run the workloads (each ~2 min a workload on the H200)",
     )
     ap.add_argument(
         "--dry-run",
         action="store_true",
         help="print each seed's workload and what would run; no GPU",
     )
+    ap.add_argument("--host", action="store_true", help="the CPU side on the host backend")
+    ap.add_argument("--layers", type=int, default=2, help="--host: layers kept of each seed")
+    ap.add_argument("--max-new", type=int, default=8, help="--host: new tokens per call")
+    ap.add_argument("--threads", type=int, default=8, help="--host: random malloc/free threads")
     ap.add_argument(
-        "--replay-host",
-        action="store_true",
-        help="replay each seed's trace on the host backend instead (CPU)",
+        "--ops", type=int, default=200_000, help="--host: operations per thread (0: skip)"
     )
-    ap.add_argument("--layers", type=int, default=2, help="--replay-host: layers kept")
-    ap.add_argument("--max-new", type=int, default=8, help="--replay-host: new tokens per call")
+    ap.add_argument(
+        "--hysteresis-ms",
+        type=float,
+        nargs="*",
+        default=[20.0, 50.0],
+        help="--host: the recorded trace paced, per pool.hysteresis_ms (2 runs first, the "
+        "anchor); none: skip",
+    )
     args = ap.parse_args(argv)  # fmt: skip
     if any(s < 0 for s in args.seeds):
         ap.error(f"--seeds must be non-negative, got {args.seeds}")
     if args.calls is not None and args.calls < 1:
         ap.error(f"--calls must be >= 1, got {args.calls}")
-    if args.layers < 1 or args.max_new < 1:
-        ap.error("--layers and --max-new must be >= 1")
+    if args.layers < 1 or args.max_new < 1 or args.threads < 1 or args.ops < 0:
+        ap.error("--layers, --max-new and --threads must be >= 1, --ops >= 0")
+    if any(not 0.01 <= h <= 60000 for h in args.hysteresis_ms):
+        ap.error(f"--hysteresis-ms must lie in 0.01 ... 60000, got {args.hysteresis_ms}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    sys.path.insert(0, str(HERE))
     if args.dry_run:
-        import workloads
-
         for seed in args.seeds:
             print(workloads.family(seed).describe())
         print(f"would run: latency, growth, then {len(args.seeds) + args.anchor} workload(s) x "
               f"{args.allocators}")  # fmt: skip
         return 0
-    if args.replay_host:
-        res = replay_host(args.seeds, args.layers, args.max_new)
-        v, name = max((r["frag_pct"], n) for n, r in res.items())
-        print(f"worst fragmentation over {len(res)} seeds (host backend): {v} % ({name})")
-        return 0
+    if args.host:
+        return host(args)
     t0 = time.perf_counter()
     r = {"latency": bench_latency()}
     print(f"latency: {r['latency']}", flush=True)

@@ -406,10 +406,15 @@ def main():
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--no-flex", dest="flex", action="store_false")
-    parser.add_argument("--no-sweep", dest="sweep", action="store_false")
-    parser.add_argument("--cpu-errors", action="store_true")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--no-flex", dest="flex", action="store_false",
+                        help="skip compiled FlexAttention (its compiles take minutes)")  # fmt: skip
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false",
+                        help="skip the sweep of decode launch choices")  # fmt: skip
+    parser.add_argument("--cpu-errors", action="store_true",
+                        help="only the precision error table, on CPU (interpreter)")  # fmt: skip
     parser.add_argument("--no-ttft", dest="ttft", action="store_false",
                         help="skip the generate() TTFT rows (bench_ttft.py)")  # fmt: skip
     parser.add_argument(

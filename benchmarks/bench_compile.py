@@ -138,8 +138,11 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES,
+                    help="modes to run (default: hf_static oxygen oxygen_default)")  # fmt: skip
     ap.add_argument("--new", type=int, default=N, help="new tokens per sequence")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -293,8 +293,11 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                    help="modes to run (default: all); cap_*: the capacity test")  # fmt: skip
     ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, no capacity test")
     args = ap.parse_args()

@@ -221,11 +221,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
-    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
-    ap.add_argument("--cvs", nargs="*", type=float, default=[1.0, 4.0])
-    ap.add_argument("--requests", type=int, default=200)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                    help="modes to run (default: all)")  # fmt: skip
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1], help="trace seeds")
+    ap.add_argument("--cvs", nargs="*", type=float, default=[1.0, 4.0],
+                    help="coefficients of variation of the arrivals")  # fmt: skip
+    ap.add_argument("--requests", type=int, default=200, help="requests in a trace")
     ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)

@@ -29,8 +29,24 @@ mode's memory cap is its own):
   others step (4). Figures: wall time and tok/s, the steps' median time and that of the steps
   during which a swap-in ran, swaps and swap-ins ahead.
 
-    python benchmarks/bench_tier.py [--parts migration capacity prefix long] [--modes ...]
-    python benchmarks/bench_tier.py --smoke     # tiny model on CPU: the plumbing only
+- disk: the slow paths, 512 blocks down and up through the disk tier (CPU rows full) and with
+  fp8 lowering (past the pressure mark): GB/s each way.
+- profile (not run unless named): torch.profiler over one prefix miss and one hit, the top CPU
+  ops and CUDA kernels by self time.
+
+Environment: BENCH_TIER_TPOT_ROUNDS (migration: rounds of TPOT beside each churn, default 3);
+BENCH_TIER_WAYS (migration: the ways a move goes, "copies:pace:MiB[:programs],...", default
+"auto::16,gather:gather:16,mapped::16:2": transfer.COPIES, transfer.PACE_DOWN, piece MiB, the
+mapped kernel's grid); BENCH_TIER_SWAP_SEEDS (swap: seeds, default "1,2");
+BENCH_GATHER_STEP_MATES=0 (swap: the step scheduler's gather rule before the fifteenth
+session); BENCH_TIER_WINDOW and BENCH_TIER_HYBRID_EVERY (long: the window, default 4,096, and
+every how many layers a hybrid model's layer is full, default 6).
+
+    python benchmarks/bench_tier.py                  # every part but profile
+    python benchmarks/bench_tier.py --parts migration swap
+    python benchmarks/bench_tier.py --modes prefix_miss prefix_gpu prefix_floor
+    python benchmarks/bench_tier.py --smoke          # tiny model on CPU: the plumbing only
+
 With $OUT set, bench_tier.json and bench_tier.md (bench_tier_<first mode>.* with --modes) are
 written there.
 """
@@ -1402,9 +1418,22 @@ def _concurrent_table(r: dict) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="*", default=[p for p in PARTS if p != "profile"])
-    ap.add_argument("--modes", nargs="*", help="modes to run (default: every mode of the parts)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--parts",
+        nargs="*",
+        default=[p for p in PARTS if p != "profile"],
+        choices=list(PARTS),
+        help="parts to run (default: all but profile)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="*",
+        help="modes to run instead of whole parts: "
+        + ", ".join(m for modes in PARTS.values() for m in modes),
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: the plumbing only")
     args = ap.parse_args()

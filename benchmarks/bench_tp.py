@@ -257,13 +257,15 @@ def spawn(n: int, argv: list[str]) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--calls", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape")
+    ap.add_argument("--batch", type=int, default=16, help="generate: prompts")
+    ap.add_argument("--prompt", type=int, default=512, help="generate: prompt tokens")
+    ap.add_argument("--new", type=int, default=128, help="generate: new tokens")
+    ap.add_argument("--calls", type=int, default=32, help="multitask: calls drawn")
+    ap.add_argument("--seed", type=int, default=0, help="multitask: the calls' seed")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo)")
     ap.add_argument("--spawn", type=int, default=0, help="start this many ranks here")
     args = ap.parse_args()

@@ -141,9 +141,12 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
-    ap.add_argument("--shape", default="qwen1.5b", choices=list(SHAPES))
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                    help="modes to run (default: all)")  # fmt: skip
+    ap.add_argument("--shape", default="qwen1.5b", choices=list(SHAPES), help="model shape")
     ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, short prompts")
     args = ap.parse_args(argv)

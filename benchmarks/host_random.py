@@ -1,31 +1,39 @@
-"""Random malloc/free from several threads on one host-backend pool, every block's content checked
-before its free: the issue-18 host goal (8 threads x 200,000 operations, no corruption, mapped
-bytes back to 0, fragmentation <= 5 %).
+"""The allocator benchmark's CPU side, on the host backend (bench_allocator.py --host), shared with
+the pool tests (tests/test_pool_workloads.py, tests/test_pool_threads.py):
 
-Each thread draws sizes log-uniform in [--min, --max] (512 B - 45 MiB: the issue's figure of
-11.4 %, reproduced as 13-14 % before small blocks shared pages), frees a random live block with
-probability 1/2 or when it holds --live blocks, and stamps every block with a pattern of its own
-(whole block when small; when large its ends and one byte per 64 KiB of address: touching
-every 4 KiB of a fresh host page costs a page fault) that is verified before the free.
+- `stamp` / `verify`: every block stamped with a pattern of its own (whole block when small; when
+  large its ends and one byte per 64 KiB of address: touching every 4 KiB of a fresh host page
+  costs a page fault), checked before its free;
+- `replay`: an alloc/free trace (workloads.trace, or the recorded one) on a host pool, content
+  checked;
+- `run`: random malloc/free from several threads, sizes log-uniform in [lo, hi] (512 B - 45 MiB:
+  the issue-18 case, 11.4 % fragmentation then), each thread freeing a random live block with
+  probability 1/2 or when it holds `live` blocks; the host goal: 8 threads x 200,000 operations,
+  no corruption, mapped bytes back to 0, fragmentation <= 5 %;
+- `paced_replay`: the trace recorded from a real generate() on the H200
+  (tests/data/generate_trace.jsonl.gz) paced at its recorded average rate, so the idle-page
+  hysteresis sees real time between a page going idle and its next use (an unpaced replay runs
+  ~35x faster than the GPU did, which makes any hysteresis look ~35x longer).
+
 Fragmentation is the pool's own figure: 1 - peak allocated / peak mapped (memory_stats()).
-
-    python benchmarks/host_random.py [--threads 8] [--ops 200000] [--seed 0]
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
+import gzip
 import json
 import math
 import random
-import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 MiB = 1 << 20
+GiB = 1 << 30
+TRACE = Path(__file__).resolve().parent.parent / "tests" / "data" / "generate_trace.jsonl.gz"
 
 
 SAMPLE = 64 << 10  # large blocks: one byte per 64 KiB of address (one page fault, not 16)
@@ -90,7 +98,7 @@ def worker(pool, seed: int, ops: int, live_max: int, lo: int, hi: int, errors: l
 
 
 def replay(ops: list[list], capacity: int, hysteresis_us: int = 0) -> dict:
-    """Replay an alloc/free trace (benchmarks/workloads.py, record_trace.py) on a host pool, every
+    """Replay an alloc/free trace (workloads.trace, or the recorded one) on a host pool, every
     block stamped at its malloc and checked at its free. The pool's figures at the end, with
     `overwritten` (blocks whose content changed) and the mapped bytes after empty_cache().
     hysteresis_us 0: the pool's default (idle pages age by wall time, so the figures depend on
@@ -155,24 +163,32 @@ def run(threads: int = 8, ops: int = 200_000, seed: int = 0, live: int = 40, lo:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--ops", type=int, default=200_000, help="operations per thread")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--live", type=int, default=40, help="most live blocks per thread")
-    ap.add_argument("--min", type=int, default=512, dest="lo")
-    ap.add_argument("--max", type=int, default=45 * MiB, dest="hi")
-    args = ap.parse_args()
-    worst = 0.0
-    for seed in args.seeds:
-        r = run(args.threads, args.ops, seed, args.live, args.lo, args.hi)
-        worst = max(worst, r["fragmentation"])
-        r["errors"] = r["errors"][:5]
-        print(json.dumps(r), flush=True)
-    print(f"worst fragmentation over {len(args.seeds)} seed(s): {worst:.2%}")
-    return 0
+def load_trace(path: Path = TRACE) -> tuple[dict, list[list]]:
+    """The recorded trace: its JSON header (workload, seconds) and its events."""
+    with gzip.open(path, "rt") as f:
+        header = json.loads(f.readline())
+        return header, [json.loads(line) for line in f]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def paced_replay(ops: list[list], pace_ns: int, hysteresis_ms: float) -> dict:
+    """Replay `ops` on a host pool, one event every `pace_ns`: the pool's figures at the end and
+    the bytes still mapped 100 ms later."""
+    from oxygen_torch.pool import VirtualPool
+
+    with VirtualPool(
+        backend="host", capacity=64 * GiB, hysteresis_us=round(hysteresis_ms * 1000)
+    ) as pool:
+        ptrs: dict[int, int] = {}
+        t0 = time.perf_counter_ns()
+        for n, (op, size, i, stream) in enumerate(ops):
+            due = t0 + n * pace_ns
+            while time.perf_counter_ns() < due:  # busy-wait: sleep() is far too coarse
+                pass
+            if op == "a":
+                ptrs[i] = pool.malloc(size, stream)
+            elif i in ptrs:
+                pool.free(ptrs.pop(i), size, stream)
+        s = pool.stats()
+        time.sleep(0.1)
+        s["mapped_after_100ms"] = pool.stats()["mapped_bytes"]
+    return s

@@ -1,4 +1,5 @@
-"""A family of mixed generate() workloads, one per seed, as allocation traces.
+"""The allocator benchmark's workloads (bench_allocator.py): the anchor's mixed generate() workload
+and a family of them, one per seed, both run on the GPU and as allocation traces for the CPU.
 
 The pool met its fragmentation goal on the one workload it was tuned on (issue 18); a family keeps
 it honest. A seed draws a model shape from real architectures (``ARCHS``), a mix (prefill-heavy:
@@ -8,19 +9,25 @@ logits processors, streamers or side work keep for a few steps, some on a second
 
 ``trace(workload)`` emits what greedy HF generate() with the dynamic cache allocates and frees
 (weights first, freed last; per call a prefill and decode steps whose K/V grow by torch.cat: the
-grown block is made, then the old one freed), in the format of benchmarks/record_trace.py:
-``["a", size, id, stream]`` / ``["f", size, id, stream]``. ``layers=`` and ``max_new=`` cut a
-trace to CPU size (tests/test_pool_workloads.py); bench_allocator.py ``--seeds`` runs the same
-seeds on the GPU (mixed_workload.run_seed) and replays them on the host backend
-(``--replay-host``).
+grown block is made, then the old one freed), in the format of the trace recorded on the H200
+(tests/data/generate_trace.jsonl.gz): ``["a", size, id, stream]`` / ``["f", size, id, stream]``.
+``layers=`` and ``max_new=`` cut a trace to CPU size (tests/test_pool_workloads.py,
+bench_allocator.py ``--host``).
 
-    python benchmarks/workloads.py 0 1 2        # print each seed's workload
+``run(mode, calls, seed)`` runs a workload's real generate() calls on the GPU in this process
+under one allocator (``default``, ``expandable`` or ``oxygen``, installed before CUDA
+initialises): seed None is the anchor's workload (``../shared/anchors/generate_mixed_workload.py``:
+random-weight Llama-1.1B shape, bf16, sdpa, 14 (batch, prompt, new tokens) draws from
+random.Random(1), greedy with min_new_tokens; the weights are made on the GPU in bf16, the same
+tensors the anchor copies there, ~15 s less a process).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
-import sys
+import time
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
@@ -211,11 +218,107 @@ def peak_live(ops: list[list]) -> int:
     return peak
 
 
-def main(argv: list[str]) -> int:
-    for s in [int(x) for x in argv] or list(range(8)):
-        print(family(s).describe())
-    return 0
+# --- the real generate() calls on the GPU ------------------------------------------------------
+
+ALLOCATORS = ("default", "expandable", "oxygen")
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def anchor_calls(calls: int | None = None) -> list[tuple[int, int, int]]:
+    """The anchor's 14 (batch, prompt, new tokens) draws, the first `calls` of them."""
+    rng = random.Random(1)
+    work = [
+        (rng.choice([1, 4, 8, 16, 32]), rng.randint(64, 2048), rng.choice([64, 128, 256]))
+        for _ in range(14)
+    ]
+    return work[:calls]
+
+
+def _setup(mode: str):
+    if mode == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    if mode == "oxygen":
+        from oxygen_torch import pool as allocator
+        from oxygen_torch.config import PoolConfig
+
+        cfg = PoolConfig()
+        if os.environ.get("OXYGEN_HYSTERESIS_MS"):  # compare settings of pool.hysteresis_ms
+            cfg = dataclasses.replace(cfg, hysteresis_ms=float(os.environ["OXYGEN_HYSTERESIS_MS"]))
+        allocator.enable_allocator(cfg)
+    return torch
+
+
+def _build(torch, arch: Arch | None = None):
+    """The anchor's Llama-1.1B shape, or `arch` (every shape is built as a Llama: same sizes, no
+    Qwen attention bias)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000,
+    )  # fmt: skip
+    if arch is not None:
+        shape = dict(
+            hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+            num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+            num_key_value_heads=arch.kv_heads, vocab_size=arch.vocab,
+            tie_word_embeddings=arch.tied,
+        )  # fmt: skip
+    cfg = LlamaConfig(**shape, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model, cfg
+
+
+def run(mode: str, calls: int | None, seed: int | None = None) -> dict:
+    """One workload under one allocator, in this process (before CUDA initialises): seed None is
+    the anchor's workload, else the family's of that seed; `calls` keeps the first N calls."""
+    fam = family(seed) if seed is not None else None
+    work = anchor_calls(calls) if fam is None else fam.calls[:calls]
+    torch = _setup(mode)
+    model, cfg = _build(torch, fam.arch if fam else None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    toks = 0
+    t0 = time.perf_counter()
+    for b, p, n in work:
+        ids = torch.randint(0, cfg.vocab_size, (b, p), device="cuda")
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+        toks += b * n
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    pa, pr = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    end_now = torch.cuda.memory_reserved()
+    time.sleep(0.1)  # oxygen: idle pages leave after the hysteresis (pool.hysteresis_ms, 20 ms)
+    r = {
+        "mode": mode,
+        "calls": len(work),
+        "seed": seed,
+        "arch": fam.arch.name if fam else "llama-1.1b (anchor)",
+        "weights_GiB": round(base / 2**30, 3),
+        "peak_alloc_GiB": round(pa / 2**30, 3),
+        "peak_reserved_GiB": round(pr / 2**30, 3),
+        "frag_pct": round(100 * (1 - pa / pr), 2),
+        "end_reserved_GiB": round(end_now / 2**30, 3),
+        "end_reserved_100ms_GiB": round(torch.cuda.memory_reserved() / 2**30, 3),
+        "end_allocated_GiB": round(torch.cuda.memory_allocated() / 2**30, 3),
+        "tok_per_s": round(toks / dt, 1),
+        "seconds": round(dt, 1),
+    }
+    if mode == "oxygen":
+        from oxygen_torch import pool as allocator
+
+        s = allocator.memory_stats()
+        r["oxygen"] = {k: s[k] for k in (
+            "num_maps", "num_unmaps", "mean_map_latency_us", "mean_unmap_latency_us",
+            "handles_created_inline", "reclaims", "pages_lent", "events_recorded",
+            "handle_cache_pages", "idle_pages", "slab_cached_pages", "num_ooms")}  # fmt: skip
+    return r

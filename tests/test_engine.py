@@ -363,7 +363,7 @@ def test_calls_that_sample_one_after_the_other_keep_stepping_together(monkeypatc
     a step's time (200 ms). Each step must wait for them all while they keep coming. The rule
     before, gather_ms from the oldest request, splits them into two groups a step apart: that
     case shows the test can tell."""
-    from test_kv_tier import Steps
+    from sim_steps import Steps
 
     from oxygen_torch.config import SchedulerConfig
     from oxygen_torch.engine import scheduler as sch

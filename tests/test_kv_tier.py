@@ -6,11 +6,10 @@ the tier); swap preemption against the same calls run alone (float32, greedy: th
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from sim_steps import Steps
 from test_engine import in_threads, llama, prompt, schedulers, together_as_alone
 
 import oxygen_torch
@@ -23,9 +22,6 @@ from oxygen_torch.kv.heat import HOT, Heat
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
 from oxygen_torch.tools import metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from sim_gather import Steps  # noqa: E402  (the scheduler's stand-in runner)
 
 MiB = 1 << 20
 
@@ -292,7 +288,7 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
 
 
 class _Steps(Steps):
-    """benchmarks/sim_gather.py's runner: call "B" sits its `sit_at`-th chosen step out once
+    """sim_steps.Steps: call "B" sits its `sit_at`-th chosen step out once
     (a swap-in ahead)."""
 
     def __init__(self, step_s: float, sit_at: int):
