@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 import oxygen_torch
 from oxygen_torch import config
 from oxygen_torch.config import ENV_CONF, ENV_FILE, KVConfig, PoolConfig, load_config
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats as kv_pool_stats
+from oxygen_torch.kv.pool import release_pools
 
 HUGE = 10**5000  # Python refuses to turn this into text: messages must not try
 
@@ -60,6 +63,67 @@ def test_page_size_of_a_tebibyte_fails_at_enable_naming_pool_page_size(monkeypat
         oxygen_torch.enable()
     assert not oxygen_torch.is_enabled()
     assert load_config(page_size="1GiB").pool.page_size == 1 << 30  # the largest allowed
+
+
+def _llama(layers):
+    import transformers as T
+
+    torch.manual_seed(0)
+    conf = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    model = T.LlamaForCausalLM(conf).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _generate(model):
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    "layers, cfg, needle",
+    [  # the host arena is 4 GiB when kv.arena_bytes is 0 (auto): 4 layers' K and V need 8 GiB
+        (4, dict(page_size="1GiB"), r"pool.page_size: 1073741824 \(1 GiB\) is too large for the"
+         r" KV arena: its 4 layers' K and V take 8 pages at least \(8589934592 \(8 GiB\)\), and "
+         r"the arena holds 4294967296 \(4 GiB\) \(kv.arena_bytes, or its default when 0\); lower"
+         r" pool.page_size \(the default is 2097152 \(2 MiB\)\) or raise kv.arena_bytes to ≥ "
+         r"8589934592$"),
+        # (the arena rounds 64 MiB up to a page)
+        (2, dict(page_size="1GiB", arena_bytes="64MiB"), r"pool.page_size: 1073741824 \(1 GiB\) "
+         r"is too large for the KV arena: its 2 layers' .* the arena holds 1073741824 "),
+        # the arena is too small at any page size: kv.arena_bytes caused it
+        (4, dict(arena_bytes="4MiB"), r"kv.arena_bytes: 4194304 \(4 MiB\) holds no block for 4 "
+         r"layers x 2048 bytes per block \(need ≥ 16777216 \(16 MiB\) with pool.page_size = "
+         r"2097152 \(2 MiB\)\)$"),
+    ],
+)  # fmt: skip
+def test_an_arena_that_holds_no_block_names_the_field_that_caused_it(layers, cfg, needle):
+    """pool.page_size = 1 GiB failed at generate() naming only kv.arena_bytes, which the user
+    never set."""
+    model = hf.apply(_llama(layers), load_config(**cfg))
+    try:
+        with pytest.raises(ValueError, match=needle):
+            _generate(model)
+    finally:
+        hf.disable_hf()
+        release_pools()
+
+
+@pytest.mark.parametrize("layers, page", [(2, "1GiB"), (4, "64MiB")])
+def test_large_pages_that_fit_the_arena_give_stock_tokens(layers, page):
+    want = _generate(_llama(layers))
+    model = hf.apply(_llama(layers), load_config(page_size=page))
+    try:
+        assert torch.equal(_generate(model), want)
+        (pool,) = kv_pool_stats()
+        size = load_config(page_size=page).pool.page_size
+        assert pool["mapped_bytes"] > 0 and pool["mapped_bytes"] % size == 0  # pages of `page`
+    finally:
+        hf.disable_hf()
+        release_pools()
 
 
 def test_cpu_tier_is_bounded_by_this_machines_memory():

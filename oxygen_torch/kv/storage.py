@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+from ..config.fields import DEVICE_GRANULARITY, _sized
 from ..pool import Arena
 
 log = logging.getLogger("oxygen_torch")
@@ -104,6 +105,28 @@ def make_backing(kind: str, nbytes: int, device: torch.device, page_size: int):
         return TorchBacking(min(nbytes, 256 * MiB), device, page_size)
 
 
+def _holds_no_block(capacity: int, page: int, num_layers: int, block_bytes: int) -> ValueError:
+    """The error for an arena whose regions (each layer's K and V, a page at least) hold no block
+    besides the guard, naming the field that caused it: pool.page_size when the same arena would
+    hold blocks in pages of the default size, else kv.arena_bytes."""
+    regions = 2 * num_layers
+    pages = -(-2 * block_bytes // page)  # per region: the guard block and one more
+    need = regions * pages * page
+    small = DEVICE_GRANULARITY
+    if page > small and capacity // regions // small * small // block_bytes >= 2:
+        return ValueError(
+            f"pool.page_size: {_sized(page)} is too large for the KV arena: its {num_layers} "
+            f"layers' K and V take {regions * pages} pages at least ({_sized(need)}), and the "
+            f"arena holds {_sized(capacity)} (kv.arena_bytes, or its default when 0); lower "
+            f"pool.page_size (the default is {_sized(small)}) or raise kv.arena_bytes to ≥ {need}"
+        )
+    return ValueError(
+        f"kv.arena_bytes: {_sized(capacity)} holds no block for {num_layers} layers x "
+        f"{block_bytes} bytes per block (need ≥ {_sized(need)} with pool.page_size = "
+        f"{_sized(page)})"
+    )
+
+
 def debug_checks_enabled(flag: bool = False) -> bool:
     return flag or os.environ.get("OXYGEN_DEBUG_KV", "0") not in ("", "0")
 
@@ -136,11 +159,8 @@ class KVStorage:
         regions = 2 * num_layers
         self.region_pages = backing.capacity // regions // page
         self.num_blocks = self.region_pages * page // self.block_bytes
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"kv.arena_bytes: {backing.capacity} bytes hold no block for {num_layers} layers x "
-                f"{self.block_bytes} bytes per block (need ≥ {regions * page * 2} bytes)"
-            )
+        if self.num_blocks < 2:  # (block 0 is the guard)
+            raise _holds_no_block(backing.capacity, page, num_layers, self.block_bytes)
         if any(not 0 <= layer < num_layers for layer in window_layers):
             raise ValueError(f"KVStorage: window layers {window_layers} of {num_layers} layers")
         windowed = set(window_layers) if len(set(window_layers)) < num_layers else set()
