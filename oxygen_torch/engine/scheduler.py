@@ -26,6 +26,7 @@ that thread's calls). A forward the merge cannot take is a step of its own there
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from . import policy as policies
 from .policy import Account
 from .stats import METRICS
 from .task import Task
+
+log = logging.getLogger("oxygen_torch")
 
 FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls rank 0's step names
 # A thread waiting in submit() is woken by a notify (a submit, a leave, a step's end) or by the
@@ -345,27 +348,49 @@ class StepScheduler:
         for ch in chunks:
             ch.request.taken = True
         self._cond.release()
-        failed, served = None, False
+        outcomes: list[tuple[list[Chunk], bool, BaseException | None]] = []
         start = time.monotonic()
         try:
-            served = self.runner.run(chunks)
-        except BaseException as err:  # noqa: BLE001 - given to the requests of the step
-            failed = err
+            self._serve(chunks, outcomes)
         finally:
             self._cond.acquire()
-            if served or failed is not None:
-                self._finish(chunks, failed)
-            else:
-                for ch in chunks:
-                    ch.request.taken = False
+            for part, served, failed in outcomes:
+                if served or failed is not None:
+                    self._finish(part, failed)
+            for ch in chunks:  # not run (a KeyboardInterrupt) or nothing served: still queued
+                ch.request.taken = False
             self._ended = time.monotonic()
             took = self._ended - start
             self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
             self._stepping = False
             self._cond.notify_all()
-        if failed is not None and not isinstance(failed, Exception):
-            raise failed  # KeyboardInterrupt in the leading thread: its own call ends
-        return served
+        for _, _, failed in outcomes:
+            if failed is not None and not isinstance(failed, Exception):
+                raise failed  # KeyboardInterrupt in the leading thread: its own call ends
+        return any(served or failed is not None for _, served, failed in outcomes)
+
+    def _serve(self, chunks: list[Chunk], outcomes: list) -> None:
+        """Runs `chunks` as one forward (lock released); a merged forward that raises is run
+        again in halves, down to single chunks, so that the error goes only to the requests
+        that fail on their own (a bad input, a processor that raises in the forward) and the
+        others are served. Appends (chunks, served, error) per forward run. Not under
+        coordinated steps: every rank would have to split alike."""
+        try:
+            outcomes.append((chunks, self.runner.run(chunks), None))
+            return
+        except Exception as err:  # noqa: BLE001 - given to the requests that fail alone
+            if len(chunks) == 1 or self.coordinator is not None:
+                outcomes.append((chunks, False, err))
+                return
+            log.debug("oxygen_torch: a step of %d requests raised %r; in halves", len(chunks), err)
+        except BaseException as err:  # KeyboardInterrupt: the step's requests are served later
+            outcomes.append((chunks, False, err))
+            return
+        half = len(chunks) // 2
+        for part in (chunks[:half], chunks[half:]):
+            self._serve(part, outcomes)
+            if any(not isinstance(f, (Exception, type(None))) for _, _, f in outcomes):
+                return
 
     def _finish(self, chunks: list[Chunk], failed: BaseException | None) -> None:
         now = time.monotonic()

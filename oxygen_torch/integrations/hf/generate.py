@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
+
+import torch
 
 from ... import _patching
 from ...config import OxygenConfig
@@ -74,6 +77,80 @@ class _Call:
         if new is not None and shape is not None:
             return shape[1] + new
         return self.opt("max_length") or 0
+
+
+# Submodules that hold a table of learned absolute positions in transformers' decoder models
+# (GPT-2's wpe, OPT / BioGPT / XGLM's embed_positions, ...): a position past the table is an
+# index error inside the forward. Rotary and ALiBi models have no such limit (stock runs them on).
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+_limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its limit or None
+
+
+def validate(model, call: _Call) -> None:
+    """Refuses a call whose inputs would fail inside a forward, with a ValueError naming the
+    argument and the limit. Checked at the door, before the call is merged with others: a
+    forward that raises inside a merged step would fail every call in it.
+
+    input_ids: 2-D [batch, length] of integers, length >= 1, every id in [0, vocab);
+    attention_mask: 2-D, its length the prompt's, its rows the batch's (or one, broadcast as
+    stock does); prompt length + max_new_tokens within the model's positions where the model
+    embeds learned absolute positions. (One host sync: the ids' min and max.)"""
+    ids, shape = call.inputs, call.prompt_shape()
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(
+                f"generate(): input_ids must be [batch, length] with length >= 1; got shape "
+                f"{list(ids.shape)}"
+            )
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"generate(): input_ids must hold integer token ids; got {ids.dtype}")
+        vocab = _vocab_size(model)
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if vocab is not None and (low < 0 or high >= vocab):
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"generate(): input_ids holds token id {bad}, outside the model's vocabulary "
+                f"[0, {vocab})"
+            )
+    mask = call.kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and shape is not None:
+        if mask.dim() != 2 or mask.shape[1] != shape[1] or mask.shape[0] not in (1, shape[0]):
+            raise ValueError(
+                f"generate(): attention_mask of shape {list(mask.shape)} does not match the "
+                f"prompt's [batch, length] = {list(shape)}"
+            )
+    limit = _position_limit(model)
+    if limit is not None and shape is not None and call.max_length() > limit:
+        new, total = call.opt("max_new_tokens"), call.max_length()
+        asked = (
+            f"prompt length {shape[1]} + max_new_tokens {new} = {total}"
+            if new is not None
+            else f"max_length {total}"
+        )
+        raise ValueError(
+            f"generate(): {asked} positions; the model embeds at most {limit} "
+            "(max_position_embeddings)"
+        )
+
+
+def _vocab_size(model) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(emb, torch.nn.Embedding):
+        return emb.num_embeddings
+    return getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+
+
+def _position_limit(model) -> int | None:
+    """The model's positions when it embeds learned absolute ones (a hard limit), else None.
+    Found once per model (a walk over its modules)."""
+    if model not in _limits:
+        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0)
+        table = any(
+            name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(m, torch.nn.Embedding)
+            for name, m in model.named_modules()
+        )
+        _limits[model] = int(limit) if limit and table else None
+    return _limits[model]
 
 
 def prefill_chunk(batch: int, length: int, block_tokens: int, limit: int) -> int | None:

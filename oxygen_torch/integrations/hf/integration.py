@@ -115,6 +115,7 @@ def _generate(self, *args, **kwargs):
     merged = cfg.scheduler.merge and (not tp or _coordinated(self))
     # (tensor parallel: row groups one after another, the same on every rank)
     call = gen._Call(self, args, kwargs)
+    gen.validate(self, call)  # before the call can share a step with others
     verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
