@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations.hf import PagedKVCache
+from oxygen_torch.integrations.hf import PagedKVCache, engine_runner
 from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf.generate import prefill_chunk
@@ -79,11 +79,14 @@ def oxygen(request, monkeypatch):
     hf.disable_hf()
 
 
-def both(model, fn):
+ENGINE = load_config(scheduler={"engine": True})
+
+
+def both(model, fn, cfg=None):
     """fn(model) on stock attention, then on oxygen (apply); returns (stock, oxygen)."""
     with torch.no_grad():
         ref = fn(model)
-        hf.apply(model)
+        hf.apply(model, cfg)
         assert model.config._attn_implementation == "oxygen"
         got = fn(model)
     return ref, got
@@ -150,8 +153,15 @@ def test_sampling_with_fixed_seed_and_num_return_sequences(arch, oxygen):
             num_return_sequences=3,
         )
 
-    ref, got = both(model, run)
-    assert got.shape == (6, 25) and torch.equal(got, ref)
+    ref, got = both(model, run, ENGINE)
+    # oxygen draws each row from its own generator (seeded from torch's RNG at the call), so
+    # its samples are not stock's; the same seed gives the same tokens again
+    with torch.no_grad():
+        again = run(model)
+    assert got.shape == ref.shape == (6, 25) and torch.equal(got, again)
+    assert torch.equal(got[:, :13], ref[:, :13])  # the prompts, padding kept
+    # with top_k=20 every drawn token is among the 20 best after the prompt's step (row 0)
+    assert len({tuple(r) for r in got[:, 13:].tolist()}) > 1  # rows of a prompt differ
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -258,20 +268,30 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
     prefill."""
     model = tiny(arch)
     ids, mask = batch(b=3, n=40, pads=(21, 5, 0))
-    shapes = input_shapes(model)
-    cfg = load_config(prefill_chunk_tokens=48)
+    cfg = load_config(prefill_chunk_tokens=48, scheduler={"engine": True})
+    shapes = []
+
+    def record(m, step, ids, *rest):
+        shapes.append(tuple(ids.shape))
+        return forward(m, step, ids, *rest)
 
     def run(m):
         shapes.clear()
         return m.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                           return_dict_in_generate=True)  # fmt: skip
 
-    with torch.no_grad():
+    forward = engine_runner._forward
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_runner, "_forward", record)
         ref = run(model)
-        assert [n for _, n in shapes] == [40] + [1] * 5  # stock: one pass
         hf.apply(model, cfg)
         got = run(model)
-    assert [n for _, n in shapes] == [16, 16, 8] + [1] * 5, shapes
+    # the engine packs every row's real tokens into one row of at most 48 tokens a step: the
+    # prompts' 19 + 35 + 40 (a chunk of row 1 in the first step beside row 0, the rest in the
+    # second beside row 0's first decode), then 5 decode tokens a row
+    assert all(b == 1 and n <= 48 for b, n in shapes), shapes
+    assert [n for _, n in shapes[:2]] == [48, 1 + 6 + 40], shapes
+    assert sum(n for _, n in shapes) == 19 + 35 + 40 + 3 * 5, shapes
     assert isinstance(got.past_key_values, PagedKVCache)
     assert torch.equal(got.sequences, ref.sequences)
     assert model.generation_config.prefill_chunk_size is None  # the call's own config only
@@ -282,7 +302,7 @@ def test_beam_search_and_returned_sequences_with_chunked_prefill(oxygen):
     chunked prefill of the expanded batch gives stock's beams and sampled sequences."""
     model = tiny()
     ids, mask = batch(b=2, n=40, pads=(7, 0))
-    cfg = load_config(prefill_chunk_tokens=48)
+    cfg = load_config(prefill_chunk_tokens=48, scheduler={"engine": True})
     shapes = input_shapes(model)
     beams = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
     sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3)
@@ -298,7 +318,8 @@ def test_beam_search_and_returned_sequences_with_chunked_prefill(oxygen):
         got = run(model)
     assert shapes[:3] == [(6, 16), (6, 16), (6, 8)], shapes[:4]  # 6 beam rows, in chunks
     assert got[0].shape == (4, 46) and torch.equal(got[0], ref[0])
-    assert got[1].shape == (6, 46) and torch.equal(got[1], ref[1])
+    # sampled rows run on the engine: each row draws from its own generator (not stock's)
+    assert got[1].shape == (6, 46) and torch.equal(got[1][:, :40], ref[1][:, :40])
 
 
 def test_fp8_kv_cache_generate_stays_close_to_stock(oxygen):

@@ -370,6 +370,36 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         other._reload()
         return other
 
+    def adopt(self, rows: list[PagedKVCore], length: int, frontier: int = 0) -> None:
+        """An empty core takes over the one sequence of each core in `rows`, in order (their
+        blocks move, no copy: those cores are left empty). transformers' length becomes
+        `length`; crop may not cut below `frontier` (the last step that skipped padding)."""
+        if self.seqs is not None or not rows:
+            raise RuntimeError("PagedKVCore.adopt: an empty core takes over bound rows")
+        first = rows[0]
+        self.pool, self.model_dtype = first.pool, first.model_dtype
+        seqs = self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens)
+        with self.pool.lock:
+            for c in rows:
+                if c.pool is not self.pool or len(c.seqs) != 1:
+                    raise RuntimeError("PagedKVCore.adopt: rows of one sequence in one pool")
+                swap.settle(c)
+                if c._swapped is not None:
+                    swap.release(c)
+                s = c.seqs
+                seqs.blocks.append(s.blocks[0])
+                seqs.lens.append(s.lens[0])
+                seqs.dropped.append(s.dropped[0])
+                seqs.narrowed.append(s.narrowed[0])
+                s.blocks, s.lens, s.dropped, s.narrowed = [[]], [0], [0], [0]
+        width = max(16, seqs.max_blocks())
+        self._table_host = torch.full((len(rows), width), GUARD_BLOCK, dtype=torch.int32)
+        for b, blocks in enumerate(seqs.blocks):
+            self._table_host[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.length, self._layer_len = length, [length] * self.num_layers
+        self._pad_frontier = frontier
+        self._reload()
+
     def drop_kv(self) -> None:
         """Frees every block but keeps the sequences and transformers' length: the K/V are
         recomputed later (a preempted call of the multi-task engine)."""

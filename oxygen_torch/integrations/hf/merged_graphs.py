@@ -144,7 +144,8 @@ class MergedDecodeGraph:
 class MergedGraphs:
     """The merged decode graphs of one Merger."""
 
-    def __init__(self):
+    def __init__(self, max_graphs: int = MAX_GRAPHS):
+        self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, MergedDecodeGraph] = OrderedDict()
         self.failed: set[tuple] = set()
         self.fingerprint: tuple = ()
@@ -179,7 +180,7 @@ class MergedGraphs:
                 g = self.graphs[key] = MergedDecodeGraph(
                     rows, width, step, step.parts[0].core.device
                 )
-                while len(self.graphs) > MAX_GRAPHS:
+                while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
             self.graphs.move_to_end(key)
         with g.lock:

@@ -1,0 +1,400 @@
+"""The engine loop: one thread per model and KV pool owns the decode loop of every call.
+
+Each step: choose the rows (schedule.py) -> build every row's inputs at once (one host-to-device
+copy; a decoding row's input is its last draw, read on the device) -> the runner's forward
+(decode steps replayed from CUDA graphs) -> processors and the draw for every row on the device
+(sampling.py) -> one device-to-host copy of the new tokens. The host work of step n+1 (choosing,
+building, launching) runs while the GPU computes step n: step n's tokens are read, stops checked
+and tokens delivered only after step n+1 is launched. A row that stopped at step n (an EOS) has
+one more token computed at n+1, which is dropped.
+
+The engine knows nothing of transformers: the runner (integrations/hf/engine_runner.py) binds a
+row's KV, counts blocks and runs a step's forward. Callers meet the engine through Groups
+(request.py): `submit` queues a call's rows, the caller's thread waits on its group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..config import SchedulerConfig
+from . import policy as policies
+from .request import Group, Request
+from .sampling import RowSample, Sampler
+from .schedule import Budget, StepRow, choose
+
+log = logging.getLogger("oxygen_torch")
+
+IDLE_S = 0.5  # an idle engine thread looks again this often (a submit wakes it at once)
+STOP_AFTER_IDLE_S = 30.0  # an engine idle this long lets its thread end (a submit restarts it)
+
+
+class Runner(Protocol):
+    device: torch.device
+    vocab: int
+
+    def new_kv(self) -> Any: ...
+    def blocks_for(self, kv: Any, n: int) -> int: ...
+    def free_blocks(self) -> int: ...
+    def total_blocks(self) -> int: ...
+    def release(self, kv: Any) -> None: ...
+    # the logits [K, V] of the rows that keep one, in order; ids [T] int64 and pos [T] on the
+    # device, every row's tokens one after another
+    def forward(self, rows: list[StepRow], ids: torch.Tensor, pos: list[int]) -> torch.Tensor: ...
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0  # tokens computed (prefill and decode)
+    drawn: int = 0  # tokens drawn (delivered or dropped)
+    preemptions: int = 0
+    forwards: int = 0  # forwards run (one a step)
+    host_s: float = 0.0  # host time spent choosing, building and launching steps
+    wait_s: float = 0.0  # host time spent waiting for a step's tokens
+    wall_s: float = 0.0  # time with work in the engine
+    rows: list[int] = field(default_factory=list)  # rows per step, the last 1024
+
+
+@dataclass
+class _Inflight:
+    rows: list[StepRow]
+    kept: list[StepRow]
+    host: torch.Tensor  # the drawn tokens, on the host once `event` has passed
+    event: Any
+
+
+class Engine:
+    """The loop of one model and KV pool (see the module docstring)."""
+
+    def __init__(
+        self, runner: Runner, cfg: SchedulerConfig, name: str = "engine", step_tokens: int = 0
+    ):
+        self.runner, self.cfg, self.name = runner, cfg, name
+        # tokens a step computes at most (prefill chunks beside the decodes)
+        self.step_tokens = min(step_tokens or cfg.max_step_tokens, cfg.max_step_tokens)
+        self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
+        self.sampler = Sampler(runner.vocab, runner.device)
+        self.stats = EngineStats()
+        self.running: list[Request] = []
+        self.waiting: list[Request] = []
+        self._cond = threading.Condition()
+        self._inbox: list[Group] = []
+        self._groups: set[Group] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._free_slots: list[int] = []
+        self._slots = 0
+        self.last = torch.zeros(0, dtype=torch.int64, device=runner.device)
+        self.pid = os.getpid()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def snapshot(self) -> dict:
+        """The engine's figures (engine_stats())."""
+        st = self.stats
+        rows = st.rows or [0]
+        return {
+            "engines": 1, "steps": st.steps, "forwards": st.forwards, "tokens": st.tokens,
+            "drawn": st.drawn, "preemptions": st.preemptions, "host_s": st.host_s,
+            "wait_s": st.wait_s, "running": len(self.running), "waiting": len(self.waiting),
+            "rows_per_step": sum(rows) / len(rows),
+        }  # fmt: skip
+
+    # --- the caller's side ----------------------------------------------------------------
+
+    def submit(self, group: Group) -> None:
+        """Queues a call's rows; the engine thread starts if it is not running."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("oxygen_torch: the engine was closed (oxygen_torch.disable())")
+            self._inbox.append(group)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._main, name=f"oxygen-{self.name}", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def cancel(self, group: Group) -> None:
+        """The call left (interrupted, or it raised): its rows end at the next step and their
+        blocks come back."""
+        group.cancelled = True
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self, err: BaseException | None = None) -> None:
+        """Ends the thread after the step in flight; calls still waiting get `err`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=60)
+        failure = err or RuntimeError("oxygen_torch: oxygen was disabled while this call ran")
+        for g in list(self._groups) + self._inbox:
+            g.fail(failure)
+
+    def live(self) -> int:
+        with self._cond:
+            return len(self._groups) + len(self._inbox)
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+        try:
+            with torch.no_grad():
+                self._loop()
+        except BaseException as err:  # noqa: BLE001 - every waiting call gets it
+            log.exception("oxygen_torch: the engine thread failed")
+            self._fail_all(err)
+
+    def _loop(self) -> None:
+        inflight: _Inflight | None = None
+        idle_since = time.monotonic()
+        while True:
+            start = time.perf_counter()
+            with self._cond:
+                if self._closed:
+                    break
+                self._take_inbox()
+            self._drop_cancelled()
+            rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
+                                       self.runner.free_blocks()))  # fmt: skip
+            launched = self._launch(rows) if rows else None
+            self.stats.host_s += time.perf_counter() - start
+            if inflight is not None:
+                self._complete(inflight)
+            inflight = launched
+            if launched is not None:
+                idle_since = time.monotonic()
+                continue
+            with self._cond:
+                if self._inbox or self._closed:
+                    continue
+                if not self.running and not self.waiting:
+                    if time.monotonic() - idle_since > STOP_AFTER_IDLE_S:
+                        self._thread = None
+                        return
+                self._cond.wait(IDLE_S if not (self.running or self.waiting) else 0.005)
+
+    def _take_inbox(self) -> None:
+        for g in self._inbox:
+            self._groups.add(g)
+            for r in g.requests:
+                r.account = policies.Account(r.task, arrived=r.arrived)
+                self.policy.join(r.account, [x.account for x in self.running])
+                self.waiting.append(r)
+        self._inbox.clear()
+
+    def _drop_cancelled(self) -> None:
+        for g in [g for g in self._groups if g.cancelled or g.error is not None]:
+            for r in g.requests:
+                if r.finished is None:
+                    self._end(r, "cancelled")
+            self._groups.discard(g)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cond:
+            groups = list(self._groups) + self._inbox
+            self._inbox.clear()
+            self._thread = None
+        for r in list(self.running) + list(self.waiting):
+            self._end(r, "error")
+        for g in groups:
+            g.fail(err)
+        self._groups.clear()
+
+    # --- what schedule.choose asks --------------------------------------------------------------
+
+    def blocks_for(self, r: Request, n: int) -> int:
+        return self.runner.blocks_for(r.kv, n)
+
+    def total_blocks(self) -> int:
+        return self.runner.total_blocks()
+
+    def tokens_fitting(self, r: Request, free: int, n: int) -> int:
+        """The most tokens (≤ n) of r's next chunk that `free` blocks hold."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.runner.blocks_for(r.kv, mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def admit(self, r: Request) -> bool:
+        """A waiting row joins the running ones: a slot, an empty KV (its tokens computed
+        again from the start after a preemption)."""
+        if r.kv is not None:
+            return True
+        r.kv = self.runner.new_kv()
+        r.computed, r.recompute = 0, len(r.seq()) if r.out else 0
+        r.slot = self._take_slot()
+        if r.params.penalised:
+            ids = r.penalty_ids if r.penalty_ids is not None else torch.tensor(r.prompt)
+            held = torch.cat([ids.cpu(), torch.tensor(r.out, dtype=torch.int64)])
+            self.sampler.start_row(r.slot, held)
+        self.waiting.remove(r)
+        self.running.append(r)
+        return True
+
+    def preempt(self, r: Request) -> int:
+        """Frees r's KV (its tokens are computed again when it comes back); blocks freed."""
+        before = self.runner.free_blocks()
+        self._unbind(r)
+        self.running.remove(r)
+        self.waiting.append(r)
+        self.stats.preemptions += 1
+        return self.runner.free_blocks() - before
+
+    def fail(self, r: Request, err: BaseException) -> None:
+        self._end(r, "error")
+        r.group.fail(err)
+
+    # --- rows ---------------------------------------------------------------------------------
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot, self._slots = self._slots, self._slots + 1
+        if slot >= self.last.shape[0]:
+            grown = torch.zeros(max(64, 2 * slot), dtype=torch.int64, device=self.runner.device)
+            grown[: self.last.shape[0]] = self.last
+            self.last = grown
+        return slot
+
+    def _unbind(self, r: Request) -> None:
+        if r.kv is not None:
+            self.runner.release(r.kv)
+            r.kv = None
+        if r.slot >= 0:
+            self._free_slots.append(r.slot)
+            r.slot = -1
+
+    def _end(self, r: Request, why: str) -> None:
+        if r.finished is None:
+            r.finished = why
+        if r.keep_kv and why in ("eos", "length", "stop"):
+            r.kv, kept = None, r.kv  # the caller's now (its output's cache)
+            self._unbind(r)
+            r.kv = kept
+        else:
+            self._unbind(r)
+        for lst in (self.running, self.waiting):
+            if r in lst:
+                lst.remove(r)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _launch(self, rows: list[StepRow]) -> _Inflight:
+        device = self.runner.device
+        ids_host, pos, dec_at, dec_slots = [], [], [], []
+        for row in rows:
+            if row.ids is None:
+                dec_at.append(len(ids_host))
+                dec_slots.append(row.req.slot)
+                ids_host.append(0)
+            else:
+                ids_host.extend(row.ids)
+            pos.extend(range(row.start, row.start + row.n))
+        ids = _upload(ids_host + dec_at + dec_slots, device)
+        t, d = len(ids_host), len(dec_at)
+        flat = ids[:t]
+        if d:
+            flat = flat.index_copy(0, ids[t : t + d], self.last.index_select(0, ids[t + d :]))
+        logits = self.runner.forward(rows, flat, pos)
+        kept = [row for row in rows if row.keep]
+        samples = [RowSample(row.req.params, row.req.sampled, row.req.slot,
+                             self._suppressed(row.req)) for row in kept]  # fmt: skip
+        tokens, scores = self.sampler(logits, samples)
+        slots = _upload([row.req.slot for row in kept], device)
+        self.last.index_copy_(0, slots, tokens)
+        pen = [i for i, row in enumerate(kept) if row.req.params.penalised]
+        if pen:
+            at = _upload(pen, device)
+            self.sampler.note(slots.index_select(0, at), tokens.index_select(0, at))
+        for i, row in enumerate(kept):
+            req = row.req
+            if req.keep_scores:
+                req.scores.append(scores[i].clone())
+            if req.keep_logits:
+                req.logits.append(logits[i].float().clone())
+            req.sampled += 1
+        for row in rows:
+            row.req.computed += row.n
+            self.policy.charge(row.req.account, row.n)
+        host, event = tokens, None
+        if device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        st = self.stats
+        st.steps += 1
+        st.forwards += 1
+        st.tokens += sum(row.n for row in rows)
+        st.rows = (st.rows + [len(rows)])[-1024:]
+        return _Inflight(rows, kept, host, event)
+
+    @staticmethod
+    def _suppressed(r: Request) -> tuple[int, ...]:
+        """EOS ids are not drawn before the row's min_new tokens."""
+        return r.stop.eos if r.sampled < r.stop.min_new else ()
+
+    def _complete(self, f: _Inflight) -> None:
+        start = time.perf_counter()
+        if f.event is not None:
+            f.event.synchronize()
+        self.stats.wait_s += time.perf_counter() - start
+        toks = f.host.tolist()
+        now = time.monotonic()
+        touched = set()
+        for row, tok in zip(f.kept, toks):
+            r = row.req
+            self.stats.drawn += 1
+            if r.finished is not None:
+                continue  # a row that stopped a step ago: this token is dropped
+            r.out.append(tok)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            why = _stopped(r, tok)
+            if why is not None:
+                self._end(r, why)
+            touched.add(r.group)
+        if isinstance(self.policy, policies.WFQ) and self.running:
+            self.policy.reweigh([r.account for r in self.running])
+        for g in touched:
+            if g.done:
+                self._groups.discard(g)
+            g.notify()
+
+
+def _stopped(r: Request, tok: int) -> str | None:
+    stop = r.stop
+    if tok in stop.eos:
+        return "eos"
+    if stop.strings and stop.text_of is not None and stop.text_of(r.seq()):
+        return "stop"
+    if len(r.out) >= stop.max_new:
+        return "length"
+    return None
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

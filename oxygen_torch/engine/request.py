@@ -1,0 +1,124 @@
+"""What crosses the engine's front seam: a Request per row, a Group per generate() call.
+
+A Request is plain data: its prompt ids (real tokens only: padding is never computed), its
+sampling settings, its stop rule, its task tags. The engine thread writes its tokens and
+state; the caller's thread reads them through its Group, which it waits on. A call with B rows
+(or num_return_sequences) is B requests in one group; the group is done when every row is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policy import Account
+from .sampling import SamplingParams
+from .task import Task
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a row stops: an EOS id (not before `min_new` tokens: EOS is suppressed until
+    then), `max_new` tokens, or a stop string (`strings`, checked by `text_of`: tokens -> text
+    of the row's tail, given by the front door's tokenizer)."""
+
+    max_new: int
+    eos: tuple[int, ...] = ()
+    min_new: int = 0
+    strings: tuple[str, ...] = ()
+    text_of: Any = None  # callable(list[int]) -> str
+
+    def __post_init__(self):
+        if self.max_new < 1:
+            raise ValueError(f"max_new_tokens: {self.max_new}; allowed: an integer >= 1")
+
+
+@dataclass(eq=False)
+class Request:
+    """One row of a call. The engine owns everything below `task` while the row is live."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop: StopRule
+    task: Task
+    group: Group | None = None
+    row: int = 0
+    keep_scores: bool = False  # output_scores: the processed scores of every step
+    keep_logits: bool = False  # output_logits: the raw logits of every step
+    penalty_ids: Any = None  # the ids the repetition penalty starts from (padding included)
+    keep_kv: bool = False  # a row that ends well hands its KV to the caller (the output's cache)
+    # --- engine state ---
+    account: Account | None = None
+    kv: Any = None  # the runner's per-row KV (a PagedKVCore)
+    slot: int = -1  # the row's line in the engine's device buffers
+    computed: int = 0  # tokens of `seq()` whose K/V are written (or being written)
+    sampled: int = 0  # tokens drawn so far, delivered or in flight
+    out: list[int] = field(default_factory=list)  # tokens delivered
+    scores: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    finished: str | None = None  # "eos", "length", "stop", "cancelled", "error"
+    recompute: int = 0  # tokens to compute again after a preemption (prompt + delivered)
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def seq(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def target(self) -> int:
+        """Tokens whose K/V must be written before the row can draw its next token."""
+        return self.recompute or len(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.target
+
+    @property
+    def pending(self) -> int:
+        """Tokens drawn and not yet delivered (the steps in flight)."""
+        return self.sampled - len(self.out)
+
+    @property
+    def wants_draw(self) -> bool:
+        """Whether the row still draws tokens (max_new not reached, not finished)."""
+        return self.finished is None and self.sampled < self.stop.max_new
+
+
+class Group:
+    """The requests of one generate() call, and the caller's side of their delivery: the
+    engine thread appends and notifies; the caller waits (and runs its streamer) in its own
+    thread."""
+
+    def __init__(self, requests: list[Request]):
+        self.requests = requests
+        for i, r in enumerate(requests):
+            r.group, r.row = self, i
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.version = 0  # bumped at each delivery (the caller's wait predicate)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(r.finished is not None for r in self.requests)
+
+    def notify(self) -> None:
+        with self.cond:
+            self.version += 1
+            self.cond.notify_all()
+
+    def fail(self, err: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = err
+            self.version += 1
+            self.cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> int:
+        """Blocks until a delivery after version `seen` (or `timeout` s); the version now."""
+        with self.cond:
+            if self.version == seen and not self.done:
+                self.cond.wait(timeout)
+            return self.version

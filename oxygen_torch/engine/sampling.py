@@ -1,0 +1,188 @@
+"""Logits processing and sampling for every row of a step at once, on the step's device.
+
+Each row carries its own settings (SamplingParams); a step gathers them into a few tensors and
+runs each processor once, on the rows that use it, in transformers' order: repetition penalty,
+the minimum length (EOS suppressed), then for sampling rows temperature, top-k, top-p, min-p.
+The draw (triton_kernels/sampling.py) is Gumbel-max keyed by a per-row seed mixed with the
+row's step count: a call's samples depend on its own seed and logits, never on who else shares
+the step. Greedy rows take the first maximum, as torch.argmax does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..triton_kernels.sampling import sample_rows, sample_rows_ref
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One row's settings, as transformers' generation config gives them (0 / 1.0 / None:
+    the processor is off)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature: {self.temperature!r}; allowed: a finite number > 0")
+        if not 0 <= self.top_k:
+            raise ValueError(f"top_k: {self.top_k!r}; allowed: an integer >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p: {self.top_p!r}; allowed: 0 to 1")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: {self.min_p!r}; allowed: 0 to 1")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty: {self.repetition_penalty!r}; allowed: a finite number > 0"
+            )
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The row's seed for its `step`-th draw (splitmix64 of the two): every draw of every row
+    has its own Philox key."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z  # as a signed int64
+
+
+@dataclass
+class RowSample:
+    """What one kept row of a step needs from the sampler."""
+
+    params: SamplingParams
+    step: int  # tokens this row sampled before (its draw's counter)
+    slot: int  # the row's line in the penalty mask (Sampler.seen)
+    suppress: tuple[int, ...] = ()  # token ids set to -inf this step (EOS before min length)
+
+
+class Sampler:
+    """The processors and the draw of one engine; holds the repetition-penalty mask."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.seen: torch.Tensor | None = None  # [slots, V] bool: tokens a penalised row holds
+
+    # --- the penalty mask ---------------------------------------------------------------
+
+    def _mask(self, slots: int) -> torch.Tensor:
+        if self.seen is None or self.seen.shape[0] < slots:
+            grown = torch.zeros(max(slots, 16), self.vocab, dtype=torch.bool, device=self.device)
+            if self.seen is not None:
+                grown[: self.seen.shape[0]] = self.seen
+            self.seen = grown
+        return self.seen
+
+    def start_row(self, slot: int, tokens: torch.Tensor) -> None:
+        """A penalised row's mask starts as its prompt's tokens (padding included, as
+        transformers' penalty reads input_ids). tokens: 1-D ids on any device."""
+        seen = self._mask(slot + 1)
+        seen[slot] = False
+        seen[slot, tokens.to(self.device, torch.int64)] = True
+
+    def note(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Penalised rows' new tokens join their masks (device ops only)."""
+        if slots.numel():
+            self.seen[slots, tokens] = True
+
+    # --- one step -------------------------------------------------------------------------
+
+    def __call__(self, logits: torch.Tensor, rows: list[RowSample]) -> tuple:
+        """logits: [K, V] (any float dtype) for the step's kept rows, in `rows` order.
+        Returns (tokens [K] int64 on the device, the processed scores [K, V] float32)."""
+        scores = logits.float()  # (transformers processes float32 copies too)
+        if scores.data_ptr() == logits.data_ptr():
+            scores = scores.clone()
+        params = [r.params for r in rows]
+        pen = [i for i, p in enumerate(params) if p.penalised]
+        if pen:
+            self._penalise(scores, rows, pen)
+        pairs = [(i, t) for i, r in enumerate(rows) for t in r.suppress]
+        if pairs:
+            at = self._ints(pairs).t()
+            scores[at[0], at[1]] = float("-inf")
+        sampling = [i for i, p in enumerate(params) if p.do_sample]
+        if not sampling:
+            return scores.argmax(-1), scores
+        self._warp(scores, params, sampling)
+        seeds = [step_seed(r.params.seed, r.step) for r in rows]
+        greedy = [not p.do_sample for p in params]
+        host = torch.tensor([seeds, greedy], dtype=torch.int64)
+        host = host.to(self.device, non_blocking=True)
+        draw = sample_rows if _kernel_ok(scores) else sample_rows_ref
+        return draw(scores, host[0], host[1].bool()), scores
+
+    def _ints(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _penalise(self, scores: torch.Tensor, rows: list[RowSample], pen: list[int]) -> None:
+        """transformers' RepetitionPenaltyLogitsProcessor on the rows that ask: a held token's
+        score is divided by the penalty (multiplied, when negative)."""
+        host = torch.tensor(
+            [[float(i), float(rows[i].slot), rows[i].params.repetition_penalty] for i in pen],
+            dtype=torch.float64,
+        ).to(self.device, non_blocking=True)
+        idx, slots, penalty = host[:, 0].long(), host[:, 1].long(), host[:, 2:].float()
+        sub = scores.index_select(0, idx)
+        held = self.seen.index_select(0, slots)
+        hit = torch.where(sub < 0, sub * penalty, sub / penalty)
+        scores.index_copy_(0, idx, torch.where(held, hit, sub))
+
+    def _warp(self, scores: torch.Tensor, params: list[SamplingParams], sampling: list[int]):
+        """Temperature, top-k, top-p and min-p on the sampling rows, each processor once over
+        the rows that use it (transformers' warpers, min_tokens_to_keep 1)."""
+        neg = float("-inf")
+        temps = [(i, params[i].temperature) for i in sampling if params[i].temperature != 1.0]
+        if temps:
+            idx = self._ints([i for i, _ in temps])
+            t = torch.tensor([[v] for _, v in temps], dtype=torch.float32).to(self.device)
+            scores.index_copy_(0, idx, scores.index_select(0, idx) / t)
+        k_rows = [i for i in sampling if params[i].top_k]
+        if k_rows:
+            idx = self._ints(k_rows)
+            ks = [min(params[i].top_k, scores.shape[1]) for i in k_rows]
+            sub = scores.index_select(0, idx)
+            top = sub.topk(max(ks), dim=-1).values
+            kth = top.gather(1, self._ints([[k - 1] for k in ks]))
+            scores.index_copy_(0, idx, sub.masked_fill(sub < kth, neg))
+        p_rows = [i for i in sampling if params[i].top_p < 1.0]
+        if p_rows:
+            idx = self._ints(p_rows)
+            sub = scores.index_select(0, idx)
+            ps = torch.tensor([[params[i].top_p] for i in p_rows], dtype=torch.float32)
+            srt, order = sub.sort(dim=-1, descending=False)
+            cum = srt.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1 - ps.to(self.device))
+            drop[:, -1] = False
+            drop = drop.scatter(1, order, drop)
+            scores.index_copy_(0, idx, sub.masked_fill(drop, neg))
+        m_rows = [i for i in sampling if params[i].min_p is not None]
+        if m_rows:
+            idx = self._ints(m_rows)
+            sub = scores.index_select(0, idx)
+            probs = sub.softmax(dim=-1)
+            mp = torch.tensor([[params[i].min_p] for i in m_rows], dtype=torch.float32)
+            cut = mp.to(self.device) * probs.amax(dim=-1, keepdim=True)
+            scores.index_copy_(0, idx, sub.masked_fill(probs < cut, neg))
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    """The Triton draw on CUDA; elsewhere the PyTorch one (the interpreter runs the kernel at
+    tens of ms a row: triton_kernels' tests cover it there)."""
+    return t.device.type == "cuda"

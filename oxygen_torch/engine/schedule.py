@@ -1,0 +1,149 @@
+"""Which rows a step serves: every decoding row, then prefill chunks in the policy's order.
+
+The engine's rows are Requests (engine/request.py). A step takes, in this order:
+
+1. every row that decodes (its prompt is written and it still draws), up to max_step_seqs;
+2. prefill chunks of rows still writing their prompt (admitted ones first, then the waiting
+   ones) in the policy's order (WFQ: the lowest virtual-token counter first), each cut to the
+   token budget left (max_step_tokens).
+
+KV blocks are counted before a row joins: when they are short, rows of a lower priority level
+(or the same level, younger) are preempted, their blocks freed and their tokens computed again
+when they come back. A row whose KV could never fit the whole pool fails with a clear error.
+Decode rows keep their place over prefills: a high-priority arrival gets its prefill into the
+next step beside the running decodes (chunked within the budget), and a lower row is preempted
+for it when KV is short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import Request
+
+
+class KVBudgetError(RuntimeError):
+    """A request needs more KV blocks than the whole pool holds."""
+
+
+@dataclass
+class StepRow:
+    """One row of a step: `n` tokens from position `start`; `ids` on the host for a prefill
+    chunk, None for a decode token (the row's last draw, still on the device); `keep`: its last
+    token's logits are drawn from."""
+
+    req: Request
+    n: int
+    start: int
+    ids: list[int] | None
+    keep: bool
+
+
+class Budget:
+    """What a step has left to give while it is being chosen."""
+
+    def __init__(self, tokens: int, seqs: int, free: int):
+        self.tokens, self.seqs, self.free = tokens, seqs, free
+
+
+def outranks(a: Request, b: Request) -> bool:
+    """Whether `a` may preempt `b`: a higher level, or the same level and older."""
+    la, lb = a.task.level, b.task.level
+    return la > lb or (la == lb and a.arrived < b.arrived)
+
+
+def choose(engine, budget: Budget) -> list[StepRow]:
+    """The rows of the next step (see the module docstring). `engine` gives the running and
+    waiting rows, the policy, the KV figures (`blocks_for`, `total_blocks`) and `preempt`."""
+    rows: list[StepRow] = []
+    decoding = [r for r in engine.running if not r.prefilling and r.wants_draw]
+    decoding = _ordered(engine, decoding)[: budget.seqs]
+    need = sum(engine.blocks_for(r, 1) for r in decoding)
+    while need > budget.free:  # KV short for the running decodes: the lowest rows go
+        victim = _lowest(engine, [r for r in engine.running if r.kv is not None])
+        if victim is None:
+            break
+        got = engine.preempt(victim)
+        budget.free += got
+        if victim in decoding:
+            decoding.remove(victim)
+            need -= engine.blocks_for(victim, 1) if victim.kv is not None else 0
+        need = sum(engine.blocks_for(r, 1) for r in decoding)
+    for r in decoding:
+        if budget.seqs <= 0:
+            break
+        b = engine.blocks_for(r, 1)
+        if b > budget.free:
+            continue
+        budget.free -= b
+        budget.tokens -= 1
+        budget.seqs -= 1
+        rows.append(StepRow(r, 1, r.computed, None, True))
+    prefills = [r for r in engine.running if r.prefilling and r.finished is None]
+    prefills = _ordered(engine, prefills) + _ordered(
+        engine, [r for r in engine.waiting if r.pending == 0 and r.finished is None]
+    )
+    for r in prefills:
+        if budget.tokens <= 0 or budget.seqs <= 0:
+            break
+        row = _chunk(engine, r, budget, rows)
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow | None:
+    """A prefill chunk of `r` within the budget, preempting lower rows when KV is short."""
+    target = r.target if r.kv is not None else len(r.seq())
+    left = target - r.computed
+    n = min(left, budget.tokens)
+    blocks = engine.blocks_for(r, n)
+    if blocks > engine.total_blocks():
+        whole = engine.blocks_for(r, left)
+        engine.fail(
+            r,
+            KVBudgetError(
+                f"oxygen_torch: this request needs {whole} KV blocks, the whole KV pool holds "
+                f"{engine.total_blocks()}: raise kv.arena_bytes or shorten the prompt"
+            ),
+        )
+        return None
+    if blocks > budget.free:
+        taken = {row.req for row in chosen}
+        victims = [v for v in engine.running if v is not r and v.kv is not None
+                   and outranks(r, v)]  # fmt: skip
+        for v in reversed(_ordered(engine, victims)):
+            if blocks <= budget.free:
+                break
+            budget.free += engine.preempt(v)
+            if v in taken:  # a decode row of this step: out of it again
+                for row in [row for row in chosen if row.req is v]:
+                    chosen.remove(row)
+                    budget.free += engine.blocks_for(v, 0)
+                    budget.tokens += row.n
+                    budget.seqs += 1
+    if blocks > budget.free:  # a shorter chunk that fits the blocks left
+        n = engine.tokens_fitting(r, budget.free, n)
+        if n <= 0:
+            return None
+        blocks = engine.blocks_for(r, n)
+    if not engine.admit(r):
+        return None
+    budget.free -= blocks
+    budget.tokens -= n
+    budget.seqs -= 1
+    ids = r.seq()[r.computed : r.computed + n]
+    return StepRow(r, n, r.computed, ids, r.computed + n == r.target)
+
+
+def _ordered(engine, reqs: list[Request]) -> list[Request]:
+    order = engine.policy.order([r.account for r in reqs])
+    by = {id(r.account): r for r in reqs}
+    return [by[id(a)] for a in order]
+
+
+def _lowest(engine, reqs: list[Request]) -> Request | None:
+    """The row to preempt first: the lowest level, then the youngest."""
+    if not reqs:
+        return None
+    return min(reqs, key=lambda r: (r.task.level, -r.arrived))

@@ -1,0 +1,175 @@
+"""The engine's runner for a transformers model: a step's forward over every row at once.
+
+Each engine row owns a PagedKVCache of one sequence (its blocks in the model's KV pool). A step
+packs every row's new tokens into one row of ids [1, T] with their own positions and runs the
+model's own forward over a MergedStep (kv/merged.py), which writes and attends over every row's
+blocks side by side: one forward per step, whatever the rows. A step in which every row decodes
+one token replays a CUDA graph by batch-size bucket (merged_graphs.py) where decode graphs are
+on (kv.decode_graphs and scheduler.decode_graphs, on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+
+from ...engine.loop import Engine
+from ...kv.merged import MergedStep, Part
+from ...kv.pool import get_pool
+from ...kv.transfer import to_device
+from . import graphs, merged_graphs
+from .batched import _forward, _geometry, _graph_forward
+from .cache import PagedKVCache
+
+ENGINE_MAX_GRAPHS = 48  # rows buckets x table widths the engine's decode steps go through
+
+
+class HFRunner:
+    """What the engine (engine/loop.py) asks of a model: rows' KV, block counts, a forward."""
+
+    def __init__(self, model, cfg, kv_dtype: str | None = None, precision=None):
+        self._model = weakref.ref(model)
+        self.cfg = cfg
+        self.text = model.config.get_text_config(decoder=True)
+        self.geometry = _geometry(model)
+        self.device = self.geometry[3]
+        self.vocab = _vocab(model)
+        self._kv_dtype, self._precision = kv_dtype, precision
+        proto = self.new_kv()
+        self.pool = get_pool(proto._core.pool_key(*self.geometry))
+        self.block_tokens = proto._core.block_tokens
+        self.precision, self.tiles = proto._core.precision, proto._core.tiles
+        self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
+        self.replayed = 0
+
+    # --- rows' KV --------------------------------------------------------------------------
+
+    def new_kv(self) -> PagedKVCache:
+        return PagedKVCache(
+            config=self.text, cfg=self.cfg, kv_dtype=self._kv_dtype, precision=self._precision
+        )
+
+    def blocks_for(self, kv: PagedKVCache | None, n: int) -> int:
+        """Fresh blocks n more tokens of the row take (a row without KV: from nothing)."""
+        core = kv._core if kv is not None else None
+        if core is None or core.seqs is None:
+            return -(-n // self.block_tokens)
+        return core.seqs.blocks_needed(0, n)
+
+    def free_blocks(self) -> int:
+        return self.pool.manager.num_available
+
+    def total_blocks(self) -> int:
+        m = self.pool.manager
+        return m.num_blocks - m.first_id
+
+    def release(self, kv: PagedKVCache) -> None:
+        kv._core.release()
+
+    # --- a step -----------------------------------------------------------------------------
+
+    def forward(self, rows, ids: torch.Tensor, pos: list[int]) -> torch.Tensor:
+        """The logits [K, V] of the rows that keep one (engine/loop.py Runner)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("oxygen_torch: the model of these generate() calls is gone")
+        for row in rows:
+            core = row.req.kv._core
+            if core.pool is None:
+                core.bind(1, *self.geometry)
+        step = MergedStep([Part(row.req.kv._core, [row.n], row.n) for row in rows])
+        replay = self._replayable(rows)
+        with step.pool.lock:
+            step.reserve(build=not replay)
+        try:
+            logits = self._replay(model, step, rows, ids, pos) if replay else None
+            if logits is None:
+                if replay:  # its capture failed before: eager after all
+                    step.build()
+                logits = self._eager(model, step, rows, ids, pos)
+        except BaseException:
+            step.abandon()
+            raise
+        step.commit()
+        return logits
+
+    def _replayable(self, rows) -> bool:
+        if not self.cfg.scheduler.decode_graphs or any(row.n != 1 or not row.keep for row in rows):
+            return False
+        kv = rows[0].req.kv
+        return graphs.usable(self.device, kv) and not kv._core.debug
+
+    def _replay(self, model, step: MergedStep, rows, ids, pos):
+        need = max(p.core.seqs.max_blocks() for p in step.parts)
+        width = max(graphs.WIDTH_STEP, 1 << (need - 1).bit_length())
+        logits = self.graphs.run(model, step, width, [ids], pos, _graph_forward)
+        self.replayed += logits is not None
+        return logits
+
+    def _eager(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor:
+        keep, at = [], 0
+        for row in rows:
+            at += row.n
+            if row.keep:
+                keep.append(at - 1)
+        dev = to_device(torch.tensor(pos + keep, dtype=torch.int64), self.device)
+        n = len(pos)
+        out = _forward(model, step, ids.view(1, -1), dev[:n].view(1, -1), dev[n:])
+        return out.logits[0]
+
+
+def _vocab(model) -> int:
+    """The logits' width: the output embedding's rows (the config's vocab_size may differ)."""
+    out = model.get_output_embeddings()
+    if out is not None and getattr(out, "weight", None) is not None:
+        return int(out.weight.shape[0])
+    return int(model.config.get_text_config(decoder=True).vocab_size)
+
+
+_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: Engine}
+_engines_lock = threading.Lock()
+
+
+def engine_for(model, cfg) -> Engine:
+    """The engine of `model` for this configuration's KV pool, precision and tiles (one thread
+    each); a new one after a fork (threads do not cross fork) or after its close."""
+    probe = PagedKVCache(config=model.config.get_text_config(decoder=True), cfg=cfg)
+    core = probe._core
+    key = (core.pool_key(*_geometry(model)), core.precision, core.tiles, cfg.scheduler)
+    with _engines_lock:
+        group = _engines.setdefault(model, {})
+        eng = group.get(key)
+        if eng is None or eng.closed or eng.pid != os.getpid():
+            # kv.prefill_chunk_tokens bounds a step's tokens too: the activations of a long
+            # prefill decide how large a batch fits
+            eng = group[key] = Engine(
+                HFRunner(model, cfg), cfg.scheduler, type(model).__name__,
+                step_tokens=cfg.kv.prefill_chunk_tokens,
+            )  # fmt: skip
+        return eng
+
+
+def close_all() -> None:
+    """Ends every engine thread (disable()): calls still waiting get a clear error."""
+    with _engines_lock:
+        engines = [e for group in _engines.values() for e in group.values()]
+        _engines.clear()
+    for e in engines:
+        e.close()
+
+
+def engine_stats(model=None) -> dict:
+    """The engines' figures (of `model`'s, when given), summed."""
+    with _engines_lock:
+        if model is not None:
+            engines = list(_engines.get(model, {}).values())
+        else:
+            engines = [e for group in _engines.values() for e in group.values()]
+    total: dict = {}
+    for e in engines:
+        for k, v in e.snapshot().items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -1,0 +1,361 @@
+"""generate()'s front door to the engine: a call the engine supports becomes engine requests.
+
+The call's settings are resolved exactly as transformers resolves them (its own helpers: the
+model's generation config under the call's, special tokens, max/min lengths), then checked
+against what the engine does: greedy and sampling (temperature, top_k, top_p, min_p),
+repetition_penalty, min/max length, EOS ids, stop_strings, left padding, num_return_sequences,
+streamers, output_scores / output_logits. A call with anything else runs on the per-call path
+(transformers' own loop on the paged cache); `reason()` says why, counted in engine_stats().
+
+The caller's thread waits for its rows and runs its streamer (stock's calls: the prompt first,
+then one column of new tokens a step, then end()); the output is stock's: the prompt (its
+padding kept) and the new tokens, rows that ended early padded with pad_token_id.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import torch
+
+from ... import _patching
+from ...engine.request import Group, Request, StopRule
+from ...engine.sampling import SamplingParams
+from ...engine.task import current as current_task
+
+log = logging.getLogger("oxygen_torch")
+
+# generate() arguments the engine takes; any other (beyond generation-config fields) -> per call
+_TAKEN = frozenset({"inputs", "input_ids", "attention_mask", "generation_config", "streamer",
+                    "tokenizer", "use_cache", "return_dict_in_generate", "output_scores",
+                    "output_logits", "prefill_chunk_size", "synced_gpus"})  # fmt: skip
+# generation-config fields and the value under which the engine leaves them alone
+_OFF = {
+    "num_beams": (None, 1), "num_beam_groups": (None, 1), "penalty_alpha": (None,),
+    "dola_layers": (None,), "assistant_early_exit": (None,), "prompt_lookup_num_tokens": (None,),
+    "constraints": (None,), "force_words_ids": (None,), "guidance_scale": (None, 1, 1.0),
+    "sequence_bias": (None,), "bad_words_ids": (None,), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "encoder_repetition_penalty": (None, 1.0),
+    "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+    "top_h": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False),
+    "remove_invalid_values": (None, False), "watermarking_config": (None,),
+    "output_attentions": (None, False), "output_hidden_states": (None, False),
+    "max_time": (None,), "token_healing": (None, False), "low_memory": (None, False),
+    "diversity_penalty": (None, 0.0), "use_cache": (None, True),
+    "cache_implementation": (None, "dynamic"), "compile_config": (None,),
+    "continuous_batching_config": (None,), "use_mtp": (None, False),
+}  # fmt: skip
+
+REASONS: Counter = Counter()  # calls sent to the per-call path, by reason
+_reasons_lock = threading.Lock()
+_told: set[str] = set()
+
+
+def note_reason(reason: str) -> None:
+    with _reasons_lock:
+        REASONS[reason] += 1
+        first = reason not in _told
+        _told.add(reason)
+    if first:
+        log.info("oxygen_torch: a generate() call runs on the per-call path: %s", reason)
+
+
+class Plan:
+    """A supported call, resolved: its rows and what its output needs."""
+
+    def __init__(self, ids, gc, requests: list[Request], pad: int, streamer):
+        self.ids, self.gc, self.requests = ids, gc, requests
+        self.pad, self.streamer = pad, streamer
+
+
+def plan(model, args: tuple, kwargs: dict) -> Plan | str:
+    """The call's engine requests, or the reason it runs on the per-call path."""
+    if len(args) > 1:
+        return "positional arguments after the inputs"
+    if model._forward_hooks or model._forward_pre_hooks:
+        return "forward hooks on the model"
+    if model.__dict__.get("forward") is not None or model.__dict__.get("_compiled_call_impl"):
+        return "a forward replaced or compiled on the model instance"
+    extra = sorted(k for k in kwargs if k not in _TAKEN and not _is_gc_field(k))
+    if extra:
+        return f"arguments {', '.join(extra)}"
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dim() != 2
+        or ids.dtype not in (torch.long, torch.int)
+    ):
+        return "inputs other than a 2-D tensor of token ids"
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        return "empty inputs"
+    if ids.device != model.device:
+        return f"inputs on {ids.device}, the model on {model.device}"
+    try:
+        gc, mask = _resolve(model, ids, kwargs)
+    except Exception as err:  # noqa: BLE001 - stock raises it again on the per-call path
+        return f"settings transformers refuses ({type(err).__name__})"
+    if isinstance(gc, str):
+        return gc
+    why = _unsupported(gc)
+    if why is not None:
+        return why
+    return _requests(model, ids, mask, gc, kwargs)
+
+
+def _is_gc_field(name: str) -> bool:
+    from transformers import GenerationConfig
+
+    return hasattr(GenerationConfig(), name) or name in _OFF
+
+
+def _resolve(model, ids: torch.Tensor, kwargs: dict):
+    """(the call's generation config as stock resolves it, its attention mask) or a reason."""
+    prepare = _patching.require(
+        model, "_prepare_generation_config", library="transformers",
+        what="generate() calls run on the per-call path",
+    )  # fmt: skip
+    special = _patching.require(
+        model, "_prepare_special_tokens", library="transformers",
+        what="generate() calls run on the per-call path",
+    )  # fmt: skip
+    lengths = getattr(model, "_prepare_generated_length", None)
+    if prepare is None or special is None or lengths is None:
+        return "a transformers layout oxygen does not know", None
+    given = kwargs.get("generation_config")
+    gen_kw = {k: v for k, v in kwargs.items() if k not in ("inputs", "input_ids",
+              "generation_config", "streamer", "tokenizer", "synced_gpus")}  # fmt: skip
+    default_max = (
+        kwargs.get("max_length") is None
+        and (given is None or given.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    default_min = (
+        kwargs.get("min_length") is None
+        and (given is None or given.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    gc, model_kw = prepare(given, **gen_kw)
+    model_kw.pop("prefill_chunk_size", None)
+    mask = model_kw.pop("attention_mask", None)
+    model_kw.pop("use_cache", None)
+    if model_kw:
+        return f"model arguments {', '.join(sorted(model_kw))}", None
+    special(gc, mask is not None, device=ids.device, batch_size=ids.shape[0])
+    if mask is None:
+        mask = _default_mask(ids, gc)
+    n = max(gc.num_return_sequences or 1, 1)
+    lengths(gc, default_max, default_min, "input_ids", ids.shape[1], ids)
+    if getattr(model, "_validate_generated_length", None) is not None:
+        model._validate_generated_length(gc, ids.shape[1], default_max)
+    gc._oxygen_expand = n
+    return gc, mask
+
+
+def _default_mask(ids: torch.Tensor, gc) -> torch.Tensor:
+    """Stock's mask when none is given: padding inferred where pad differs from every EOS."""
+    pad, eos = gc._pad_token_tensor, gc._eos_token_tensor
+    if pad is None:
+        return torch.ones_like(ids)
+    infer = bool(torch.isin(ids, pad).any()) and (
+        eos is None or not bool(torch.isin(eos, pad).any())
+    )
+    return ids.ne(pad).long() if infer else torch.ones_like(ids)
+
+
+def _unsupported(gc) -> str | None:
+    for name, off in _OFF.items():
+        value = getattr(gc, name, None)
+        if value not in off and not (isinstance(value, (list, tuple)) and not value):
+            return f"{name}={value!r}"
+    if gc.num_return_sequences and gc.num_return_sequences > 1 and not gc.do_sample:
+        return "num_return_sequences without sampling"
+    return None
+
+
+def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) -> Plan | str:
+    mask = mask.to(torch.bool)
+    if mask.shape != ids.shape:
+        return f"an attention_mask of shape {list(mask.shape)} for inputs {list(ids.shape)}"
+    host_ids, host_mask = ids.cpu(), mask.cpu()
+    if bool((host_mask.to(torch.int8).diff(dim=1) < 0).any()):
+        return "padding after real tokens (right padding or holes)"
+    if not bool(host_mask.any(dim=1).all()):
+        return "a row with no real token"
+    n = gc._oxygen_expand
+    eos = (
+        ()
+        if gc._eos_token_tensor is None
+        else tuple(int(t) for t in gc._eos_token_tensor.flatten())
+    )
+    pad = int(gc._pad_token_tensor) if gc._pad_token_tensor is not None else 0
+    width = ids.shape[1]
+    stop = StopRule(
+        max_new=gc.max_length - width, eos=eos, min_new=max(0, (gc.min_length or 0) - width),
+        strings=_stop_strings(gc), text_of=_stop_check(gc, kwargs),
+    )  # fmt: skip
+    if stop.strings and stop.text_of is None:
+        return "stop_strings without a tokenizer"
+    task = current_task()
+    base = _call_seed()
+    requests = []
+    for b in range(ids.shape[0]):
+        prompt = host_ids[b][host_mask[b]].tolist()
+        for k in range(n):
+            params = SamplingParams(
+                do_sample=bool(gc.do_sample), temperature=float(gc.temperature or 1.0),
+                top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
+                min_p=gc.min_p, repetition_penalty=float(gc.repetition_penalty or 1.0),
+                seed=(base + 0x9E3779B9 * (b * n + k)) & ((1 << 63) - 1),
+            )  # fmt: skip
+            requests.append(
+                Request(
+                    prompt,
+                    params,
+                    stop,
+                    task,
+                    keep_scores=bool(gc.output_scores),
+                    keep_logits=bool(gc.output_logits),
+                    penalty_ids=host_ids[b],
+                    keep_kv=bool(gc.return_dict_in_generate),
+                )  # fmt: skip
+            )
+    rows = ids.repeat_interleave(n, dim=0) if n > 1 else ids
+    p = Plan(rows, gc, requests, pad, kwargs.get("streamer"))
+    p.padded = not bool(host_mask.all())
+    return p
+
+
+def _stop_strings(gc) -> tuple[str, ...]:
+    s = gc.stop_strings
+    if s is None:
+        return ()
+    return (s,) if isinstance(s, str) else tuple(s)
+
+
+def _stop_check(gc, kwargs: dict):
+    """stop_strings as stock checks them (its StopStringCriteria, on the row's tail only)."""
+    strings = _stop_strings(gc)
+    tok = kwargs.get("tokenizer")
+    if not strings or tok is None:
+        return None
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    crit = StopStringCriteria(stop_strings=strings, tokenizer=tok)
+    tail = max(int(getattr(crit, "maximum_token_len", 0)) or 0, 1) + max(map(len, strings)) + 1
+
+    def check(seq: list[int]) -> bool:
+        return bool(crit(torch.tensor([seq[-tail:]]), None)[0])
+
+    return check
+
+
+def _call_seed() -> int:
+    """The call's seed: from the task when it names one, else drawn from torch's global RNG (a
+    call after torch.manual_seed draws the same tokens again)."""
+    seed = getattr(current_task(), "seed", None)
+    if seed is not None:
+        return int(seed)
+    return int(torch.randint(0, 1 << 62, (1,)).item())
+
+
+# --- the caller's side ------------------------------------------------------------------------
+
+
+def run(engine, p: Plan):
+    """Submits the call's rows, waits (streaming in this thread), returns stock's output."""
+    group = Group(p.requests)
+    streamer = p.streamer
+    if streamer is not None:
+        streamer.put(p.ids.cpu())
+    engine.submit(group)
+    sent = 0
+    try:
+        seen = 0
+        while True:
+            seen = group.wait(seen, 0.1)
+            if streamer is not None:
+                sent = _stream(streamer, group, p.pad, sent)
+            if group.done:
+                break
+    except BaseException:
+        engine.cancel(group)
+        _release(group)
+        raise
+    if group.error is not None:
+        _release(group)
+        raise group.error
+    if streamer is not None:
+        _stream(streamer, group, p.pad, sent, final=True)
+        streamer.end()
+    try:
+        return _output(p, group, engine.runner)
+    finally:
+        _release(group)
+
+
+def _release(group: Group) -> None:
+    """KV rows the engine handed over and no cache took give their blocks back."""
+    for r in group.requests:
+        if r.keep_kv and r.kv is not None and r.finished in ("eos", "length", "stop"):
+            r.kv._core.release()
+            r.kv = None
+
+
+def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) -> int:
+    """Puts every complete column of new tokens after the `sent` first: column j once every
+    row has its token j or has ended (then pad, as stock)."""
+    reqs = group.requests
+    live = [len(r.out) for r in reqs if r.finished is None]
+    upto = min(live) if live else max(len(r.out) for r in reqs)
+    if final:
+        upto = max(len(r.out) for r in reqs)
+    for j in range(sent, upto):
+        col = [r.out[j] if j < len(r.out) else pad for r in reqs]
+        streamer.put(torch.tensor(col, dtype=torch.long))
+    return max(sent, upto)
+
+
+def _output(p: Plan, group: Group, runner):
+    reqs = group.requests
+    width = max(len(r.out) for r in reqs)
+    new = torch.full((len(reqs), width), p.pad, dtype=p.ids.dtype)
+    for i, r in enumerate(reqs):
+        new[i, : len(r.out)] = torch.tensor(r.out, dtype=p.ids.dtype)
+    seqs = torch.cat([p.ids, new.to(p.ids.device)], dim=1)
+    gc = p.gc
+    if not gc.return_dict_in_generate:
+        return seqs
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    def steps(name):
+        rows = [getattr(r, name) for r in reqs]
+        if not any(rows):
+            return None
+        return tuple(torch.stack([row[j] for row in rows]) for j in range(width))
+
+    return GenerateDecoderOnlyOutput(
+        sequences=seqs,
+        scores=steps("scores") if gc.output_scores else None,
+        logits=steps("logits") if gc.output_logits else None,
+        attentions=None,
+        hidden_states=None,
+        past_key_values=_cache(p, reqs, runner, seqs.shape[1] - 1),
+    )
+
+
+def _cache(p: Plan, reqs: list[Request], runner, length: int):
+    """The call's rows' KV as one PagedKVCache of B sequences (stock hands back its cache):
+    each row holds its prompt and its new tokens but the last, as stock's cache does."""
+    cache = runner.new_kv()
+    cores = [r.kv._core for r in reqs]
+    for r, core in zip(reqs, cores):
+        with core.pool.lock:
+            core.seqs.truncate(0, len(r.prompt) + len(r.out) - 1)
+    cache._core.adopt(cores, length, p.ids.shape[1] if p.padded else 0)
+    for r in reqs:
+        r.kv = None
+    return cache
