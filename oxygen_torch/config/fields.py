@@ -351,6 +351,10 @@ class SchedulerConfig:
     # merged decode steps (every row one token) replayed from CUDA graphs by batch-size bucket;
     # off by default until it has run on a GPU (with kv.decode_graphs also on)
     decode_graphs: bool = False
+    # the engine owns the loop: a generate() call whose settings it supports becomes engine
+    # requests (one thread per model steps every row at once); false: every call runs its own
+    # loop, merged step by step as above (off until its tests replace the merged path's)
+    engine: bool = False
 
     def __post_init__(self):
         _check_types(self, "scheduler")

@@ -24,6 +24,7 @@ from ... import _patching
 from ...engine.request import Group, Request, StopRule
 from ...engine.sampling import SamplingParams
 from ...engine.task import current as current_task
+from . import compat
 
 log = logging.getLogger("oxygen_torch")
 
@@ -337,13 +338,15 @@ def _output(p: Plan, group: Group, runner):
             return None
         return tuple(torch.stack([row[j] for row in rows]) for j in range(width))
 
+    fields = GenerateDecoderOnlyOutput.__dataclass_fields__
+    name = next(n for n in compat.CACHE_ARGS if n in fields)  # 5.24 renamed it `cache`
     return GenerateDecoderOnlyOutput(
         sequences=seqs,
         scores=steps("scores") if gc.output_scores else None,
         logits=steps("logits") if gc.output_logits else None,
         attentions=None,
         hidden_states=None,
-        past_key_values=_cache(p, reqs, runner, seqs.shape[1] - 1),
+        **{name: _cache(p, reqs, runner, seqs.shape[1] - 1)},
     )
 
 
