@@ -24,7 +24,7 @@ from ...config import OxygenConfig, load_config
 from ...engine import rank_plan
 from ...engine.task import current as current_task
 from ...kv.pool import release_pools
-from . import batched, engine_runner, front, graphs, oversubscribe, router
+from . import batched, compat, graphs, oversubscribe, router
 from . import generate as gen
 from .attention import oxygen_attention_forward, oxygen_mask
 
@@ -116,11 +116,6 @@ def _generate(self, *args, **kwargs):
     # (tensor parallel: row groups one after another, the same on every rank)
     call = gen._Call(self, args, kwargs)
     gen.validate(self, call)  # before the call can share a step with others
-    if merged and not tp and cfg.scheduler.engine:
-        p = front.plan(self, args, kwargs)
-        if not isinstance(p, str):
-            return front.run(engine_runner.engine_for(self, cfg), p)
-        front.note_reason(p)
     verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
@@ -157,9 +152,18 @@ def _merged(model, cache, args: tuple, kwargs: dict):
 
 def _holds(out, cache) -> bool:
     """Whether generate()'s output hands `cache` to the caller (return_dict_in_generate: as its
-    past_key_values, or as the self-attention part of one)."""
-    pkv = getattr(out, "past_key_values", None)
+    cache, or as the self-attention part of one)."""
+    pkv = _output_cache(out)
     return pkv is not None and (pkv is cache or getattr(pkv, "self_attention_cache", None) is cache)
+
+
+def _output_cache(out):
+    """The cache generate()'s output carries, read under the field its class has: 5.24 renamed
+    `past_key_values` to `cache`, and logs a deprecation warning when the old name is read
+    (as an attribute, a key or by get()); stock generate() reads nothing, so neither may we."""
+    fields = getattr(out, "__dataclass_fields__", None) or {}
+    name = next((n for n in compat.CACHE_ARGS if n in fields), None)
+    return getattr(out, name, None) if name is not None else None
 
 
 def _coordinated(model) -> bool:
@@ -276,7 +280,6 @@ def disable_hf() -> None:
         _patching.undo(GROUP)
         _state.installed = _state.defaulting = False
         _state.cfg = _state.generate = _state.get_correct = None
-        engine_runner.close_all()  # calls still waiting get a clear error
         graphs.clear()  # graphs read the pools' memory
         batched.clear_graphs()
         release_pools()  # pools still holding a live cache's blocks stay
