@@ -24,7 +24,7 @@ from ...config import OxygenConfig, load_config
 from ...engine import rank_plan
 from ...engine.task import current as current_task
 from ...kv.pool import release_pools
-from . import batched, compat, graphs, oversubscribe, router
+from . import batched, compat, engine_runner, front, graphs, oversubscribe, router
 from . import generate as gen
 from .attention import oxygen_attention_forward, oxygen_mask
 
@@ -116,6 +116,11 @@ def _generate(self, *args, **kwargs):
     # (tensor parallel: row groups one after another, the same on every rank)
     call = gen._Call(self, args, kwargs)
     gen.validate(self, call)  # before the call can share a step with others
+    if merged and not tp and cfg.scheduler.engine:
+        p = front.plan(self, args, kwargs)
+        if not isinstance(p, str):
+            return front.run(engine_runner.engine_for(self, cfg), p)
+        front.note_reason(p)
     verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
@@ -280,6 +285,7 @@ def disable_hf() -> None:
         _patching.undo(GROUP)
         _state.installed = _state.defaulting = False
         _state.cfg = _state.generate = _state.get_correct = None
+        engine_runner.close_all()  # calls still waiting get a clear error
         graphs.clear()  # graphs read the pools' memory
         batched.clear_graphs()
         release_pools()  # pools still holding a live cache's blocks stay
