@@ -18,6 +18,11 @@ peak GPU memory held, OOMs and lost requests; the worst over the trace seeds is 
     python benchmarks/bench_multitask.py                       # every mode, seeds 0 1, cv 1 4
     python benchmarks/bench_multitask.py --modes oxygen_wfq oxygen_fcfs --requests 100
     python benchmarks/bench_multitask.py --smoke               # tiny model on CPU: the plumbing
+
+With --at-once K [K ...]: K generate() calls given at once against one batched generate() over
+the same prompts and transformers' generate_batch (benchmarks/multitask_at_once.py):
+
+    python benchmarks/bench_multitask.py --at-once 64 256 --shape vocab128k --seeds 0 1
 """
 
 from __future__ import annotations
@@ -220,6 +225,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def at_once(args) -> None:
+    rows = []
+    for seed in args.seeds:
+        for k in args.at_once:
+            for mode in args.at_once_modes:
+                cmd = [sys.executable, __file__, "--once", f"{mode},{k},{seed}", "--shape",
+                       args.shape, "--new", args.new] + (["--sample"] if args.sample else [])
+                env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+                t = time.time()
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
+                lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+                r = json.loads(lines[-1]) if lines else dict(mode=mode, k=k, seed=seed,
+                                                             error=proc.stderr[-2000:])
+                rows.append(r)
+                print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
+    lines = ["| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
+             "rows/step | host ms/step | wait ms/step |", "|" + "---|" * 11]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
+                         f"{r['error'].strip().splitlines()[-1][:80]} |||||||")
+            continue
+        ref = {x["mode"]: x.get("tok_per_s") for x in rows
+               if x.get("k") == r["k"] and x.get("seed") == r["seed"] and "error" not in x}
+        ratio = [f"{r['tok_per_s'] / ref[m]:.2f}" if ref.get(m) else "-"
+                 for m in ("one_call", "generate_batch")]
+        lines.append(f"| {r['k']} | {r['seed']} | {r['mode']} | {r['tok_per_s']} | {ratio[0]} | "
+                     f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
+                     f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
+                     f"{r.get('wait_ms_per_step', '-')} |")
+    md = "\n".join(lines)
+    print("\n" + md)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "at_once.json").write_text(json.dumps(rows))
+        Path(out, "at_once.md").write_text(md + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,7 +277,31 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 12 requests")
+    ap.add_argument("--at-once", nargs="*", type=int, default=None, metavar="K",
+                    help="K calls given at once (see above) instead of the arrival trace")
+    ap.add_argument("--at-once-modes", nargs="*", default=["threads", "one_call",
+                    "generate_batch"], choices=["threads", "one_call", "generate_batch"],
+                    help="modes of --at-once (default: all three)")
+    ap.add_argument("--shape", default="vocab128k", choices=["llama1b", "vocab128k", "tiny"],
+                    help="model shape of --at-once (tiny: on CPU)")
+    ap.add_argument("--new", default="256", help="--at-once new tokens: a number or chat")
+    ap.add_argument("--sample", action="store_true", help="--at-once: temperature 0.8, top_p 0.95")
+    ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.once:
+        import multitask_at_once as mo
+
+        mode, k, seed = args.once.split(",")
+        dev = "cpu" if args.shape == "tiny" else "cuda"
+        try:
+            r = mo.run(mode, args.shape, int(k), int(seed), args.new, args.sample, dev)
+        except Exception:  # noqa: BLE001 - reported in the table
+            r = dict(mode=mode, k=int(k), seed=int(seed), error=traceback.format_exc()[-2000:])
+        print(json.dumps(r), flush=True)
+        return
+    if args.at_once:
+        at_once(args)
+        return
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)

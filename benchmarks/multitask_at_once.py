@@ -1,0 +1,158 @@
+"""bench_multitask.py --at-once: K generate() calls given at once, against one batched call.
+
+Workload from a seed: chat-like prompts (log-normal, mean ~200 tokens, cap 2,048), 256 new
+tokens each (or `--new chat`: 128-512 each), random-weight model of a 1B class shape, bf16,
+greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process:
+
+  threads         oxygen_torch.enable(): K threads, each calling model.generate() on its prompt
+  one_call        oxygen_torch.enable(): one generate() with the K prompts, left-padded (the
+                  bound: one loop, the GPU's speed)
+  generate_batch  transformers' continuous batching (generate_batch) over the same prompts
+
+Each reports generated tok/s (tokens the requests asked for, over the wall time after a
+warm-up), GPU memory held at peak, and for the engine its steps and host time a step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import torch
+
+SHAPES = {
+    # Llama-1.1B (TinyLlama) shape, 32k vocabulary
+    "llama1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                    num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
+    # a 1B class shape with a 128k vocabulary (Llama-3.2-1B)
+    "vocab128k": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      head_dim=64),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, vocab_size=1024),
+}  # fmt: skip
+
+
+def workload(seed: int, k: int, vocab: int, new: str, cap: int = 2048):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(k):
+        p = min(cap, max(8, int(rng.lognormvariate(math.log(200) - 0.5, 1.0))))
+        n = 256 if new == "256" else (rng.randint(128, 512) if new == "chat" else int(new))
+        reqs.append(([rng.randrange(1, vocab) for _ in range(p)], n))
+    return reqs
+
+
+def build(shape: str, device: str):
+    import transformers as T
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**SHAPES[shape], max_position_embeddings=4096))
+    model = model.to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def sampling_kw(sample: bool) -> dict:
+    return dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sample else dict(
+        do_sample=False)
+
+
+def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device: str) -> dict:
+    import oxygen_torch
+
+    if mode != "generate_batch":
+        oxygen_torch.enable(scheduler={"engine": True, "decode_graphs": True})
+    model = build(shape, device)
+    reqs = workload(seed, k, model.config.vocab_size, new)
+    kw = sampling_kw(sample)
+    warm = workload(seed + 1000, min(k, 8), model.config.vocab_size, "8")
+    if mode == "generate_batch":
+        from transformers import GenerationConfig
+
+        model.set_attn_implementation("paged|sdpa")
+
+        def go(rs):
+            gc = GenerationConfig(max_new_tokens=max(n for _, n in rs), eos_token_id=-1,
+                                  pad_token_id=0, **kw)  # fmt: skip
+            out = model.generate_batch(inputs=[p for p, _ in rs], generation_config=gc)
+            return sum(len(o.generated_tokens) for o in out.values())
+    elif mode == "one_call":
+
+        def go(rs):
+            width = max(len(p) for p, _ in rs)
+            ids = torch.zeros(len(rs), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, _) in enumerate(rs):
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            n = max(m for _, m in rs)
+            with torch.no_grad():
+                out = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                     max_new_tokens=n, min_new_tokens=n, **kw)  # fmt: skip
+            return (out.shape[1] - width) * len(rs)
+    else:
+
+        def go(rs):
+            got = [0] * len(rs)
+            errors = []
+
+            def work(i):
+                p, n = rs[i]
+                x = torch.tensor([p], device=device)
+                try:
+                    with torch.no_grad():
+                        out = model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
+                    got[i] = out.shape[1] - len(p)
+                except Exception as err:  # noqa: BLE001 - reported
+                    errors.append(repr(err))
+
+            ts = [threading.Thread(target=work, args=(i,)) for i in range(len(rs))]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            if errors:
+                raise RuntimeError(errors[0])
+            return sum(got)
+
+    go(warm)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = _engine(model)
+    t0 = time.perf_counter()
+    tokens = go(reqs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    out = dict(mode=mode, shape=shape, k=k, seed=seed, new=new, sample=sample,
+               tok_per_s=round(tokens / took, 1), tokens=tokens, seconds=round(took, 2),
+               peak_GiB=round(_held() / 2**30, 2))  # fmt: skip
+    after = _engine(model)
+    if after:
+        steps = after["steps"] - before.get("steps", 0)
+        out["steps"] = steps
+        out["rows_per_step"] = round((after["drawn"] - before.get("drawn", 0)) / max(steps, 1), 1)
+        out["host_ms_per_step"] = round(1e3 * (after["host_s"] - before.get("host_s", 0))
+                                        / max(steps, 1), 3)  # fmt: skip
+        out["wait_ms_per_step"] = round(1e3 * (after["wait_s"] - before.get("wait_s", 0))
+                                        / max(steps, 1), 3)  # fmt: skip
+    return out
+
+
+def _engine(model) -> dict:
+    try:
+        from oxygen_torch.integrations.hf import engine_runner
+    except Exception:  # noqa: BLE001 - transformers' own mode
+        return {}
+    return engine_runner.engine_stats(model)
+
+
+def _held() -> int:
+    """Peak GPU memory held (after enable(), the pool's peak mapped bytes answer this)."""
+    return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
