@@ -7,8 +7,10 @@ tiny CPU tier and a disk tier against the same calls run alone (float32, greedy)
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,6 +25,7 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.disk import DiskTier
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.tier import PRESSURE, CPUTier, TierFull
 
@@ -247,7 +250,7 @@ def test_the_file_is_gone_when_the_pool_closes_and_at_exit(tmp_path):
     assert out.stdout.strip().startswith(str(tmp_path)) and not list(tmp_path.iterdir())
 
 
-def test_a_bad_disk_tier_path_or_size_is_refused_when_made(pool, tmp_path):
+def test_a_bad_disk_tier_path_or_size_is_refused_when_made(pool, tmp_path, caplog):
     cfg = dict(cpu_tier_bytes=MiB, disk_tier_bytes=4 * MiB)
     with pytest.raises(ValueError, match="pool.disk_tier_path: .*nowhere.* is not a writable dir"):
         load_config(pool={**cfg, "disk_tier_path": str(tmp_path / "nowhere")})
@@ -261,11 +264,30 @@ def test_a_bad_disk_tier_path_or_size_is_refused_when_made(pool, tmp_path):
                           "disk_tier_bytes": MiB})  # fmt: skip
     with pytest.raises(ValueError, match="pool.disk_tier_bytes: .* is more than the .* free"):
         load_config(pool={**cfg, "disk_tier_path": str(tmp_path), "disk_tier_bytes": 1 << 60})
-    # the tier itself (space taken between configuration and first use; direct use)
-    with pytest.raises(ValueError, match="pool.disk_tier_path: .* is not a directory"):
-        CPUTier([pool.storage], MiB, pool.key.device, str(tmp_path / "nowhere"), MiB)
-    with pytest.raises(ValueError, match="cannot allocate pool.disk_tier_bytes"):
-        CPUTier([pool.storage], MiB, pool.key.device, str(tmp_path), 1 << 60)
+    # the tier itself: a directory gone or space taken between configuration and first use
+    # leaves the CPU tier without a disk tier, with one warning; a size that holds no record
+    # is an error
+    _patching.forget_warnings()
+    nowhere, row = str(tmp_path / "nowhere"), tier_of(pool, 1).row_bytes
+    with pytest.raises(ValueError, match=r"cannot create a file in .*nowhere.* \(No such file"):
+        DiskTier(nowhere, MiB, row)
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+        for _ in range(2):  # one warning for both
+            tier = CPUTier([pool.storage], MiB, pool.key.device, nowhere, MiB)
+            assert tier.disk is None and tier.num_slots == MiB // row and tier.num_free > 0
+            tier.close()
+        tier = CPUTier([pool.storage], MiB, pool.key.device, str(tmp_path), 1 << 60)
+        assert tier.disk is None
+        tier.close()
+    gone, full = [r.getMessage() for r in caplog.records]
+    assert gone == (
+        f"oxygen_torch: the KV disk tier is off: pool.disk_tier_path: cannot create a file in "
+        f"{nowhere!r} (No such file or directory); the CPU tier goes on"
+    )
+    assert full.startswith(
+        f"oxygen_torch: the KV disk tier is off: pool.disk_tier_path: cannot allocate "
+        f"pool.disk_tier_bytes = {(1 << 60) // row * row} bytes in {str(tmp_path)!r} ("
+    ) and full.endswith("); lower pool.disk_tier_bytes or free space; the CPU tier goes on")
     with pytest.raises(ValueError, match="pool.disk_tier_bytes: 100 bytes hold no record"):
         CPUTier([pool.storage], MiB, pool.key.device, str(tmp_path), 100)
     assert [p.name for p in tmp_path.iterdir()] == ["file"]  # nothing left behind
@@ -405,3 +427,47 @@ def test_lowered_and_disk_paths_on_a_cuda_pool(tmp_path):
         assert tier.num_free == 20
     finally:
         release_pools()
+
+
+@pytest.mark.parametrize("gone", ["before the first call", "after the first call"])
+def test_the_disk_tiers_directory_gone_after_enable_costs_one_warning_not_the_calls(
+    oxygen, tmp_path, caplog, gone
+):
+    """A temp cleaner or an unmounted volume took pool.disk_tier_path after enable(). The tier is
+    made at a pool's first call, and with the prefix cache on every call makes it: its file could
+    not be made, and every generate() failed. Now the disk tier is off with one warning naming
+    the path and the error, and the CPU tier goes on. A tier made before keeps its open file."""
+    from test_hf_generate import tiny
+    from test_prefix_cache import BT, _prompts, _tokens
+
+    directory = tmp_path / "tier"
+    directory.mkdir()
+    system = [t % 127 + 1 for t in _tokens(3, 2 * BT + 5)]
+    ids, mask = _prompts(4, system, users=[9, 20, 5], pads=[3, 0, 6])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        want = tiny("llama").generate(**kw)
+    row = 2 * 2 * BT * 2 * 64 * 4  # layers x K/V x tokens x heads x head dim x float32
+    pool_cfg = dict(cpu_tier_bytes=2 * row, disk_tier_path=str(directory),
+                    disk_tier_bytes=64 * row)  # fmt: skip
+    model = hf.apply(tiny("llama"), load_config(prefix_cache=True, pool=pool_cfg))
+    outs = []
+    with caplog.at_level(logging.WARNING, logger="oxygen_torch"), torch.no_grad():
+        if gone == "after the first call":
+            outs.append(model.generate(**kw))
+        shutil.rmtree(directory)
+        outs += [model.generate(**kw) for _ in range(2)]
+        (pool,) = [p for p in kv_pool._pools.values() if p.prefix is not None]
+        gc.collect()  # the calls' caches give their blocks back
+        with pool.lock:  # every cached block to the CPU tier, and on to disk where there is one
+            pool.prefix.evict(pool.prefix.num_hot)
+        outs.append(model.generate(**kw))  # cold-zone hits
+    assert all(torch.equal(out, want) for out in outs)
+    warned = [r.getMessage() for r in caplog.records if "disk tier" in r.getMessage()]
+    tier = pool.tier.stats()
+    if gone == "before the first call":
+        assert len(warned) == 1, warned
+        assert str(directory) in warned[0] and "No such file or directory" in warned[0]
+        assert pool.tier.disk is None and tier["slots_total"] == 2 and tier["bytes_down"] > 0
+    else:
+        assert warned == [] and tier["bytes_to_disk"] > 0 and tier["bytes_from_disk"] > 0

@@ -44,6 +44,12 @@ def runs(records: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+class DiskUnavailable(ValueError):
+    """The directory cannot hold the tier's file now, though the configuration was checked when
+    it loaded: it went away (a temp cleaner, an unmounted volume), or its space was taken. The
+    CPU tier goes on without a disk tier (kv/tier.py)."""
+
+
 class DiskTier:
     def __init__(self, directory: str, nbytes: int, record_bytes: int):
         self.record_bytes = record_bytes
@@ -53,15 +59,16 @@ class DiskTier:
                 f"pool.disk_tier_bytes: {nbytes} bytes hold no record of {record_bytes} bytes "
                 "(one KV block of every layer)"
             )
-        if not os.path.isdir(directory):
-            raise ValueError(f"pool.disk_tier_path: {directory!r} is not a directory")
+        # (the errors name the directory and the OS's reason, not the temporary file's name: a
+        # warning that says them once stays one warning however many pools make a tier)
         try:
             fd, self.path = tempfile.mkstemp(
                 prefix=f"oxygen-kv-{os.getpid()}-", suffix=".tier", dir=directory
             )
         except OSError as exc:
-            raise ValueError(
-                f"pool.disk_tier_path: cannot create a file in {directory!r} ({exc})"
+            raise DiskUnavailable(
+                f"pool.disk_tier_path: cannot create a file in {directory!r} "
+                f"({exc.strerror or exc})"
             ) from exc
         self._fd = fd
         self._close = weakref.finalize(self, _remove, fd, self.path)  # also runs at exit
@@ -70,9 +77,9 @@ class DiskTier:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             self._close()
-            raise ValueError(
+            raise DiskUnavailable(
                 f"pool.disk_tier_path: cannot allocate pool.disk_tier_bytes = {size} bytes in "
-                f"{directory!r} ({exc}); lower pool.disk_tier_bytes or free space"
+                f"{directory!r} ({exc.strerror or exc}); lower pool.disk_tier_bytes or free space"
             ) from exc
         self._free = list(range(self.num_records))
         # a failed write's message: no more records are handed out (not the exception: its

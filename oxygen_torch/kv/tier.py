@@ -40,7 +40,7 @@ from .._patching import warn_once
 from ..triton_kernels._checks import interpreting
 from ..triton_kernels.block_rows import mapped_view
 from . import transfer
-from .disk import DiskTier
+from .disk import DiskTier, DiskUnavailable
 from .free_rows import FreeRows
 from .lowering import LOWERABLE, lower, raise_, scale_bytes
 from .transfer import Staging, scatter
@@ -82,7 +82,10 @@ class CPUTier:
         self._row_at: list[int | None] = [None] * self.num_slots  # CPU row -> logical row
         self.disk = None
         if disk_path and self.num_slots:
-            self.disk = DiskTier(disk_path, disk_bytes, self.row_bytes)
+            try:
+                self.disk = DiskTier(disk_path, disk_bytes, self.row_bytes)
+            except DiskUnavailable as exc:  # every call would fail for it, needing it or not
+                warn_once(f"oxygen_torch: the KV disk tier is off: {exc}; the CPU tier goes on")
         n = self.num_slots + (self.disk.num_records if self.disk is not None else 0)
         self._rows = FreeRows(n)  # free logical rows
         self._where: list[int | None] = [None] * n  # CPU row (>= 0) or -1 - disk record
