@@ -6,9 +6,10 @@ I/O is `os.pwritev` / `os.preadv` on a file descriptor, one call per run of cons
 the call gathers the rows from (or scatters them into) host tensors directly, with no staging
 copy, and a failure (a full disk, EIO) comes back as an OSError at the call. A numpy memmap would
 spread a run over page faults and surface a failed writeback as SIGBUS, killing the process.
-The file is allocated in full when the tier is made (posix_fallocate), so a path without room
-fails there and not in the middle of a call, and it is removed when the tier closes or the
-interpreter exits.
+The file is allocated in full when the tier is made (posix_fallocate), so a directory without
+room (or gone since the configuration was checked) is found there, not in the middle of a call:
+the CPU tier then goes on without a disk tier, with one warning (DiskUnavailable). The file is
+removed when the tier closes or the interpreter exits.
 """
 
 from __future__ import annotations
