@@ -68,7 +68,8 @@ OXY_API int oxygen_arena_create(const char* kind, int device, size_t page_size, 
   });
 }
 
-// In a forked child the parent's arena is only forgotten (see oxygen_pool_destroy).
+// In a forked child the parent's arena is only forgotten; no other call may be running on the
+// handle (see oxygen_pool_destroy).
 OXY_API int oxygen_arena_destroy(void* arena) {
   return guarded("oxygen_arena_destroy", [&]() -> int {
     auto* a = static_cast<Arena*>(arena);

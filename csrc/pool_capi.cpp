@@ -241,7 +241,9 @@ OXY_API int oxygen_pool_create(const char* kind, int device, size_t page_size, s
 }
 
 // In a forked child the parent's pool is only forgotten: its teardown would lock the parent's
-// locks and join threads the child does not have.
+// locks and join threads the child does not have. No other call may be running on the handle:
+// the caller waits for them (oxygen_torch/pool/objects.py, _Handle: close() racing a malloc on
+// another thread freed the pool under it).
 OXY_API int oxygen_pool_destroy(void* pool) {
   return guarded("oxygen_pool_destroy", [&]() -> int {
     auto* a = static_cast<Allocator*>(pool);

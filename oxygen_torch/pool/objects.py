@@ -9,6 +9,7 @@ Statistics are atomics in C, read here without taking any allocation lock.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import weakref
 from typing import Any
@@ -45,10 +46,11 @@ def _stream_handle(stream: Any) -> int:
     return int_arg("stream", getattr(stream, "cuda_stream", stream), 0, SIZE_MAX)
 
 
-def _read(fn, handle) -> dict:
+def _read(export) -> dict:
+    """The counters a C export writes: export(array, length) -> how many, or -status."""
     names = _native.lib().oxygen_stats_names().decode().split(",")
     arr = (ctypes.c_uint64 * len(names))()
-    n = fn(handle, arr, len(names))
+    n = export(arr, len(names))
     if n < 0:  # -status: the handle cannot be used (inherited across fork)
         _native.check(-n, "reading the counters")
     return dict(zip(names, arr[:n], strict=False))
@@ -65,23 +67,58 @@ def _oom(message: str) -> torch.OutOfMemoryError:
     return torch.OutOfMemoryError(message)
 
 
+class _Handle:
+    """A native pool or arena handle. close() releases it (`destroy`), once its last holder lets
+    it go: the object until close(), and every call in flight on it. A call holds its object's
+    handle for its whole run (`_NativeObject._hold`), so close() on another thread never frees
+    what a call is still using: that call finishes on the live object, the release follows it,
+    and every call that starts after close() raises RuntimeError. ctypes lets other threads run
+    during a native call: the object alone would not keep the handle alive."""
+
+    closed = False  # set by the object's close(): only then does the last holder release it
+
+    def __init__(self, h: int, destroy: str):
+        self.h, self._destroy = h, destroy
+
+    def __del__(self) -> None:
+        if not self.closed:  # a close() that did nothing (tests/test_leakcheck.py) leaks it
+            return
+        try:
+            getattr(_native.lib(), self._destroy)(self.h)
+        except Exception:  # at interpreter exit the modules it needs may already be gone
+            pass
+
+
 class _NativeObject:
     """A native pool or arena: released by close(), at the end of a with-block, or when collected.
     close() releases everything: blocks still live are unmapped, do not touch them afterwards.
-    Every method of a closed object raises RuntimeError."""
+    Every method of a closed object raises RuntimeError; a call already running when close()
+    comes (another thread) finishes first, and the release waits for it."""
 
-    _h = None
-    _destroy = ""  # name of the C function that releases the handle
+    _owner: _Handle | None = None
+
+    @property
+    def _h(self) -> int | None:
+        """The raw native handle (tests call the C functions with it), None once closed."""
+        owner = self._owner
+        return owner.h if owner is not None else None
 
     def close(self) -> None:
-        if self._h:
-            h, self._h = self._h, None
-            getattr(_native.lib(), self._destroy)(h)
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.closed = True  # released now, or when the last call in flight returns
 
-    def _handle(self) -> int:
-        if not self._h:
+    def _hold(self) -> _Handle:
+        """The handle, held by the caller for the length of its native call."""
+        owner = self._owner
+        if owner is None:
             raise RuntimeError(f"this {type(self).__name__} is closed")
-        return self._h
+        return owner
+
+    def _call(self, fn: str, *args):
+        """The C function `fn` on this object's handle, held until it returns."""
+        owner = self._hold()
+        return getattr(_native.lib(), fn)(owner.h, *args)
 
     def __enter__(self):
         return self
@@ -108,8 +145,6 @@ class VirtualPool(_NativeObject):
     limit in bytes (default: device memory x ``reserve_fraction``); the virtual range reserved is
     twice that, so that holes never starve it."""
 
-    _destroy = "oxygen_pool_destroy"
-
     def __init__(
         self,
         backend: str = "auto",
@@ -134,22 +169,22 @@ class VirtualPool(_NativeObject):
         self.device = int_arg("VirtualPool device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
         self.page_size = args[0]
-        lib = _native.lib()
-        self._h = _create(lib.oxygen_pool_create, self, args, f"creating a {self.backend} pool")
-        self.base = int(lib.oxygen_pool_base(self._h))
+        h = _create(_native.lib().oxygen_pool_create, self, args, f"creating a {self.backend} pool")
+        self._owner = _Handle(h, "oxygen_pool_destroy")
+        self.base = int(self._call("oxygen_pool_base"))
         raw = self._raw()
         self.capacity = raw["max_pages"] * raw["page_size"]
 
     def _raw(self) -> dict:
-        return _read(_native.lib().oxygen_pool_stats, self._handle())
+        return _read(functools.partial(self._call, "oxygen_pool_stats"))
 
     def malloc(self, size: int, stream: Any = 0) -> int:
         """Address of a new block of ``size`` bytes; raises torch.OutOfMemoryError with the
         pool's figures when the pool (after reclaiming) or the device has no memory left."""
         size = int_arg("malloc size", size, 0, INT64_MAX)
-        out = ctypes.c_void_p()
-        lib = _native.lib()
-        st = lib.oxygen_pool_malloc(self._handle(), size, _stream_handle(stream), ctypes.byref(out))
+        out, stream = ctypes.c_void_p(), _stream_handle(stream)
+        owner = self._hold()  # as _call does, without its extra frame: this is the hot path
+        st = _native.lib().oxygen_pool_malloc(owner.h, size, stream, ctypes.byref(out))
         if st == _native.OK:
             return int(out.value)
         if st == _native.ERR_OOM:
@@ -160,7 +195,7 @@ class VirtualPool(_NativeObject):
     def _oom_message(self, size: int) -> str:
         s = self.stats()
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if _native.lib().oxygen_pool_mem_info(self._h, ctypes.byref(free), ctypes.byref(total)):
+        if self._call("oxygen_pool_mem_info", ctypes.byref(free), ctypes.byref(total)):
             free.value = total.value = 0
         return (
             f"oxygen_torch pool ({self.backend}, device {self.device}) out of memory: requested "
@@ -176,9 +211,9 @@ class VirtualPool(_NativeObject):
         ptr = int_arg("free pointer", ptr, 0, SIZE_MAX)
         if size is not None:
             size = int_arg("free size", size, 0, INT64_MAX)
-        st = _native.lib().oxygen_pool_free(
-            self._handle(), ptr, -1 if size is None else size, _stream_handle(stream)
-        )
+        size, stream = -1 if size is None else size, _stream_handle(stream)
+        owner = self._hold()
+        st = _native.lib().oxygen_pool_free(owner.h, ptr, size, stream)
         if st == _native.ERR_FORKED:  # not a bad pointer: this pool cannot be used here at all
             _native.check(st, "free")
         return st == _native.OK
@@ -188,26 +223,26 @@ class VirtualPool(_NativeObject):
         freed, it is reused by no one before `stream` has passed the free (held meanwhile,
         counted in ``stats()['deferred_bytes']``). NativeError: not the start of a live block."""
         ptr = int_arg("record_stream pointer", ptr, 0, SIZE_MAX)
-        st = _native.lib().oxygen_pool_record_stream(self._handle(), ptr, _stream_handle(stream))
+        st = self._call("oxygen_pool_record_stream", ptr, _stream_handle(stream))
         _native.check(st, "record_stream")
 
     def empty_cache(self) -> None:
         """Wait for the device, then unmap every page with nothing live and drop cached handles."""
-        _native.check(_native.lib().oxygen_pool_empty_cache(self._handle()), "empty_cache")
+        _native.check(self._call("oxygen_pool_empty_cache"), "empty_cache")
 
     def reset_peak(self) -> None:
-        _native.check(_native.lib().oxygen_pool_reset_peak(self._handle()), "reset_peak")
+        _native.check(self._call("oxygen_pool_reset_peak"), "reset_peak")
 
     def prepare(self, nbytes: int) -> None:
         """Create physical handles now for ``nbytes`` (growth then only maps)."""
         nbytes = int_arg("prepare nbytes", nbytes, 0, INT64_MAX)
-        _native.check(_native.lib().oxygen_pool_prepare(self._handle(), nbytes), "prepare")
+        _native.check(self._call("oxygen_pool_prepare", nbytes), "prepare")
 
     def bench(self, size: int, iters: int, stream: Any = 0) -> float:
         """Nanoseconds per malloc+free pair, looped in C (no Python per call)."""
         size = int_arg("bench size", size, 0, INT64_MAX)
         iters = int_arg("bench iters", iters, 0, INT_MAX)
-        ns = _native.lib().oxygen_pool_bench(self._handle(), size, iters, _stream_handle(stream))
+        ns = self._call("oxygen_pool_bench", size, iters, _stream_handle(stream))
         if ns < 0:
             raise _native.NativeError(_native.ERR_INVALID, f"bench: {_native.last_error()}")
         return float(ns)
@@ -216,12 +251,12 @@ class VirtualPool(_NativeObject):
         return _derive(self._raw(), self.backend, self.device)
 
     def latency_histogram(self) -> list[int]:
-        return _hist(_native.lib().oxygen_pool_latency_hist, self._handle())
+        return _hist(self, "oxygen_pool_latency_hist")
 
 
-def _hist(fn, handle) -> list[int]:
+def _hist(obj: _NativeObject, fn: str) -> list[int]:
     arr = (ctypes.c_uint64 * 16)()
-    n = fn(handle, arr, 16)
+    n = obj._call(fn, arr, 16)
     if n < 0:
         _native.check(-n, "reading the latency histogram")
     return list(arr[:n])
@@ -248,14 +283,19 @@ def held_arenas() -> list[_ArenaHandle]:
     return list(_held)
 
 
-class _ArenaHandle:
-    """The native arena, released when its last holder goes: the Arena until close(), and every
-    tensor as_tensor() made. A view that outlives close() keeps the range mapped, because
-    touching an unmapped page is fatal (a segfault here, a poisoned CUDA context on a GPU)."""
+class _ArenaHandle(_Handle):
+    """The native arena, released when its last holder goes: the Arena until close(), every call
+    in flight, and every tensor as_tensor() made. A view that outlives close() keeps the range
+    mapped, because touching an unmapped page is fatal (a segfault here, a poisoned CUDA context
+    on a GPU)."""
 
-    def __init__(self, h: int, device: int, base: int, capacity: int, page_size: int):
-        self.h, self.device, self.base, self.capacity = h, device, base, capacity
-        self.page_size = page_size
+    def __init__(self, h: int, device: int):
+        super().__init__(h, "oxygen_arena_destroy")
+        lib = _native.lib()
+        self.device, self.base = device, int(lib.oxygen_arena_base(h))
+        self.page_size = int(lib.oxygen_arena_page_size(h))
+        self.num_pages = int(lib.oxygen_arena_pages(h))
+        self.capacity = self.num_pages * self.page_size
 
     def mapped_pages(self) -> int:
         return int(_native.lib().oxygen_arena_mapped_pages(self.h))
@@ -270,12 +310,6 @@ class _ArenaHandle:
             "strides": None,
         }
 
-    def __del__(self) -> None:
-        try:
-            _native.lib().oxygen_arena_destroy(self.h)
-        except Exception:  # at interpreter exit the modules it needs may already be gone
-            pass
-
 
 class Arena(_NativeObject):
     """A reserved virtual range for the KV cache; its pages are mapped explicitly. Handles come
@@ -283,8 +317,6 @@ class Arena(_NativeObject):
 
     Touching an unmapped page is fatal (SIGSEGV on the host backend, an illegal address that
     poisons the CUDA context on a GPU): unmap only pages no kernel can still read."""
-
-    _destroy = "oxygen_arena_destroy"
 
     def __init__(
         self,
@@ -302,63 +334,58 @@ class Arena(_NativeObject):
         )
         self.device = int_arg("Arena device", device, 0, MAX_DEVICES - 1)
         self.backend = _resolve_backend(backend)
-        lib = _native.lib()
         what = f"creating a {self.backend} KV arena of {nbytes} bytes"
-        self._h = _create(lib.oxygen_arena_create, self, args, what)
-        self.base = int(lib.oxygen_arena_base(self._h))
-        self.page_size = int(lib.oxygen_arena_page_size(self._h))
-        self.num_pages = int(lib.oxygen_arena_pages(self._h))
-        self.capacity = self.num_pages * self.page_size
-        self._owner = _ArenaHandle(self._h, self.device, self.base, self.capacity, self.page_size)
+        owner = _ArenaHandle(_create(_native.lib().oxygen_arena_create, self, args, what), device)
+        self.base, self.page_size = owner.base, owner.page_size
+        self.num_pages, self.capacity = owner.num_pages, owner.capacity
+        self._owner = owner
         self._pid = os.getpid()
         _arenas.add(self)
 
     def close(self) -> None:
         """Unmaps and releases the range -- once no tensor from as_tensor() views it any more;
         until then its memory stays mapped (leakcheck reports it as held by views)."""
-        if not self._h:
-            return
-        owner, self._h, self._owner = self._owner, None, None
-        _held.add(owner)  # gone from the set by itself once the last view is dropped
-        del owner  # the last reference unless a view holds one: the native arena goes now
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.closed = True
+            _held.add(owner)  # gone from the set by itself once the last view is dropped
+        del owner  # the last reference unless a view or a call holds one: the arena goes now
 
     def _pages_arg(self, what: str, first: int, count: int) -> tuple[int, int]:
         first = int_arg(f"arena {what} first page", first, 0, self.num_pages - 1)
         return first, int_arg(f"arena {what} count", count, 1, self.num_pages - first)
 
     def map_pages(self, first: int, count: int = 1) -> None:
-        h = self._handle()
+        self._hold()
         first, count = self._pages_arg("map_pages", first, count)
-        _native.check(
-            _native.lib().oxygen_arena_map(h, first, count), f"arena map_pages({first}, {count})"
-        )
+        st = self._call("oxygen_arena_map", first, count)
+        _native.check(st, f"arena map_pages({first}, {count})")
 
     def unmap_pages(self, first: int, count: int = 1) -> None:
-        h = self._handle()
+        self._hold()
         first, count = self._pages_arg("unmap_pages", first, count)
-        _native.check(
-            _native.lib().oxygen_arena_unmap(h, first, count),
-            f"arena unmap_pages({first}, {count})",
-        )
+        st = self._call("oxygen_arena_unmap", first, count)
+        _native.check(st, f"arena unmap_pages({first}, {count})")
 
     def is_mapped(self, page: int) -> bool:
-        h = self._handle()
+        self._hold()
         page = int_arg("arena is_mapped page", page, 0, self.num_pages - 1)
-        r = _native.lib().oxygen_arena_is_mapped(h, page)
+        r = self._call("oxygen_arena_is_mapped", page)
         if r < 0:
             _native.check(-r, f"arena is_mapped({page})")
         return bool(r)
 
     def mapped_pages(self) -> int:
-        return int(_native.lib().oxygen_arena_mapped_pages(self._handle()))
+        return int(self._call("oxygen_arena_mapped_pages"))
+
+    def _raw(self) -> dict:
+        return _read(functools.partial(self._call, "oxygen_arena_stats"))
 
     def stats(self) -> dict:
-        return _derive(
-            _read(_native.lib().oxygen_arena_stats, self._handle()), self.backend, self.device
-        )
+        return _derive(self._raw(), self.backend, self.device)
 
     def latency_histogram(self) -> list[int]:
-        return _hist(_native.lib().oxygen_arena_latency_hist, self._handle())
+        return _hist(self, "oxygen_arena_latency_hist")
 
     def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A flat tensor over the whole range, no copy: the one view of an arena as a tensor.
@@ -367,8 +394,7 @@ class Arena(_NativeObject):
         close() the memory under it stays mapped until it is dropped, so reading it never
         faults. cuda: through ``__cuda_array_interface__`` (torch asks the driver about the base
         address, so map page 0 first). host: over the mapping."""
-        self._handle()
-        owner = self._owner
+        owner = self._hold()
         if self.backend == "cuda":
             t = torch.as_tensor(owner, device=torch.device("cuda", self.device))
         else:
@@ -379,7 +405,7 @@ class Arena(_NativeObject):
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        self._handle()
+        owner = self._hold()
         if self.backend != "cuda":
             raise AttributeError("__cuda_array_interface__ exists only on a cuda arena")
-        return self._owner.__cuda_array_interface__
+        return owner.__cuda_array_interface__

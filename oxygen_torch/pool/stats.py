@@ -4,6 +4,7 @@ the global route answers in place of the pluggable allocator's missing device st
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -28,9 +29,12 @@ def raw_counters(device: int = 0) -> dict:
     no global pool exists), read from atomics without taking any allocation lock."""
     h = _global_handle(device)
     if h:
-        return _read(_native.lib().oxygen_pool_stats, h)
+        return _read(functools.partial(_native.lib().oxygen_pool_stats, h))
     for arena in live_arenas(device):
-        return _read(_native.lib().oxygen_arena_stats, arena._h)
+        try:
+            return arena._raw()
+        except RuntimeError:  # closed by another thread since it was listed
+            continue
     names = _native.lib().oxygen_stats_names().decode().split(",")
     return dict.fromkeys(names, 0)
 
