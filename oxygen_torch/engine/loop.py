@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import SchedulerConfig
+from ..kv import transfer
 from . import policy as policies
 from .request import Group, Request
 from .sampling import RowSample, Sampler
@@ -362,39 +363,41 @@ class Engine:
         toks = f.host.tolist()
         now = time.monotonic()
         touched = set()
+        self.stats.drawn += len(toks)
         for row, tok in zip(f.kept, toks):
             r = row.req
-            self.stats.drawn += 1
             if r.finished is not None:
                 continue  # a row that stopped a step ago: this token is dropped
             r.out.append(tok)
             if r.first_token_at is None:
                 r.first_token_at = now
-            why = _stopped(r, tok)
+            stop = r.stop
+            why = (
+                "eos" if tok in stop.eos
+                else "stop" if stop.strings and _stopped(r)
+                else "length" if len(r.out) >= stop.max_new
+                else None
+            )  # fmt: skip
             if why is not None:
                 self._end(r, why)
-            touched.add(r.group)
+                touched.add(r.group)
+            elif r.group.streaming:
+                touched.add(r.group)
         if isinstance(self.policy, policies.WFQ) and self.running:
             self.policy.reweigh([r.account for r in self.running])
-        for g in touched:
+        for g in touched:  # a caller wakes for its tokens only when it streams them, or at its end
             if g.done:
                 self._groups.discard(g)
             g.notify()
 
 
-def _stopped(r: Request, tok: int) -> str | None:
-    stop = r.stop
-    if tok in stop.eos:
-        return "eos"
-    if stop.strings and stop.text_of is not None and stop.text_of(r.seq()):
-        return "stop"
-    if len(r.out) >= stop.max_new:
-        return "length"
-    return None
+def _stopped(r: Request) -> bool:
+    """Whether the row's text now ends in one of its stop strings (stock's rule)."""
+    return r.stop.text_of is not None and r.stop.text_of(r.seq())
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.int64)
+    t = transfer.int64(values)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)

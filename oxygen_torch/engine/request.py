@@ -91,8 +91,9 @@ class Group:
     engine thread appends and notifies; the caller waits (and runs its streamer) in its own
     thread."""
 
-    def __init__(self, requests: list[Request]):
+    def __init__(self, requests: list[Request], streaming: bool = False):
         self.requests = requests
+        self.streaming = streaming  # the caller reads tokens as they come (else: at the end)
         for i, r in enumerate(requests):
             r.group, r.row = self, i
         self.cond = threading.Condition()

@@ -57,22 +57,18 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     waiting rows, the policy, the KV figures (`blocks_for`, `total_blocks`) and `preempt`."""
     rows: list[StepRow] = []
     decoding = [r for r in engine.running if not r.prefilling and r.wants_draw]
-    decoding = _ordered(engine, decoding)[: budget.seqs]
-    need = sum(engine.blocks_for(r, 1) for r in decoding)
-    while need > budget.free:  # KV short for the running decodes: the lowest rows go
+    if len(decoding) > budget.seqs:
+        decoding = _ordered(engine, decoding)[: budget.seqs]
+    need = {r: engine.blocks_for(r, 1) for r in decoding}
+    while sum(need.values()) > budget.free:  # KV short for the running decodes: the lowest go
         victim = _lowest(engine, [r for r in engine.running if r.kv is not None])
         if victim is None:
             break
-        got = engine.preempt(victim)
-        budget.free += got
-        if victim in decoding:
-            decoding.remove(victim)
-            need -= engine.blocks_for(victim, 1) if victim.kv is not None else 0
-        need = sum(engine.blocks_for(r, 1) for r in decoding)
-    for r in decoding:
+        budget.free += engine.preempt(victim)
+        need.pop(victim, None)
+    for r, b in need.items():
         if budget.seqs <= 0:
             break
-        b = engine.blocks_for(r, 1)
         if b > budget.free:
             continue
         budget.free -= b

@@ -11,7 +11,9 @@ table is reloaded at its next eager step). The engine decides which cores' token
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -23,6 +25,11 @@ from .plan import StepPlan
 from .storage import GUARD_BLOCK
 from .swap import resident
 from .window import check_narrow_window, narrowed_window
+
+
+@lru_cache(maxsize=256)
+def _pad(n: int) -> tuple[int, ...]:
+    return (GUARD_BLOCK,) * n
 
 
 @dataclass
@@ -74,10 +81,14 @@ class MergedStep:
         if self.parts:
             transfer.note_step(self.parts[0].core.pool.key.device)
         for p in self.parts:  # back from the CPU tier first (kv/swap.py)
-            resident(p.core)
+            if p.core._swapped is not None or p.core._ready is not None:
+                resident(p.core)
         self._starts = [list(p.core.seqs.lens) for p in self.parts]
         for p in self.parts:
-            p.core._reserve(p.counts)
+            if p.counts == [1]:  # one token of one row (the engine's decodes): mostly no block
+                p.core._reserve_one_each()
+            else:
+                p.core._reserve(p.counts)
         self._narrowed = narrowed_window([p.core for p in self.parts])
         if build:
             self.build()
@@ -85,18 +96,24 @@ class MergedStep:
     def host_plan(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         """The reserved step on the host: block table [R, W] (int32, every row's blocks side by
         side, GUARD_BLOCK beyond), then per new token its slot, and per row its length after the
-        step and its new tokens."""
+        step and its new tokens. Built from the rows' block lists (plain ints; a core's host
+        table mirrors them) in one conversion."""
         bt = self.pool.key.block_tokens
-        width = max(p.core.seqs.max_blocks() for p in self.parts)
-        rows = [p.core._table_host[:, :width] for p in self.parts]
-        table = torch.cat(
-            [torch.nn.functional.pad(r, (0, width - r.shape[1]), value=GUARD_BLOCK) for r in rows]
-        )  # [R, W]
+        lists = [blocks for p in self.parts for blocks in p.core.seqs.blocks]
+        width = max(map(len, lists))
+        table = torch.frombuffer(
+            array("i", [b for blocks in lists for b in (*blocks, *_pad(width - len(blocks)))]),
+            dtype=torch.int32,
+        ).view(len(lists), width)  # [R, W]
         lens, counts, slots = [], [], []
         for p, start in zip(self.parts, self._starts):
             blocks = p.core.seqs.blocks
             for b, (n0, n) in enumerate(zip(start, p.counts)):
-                slots.extend(blocks[b][t // bt] * bt + t % bt for t in range(n0, n0 + n))
+                row = blocks[b]
+                if n == 1:
+                    slots.append(row[n0 // bt] * bt + n0 % bt)
+                else:
+                    slots.extend(row[t // bt] * bt + t % bt for t in range(n0, n0 + n))
                 lens.append(n0 + n)
                 counts.append(n)
         if self.pool.heat is not None:  # the step's attention reads every block in the table

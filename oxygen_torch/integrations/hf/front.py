@@ -268,7 +268,7 @@ def _call_seed() -> int:
 
 def run(engine, p: Plan):
     """Submits the call's rows, waits (streaming in this thread), returns stock's output."""
-    group = Group(p.requests)
+    group = Group(p.requests, streaming=p.streamer is not None)
     streamer = p.streamer
     if streamer is not None:
         streamer.put(p.ids.cpu())
