@@ -230,31 +230,54 @@ def at_once(args) -> None:
     for seed in args.seeds:
         for k in args.at_once:
             for mode in args.at_once_modes:
-                cmd = [sys.executable, __file__, "--once", f"{mode},{k},{seed}", "--shape",
-                       args.shape, "--new", args.new] + (["--sample"] if args.sample else [])
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--once",
+                    f"{mode},{k},{seed}",
+                    "--shape",
+                    args.shape,
+                    "--new",
+                    args.new,
+                ] + (["--sample"] if args.sample else [])
                 env = dict(os.environ, PYTHONPATH=str(HERE.parent))
                 t = time.time()
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-                r = json.loads(lines[-1]) if lines else dict(mode=mode, k=k, seed=seed,
-                                                             error=proc.stderr[-2000:])
+                r = (
+                    json.loads(lines[-1])
+                    if lines
+                    else dict(mode=mode, k=k, seed=seed, error=proc.stderr[-2000:])
+                )
                 rows.append(r)
                 print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
-    lines = ["| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
-             "rows/step | host ms/step | wait ms/step |", "|" + "---|" * 11]
+    lines = [
+        "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
+        "rows/step | host ms/step | wait ms/step |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
-                         f"{r['error'].strip().splitlines()[-1][:80]} |||||||")
+            lines.append(
+                f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
+                f"{r['error'].strip().splitlines()[-1][:80]} |||||||"
+            )
             continue
-        ref = {x["mode"]: x.get("tok_per_s") for x in rows
-               if x.get("k") == r["k"] and x.get("seed") == r["seed"] and "error" not in x}
-        ratio = [f"{r['tok_per_s'] / ref[m]:.2f}" if ref.get(m) else "-"
-                 for m in ("one_call", "generate_batch")]
-        lines.append(f"| {r['k']} | {r['seed']} | {r['mode']} | {r['tok_per_s']} | {ratio[0]} | "
-                     f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
-                     f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
-                     f"{r.get('wait_ms_per_step', '-')} |")
+        ref = {
+            x["mode"]: x.get("tok_per_s")
+            for x in rows
+            if x.get("k") == r["k"] and x.get("seed") == r["seed"] and "error" not in x
+        }
+        ratio = [
+            f"{r['tok_per_s'] / ref[m]:.2f}" if ref.get(m) else "-"
+            for m in ("one_call", "generate_batch")
+        ]
+        lines.append(
+            f"| {r['k']} | {r['seed']} | {r['mode']} | {r['tok_per_s']} | {ratio[0]} | "
+            f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
+            f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
+            f"{r.get('wait_ms_per_step', '-')} |"
+        )
     md = "\n".join(lines)
     print("\n" + md)
     out = os.environ.get("OUT")
@@ -277,13 +300,27 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 12 requests")
-    ap.add_argument("--at-once", nargs="*", type=int, default=None, metavar="K",
-                    help="K calls given at once (see above) instead of the arrival trace")
-    ap.add_argument("--at-once-modes", nargs="*", default=["threads", "one_call",
-                    "generate_batch"], choices=["threads", "one_call", "generate_batch"],
-                    help="modes of --at-once (default: all three)")
-    ap.add_argument("--shape", default="vocab128k", choices=["llama1b", "vocab128k", "tiny"],
-                    help="model shape of --at-once (tiny: on CPU)")
+    ap.add_argument(
+        "--at-once",
+        nargs="*",
+        type=int,
+        default=None,
+        metavar="K",
+        help="K calls given at once (see above) instead of the arrival trace",
+    )
+    ap.add_argument(
+        "--at-once-modes",
+        nargs="*",
+        default=["threads", "one_call", "generate_batch"],
+        choices=["threads", "one_call", "generate_batch"],
+        help="modes of --at-once (default: all three)",
+    )
+    ap.add_argument(
+        "--shape",
+        default="vocab128k",
+        choices=["llama1b", "vocab128k", "tiny"],
+        help="model shape of --at-once (tiny: on CPU)",
+    )
     ap.add_argument("--new", default="256", help="--at-once new tokens: a number or chat")
     ap.add_argument("--sample", action="store_true", help="--at-once: temperature 0.8, top_p 0.95")
     ap.add_argument("--once", help=argparse.SUPPRESS)

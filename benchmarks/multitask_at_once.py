@@ -58,8 +58,11 @@ def build(shape: str, device: str):
 
 
 def sampling_kw(sample: bool) -> dict:
-    return dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sample else dict(
-        do_sample=False)
+    return (
+        dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
+        if sample
+        else dict(do_sample=False)
+    )
 
 
 def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device: str) -> dict:
@@ -88,8 +91,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             ids = torch.zeros(len(rs), width, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, (p, _) in enumerate(rs):
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
             n = max(m for _, m in rs)
             with torch.no_grad():
                 out = model.generate(ids.to(device), attention_mask=mask.to(device),

@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +44,7 @@ class Runner(Protocol):
 
     def new_kv(self) -> Any: ...
     def blocks_for(self, kv: Any, n: int) -> int: ...
+    def decode_blocks(self, kvs: list) -> list[int]: ...  # blocks_for(kv, 1) of each
     def free_blocks(self) -> int: ...
     def total_blocks(self) -> int: ...
     def release(self, kv: Any) -> None: ...
@@ -61,7 +63,7 @@ class EngineStats:
     host_s: float = 0.0  # host time spent choosing, building and launching steps
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
     wall_s: float = 0.0  # time with work in the engine
-    rows: list[int] = field(default_factory=list)  # rows per step, the last 1024
+    rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Engine:
         self._slots = 0
         self.last = torch.zeros(0, dtype=torch.int64, device=runner.device)
         self.pid = os.getpid()
+        self._host_bufs: list = [None, None]
+        self._turn = 0
 
     @property
     def closed(self) -> bool:
@@ -222,6 +226,9 @@ class Engine:
     def blocks_for(self, r: Request, n: int) -> int:
         return self.runner.blocks_for(r.kv, n)
 
+    def decode_blocks(self, reqs: list[Request]) -> list[int]:
+        return self.runner.decode_blocks([r.kv for r in reqs])
+
     def total_blocks(self) -> int:
         return self.runner.total_blocks()
 
@@ -300,8 +307,13 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _launch(self, rows: list[StepRow]) -> _Inflight:
+    def _inputs(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int]]:
+        """The step's ids [T] on the device (a decode row's: its last draw, gathered there) and
+        positions, every row's tokens one after the other."""
         device = self.runner.device
+        if all(row.ids is None for row in rows):  # decode only: one gather
+            slots = _upload([row.req.slot for row in rows], device)
+            return self.last.index_select(0, slots), [row.start for row in rows]
         ids_host, pos, dec_at, dec_slots = [], [], [], []
         for row in rows:
             if row.ids is None:
@@ -316,11 +328,27 @@ class Engine:
         flat = ids[:t]
         if d:
             flat = flat.index_copy(0, ids[t : t + d], self.last.index_select(0, ids[t + d :]))
+        return flat, pos
+
+    def _draw(self, logits: torch.Tensor, kept: list[StepRow]):
+        """(tokens [K], processed scores or None) for the kept rows: a plain argmax when every
+        row is greedy with nothing to process, else the sampler."""
+        reqs = [row.req for row in kept]
+        plain = all(
+            r.params.plain and not r.keep_scores and (r.sampled >= r.stop.min_new or not r.stop.eos)
+            for r in reqs
+        )  # fmt: skip
+        if plain:
+            return logits.argmax(-1), None
+        samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
+        return self.sampler(logits, samples)
+
+    def _launch(self, rows: list[StepRow]) -> _Inflight:
+        device = self.runner.device
+        flat, pos = self._inputs(rows)
         logits = self.runner.forward(rows, flat, pos)
         kept = [row for row in rows if row.keep]
-        samples = [RowSample(row.req.params, row.req.sampled, row.req.slot,
-                             self._suppressed(row.req)) for row in kept]  # fmt: skip
-        tokens, scores = self.sampler(logits, samples)
+        tokens, scores = self._draw(logits, kept)
         slots = _upload([row.req.slot for row in kept], device)
         self.last.index_copy_(0, slots, tokens)
         pen = [i for i, row in enumerate(kept) if row.req.params.penalised]
@@ -334,12 +362,13 @@ class Engine:
             if req.keep_logits:
                 req.logits.append(logits[i].float().clone())
             req.sampled += 1
+        charge = self.policy.charge
         for row in rows:
             row.req.computed += row.n
-            self.policy.charge(row.req.account, row.n)
+            charge(row.req.account, row.n)
         host, event = tokens, None
         if device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            host = self._pinned(tokens.shape[0])
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -347,8 +376,19 @@ class Engine:
         st.steps += 1
         st.forwards += 1
         st.tokens += sum(row.n for row in rows)
-        st.rows = (st.rows + [len(rows)])[-1024:]
+        st.rows.append(len(rows))
         return _Inflight(rows, kept, host, event)
+
+    def _pinned(self, n: int) -> torch.Tensor:
+        """A pinned host buffer for a step's tokens: two in turn (a step's copy is read before
+        the step after next is launched), grown as needed."""
+        self._turn ^= 1
+        buf = self._host_bufs[self._turn]
+        if buf is None or buf.shape[0] < n:
+            buf = self._host_bufs[self._turn] = torch.empty(
+                max(n, 256), dtype=torch.int64, pin_memory=True
+            )
+        return buf[:n]
 
     @staticmethod
     def _suppressed(r: Request) -> tuple[int, ...]:

@@ -51,6 +51,11 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0
 
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to process: the draw is the logits' argmax."""
+        return not self.do_sample and not self.penalised
+
 
 def step_seed(seed: int, step: int) -> int:
     """The row's seed for its `step`-th draw (splitmix64 of the two): every draw of every row

@@ -56,10 +56,15 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     """The rows of the next step (see the module docstring). `engine` gives the running and
     waiting rows, the policy, the KV figures (`blocks_for`, `total_blocks`) and `preempt`."""
     rows: list[StepRow] = []
-    decoding = [r for r in engine.running if not r.prefilling and r.wants_draw]
+    decoding, prefills = [], []
+    for r in engine.running:  # (one pass: hundreds of rows a step)
+        if r.computed < (r.recompute or len(r.prompt)):
+            prefills.append(r)
+        elif r.sampled < r.stop.max_new and r.finished is None:
+            decoding.append(r)
     if len(decoding) > budget.seqs:
         decoding = _ordered(engine, decoding)[: budget.seqs]
-    need = {r: engine.blocks_for(r, 1) for r in decoding}
+    need = dict(zip(decoding, engine.decode_blocks(decoding)))
     while sum(need.values()) > budget.free:  # KV short for the running decodes: the lowest go
         victim = _lowest(engine, [r for r in engine.running if r.kv is not None])
         if victim is None:
@@ -75,7 +80,6 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         budget.tokens -= 1
         budget.seqs -= 1
         rows.append(StepRow(r, 1, r.computed, None, True))
-    prefills = [r for r in engine.running if r.prefilling and r.finished is None]
     prefills = _ordered(engine, prefills) + _ordered(
         engine, [r for r in engine.waiting if r.pending == 0 and r.finished is None]
     )

@@ -125,7 +125,11 @@ class MergedStep:
         table, slots, lens, counts = self.host_plan()
         decode = all(n == 1 for n in counts)
         ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
-        to_device = self.parts[0].core._to_device  # (the pool's device, pinned copies)
+        device = self.pool.key.device
+
+        def to_device(t):  # pinned copies, not waited for (a CPU pool: the tensor itself)
+            return t.clone() if device.type == "cpu" else transfer.to_device(t, device)
+
         buf = to_device(ints)
         t, r = len(slots), len(lens)
         self.table = to_device(table.contiguous())

@@ -10,6 +10,7 @@ on (kv.decode_graphs and scheduler.decode_graphs, on a GPU).
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
@@ -17,6 +18,7 @@ import weakref
 import torch
 
 from ...engine.loop import Engine
+from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
@@ -59,6 +61,17 @@ class HFRunner:
             return -(-n // self.block_tokens)
         return core.seqs.blocks_needed(0, n)
 
+    def decode_blocks(self, kvs: list) -> list[int]:
+        """blocks_for(kv, 1) of each row, in one pass: a block is due where the last one is
+        full, or shared and partly filled (copy-on-write)."""
+        bt, refcount = self.block_tokens, self.pool.manager.refcount
+        out = []
+        for kv in kvs:
+            s = kv._core.seqs
+            n = s.lens[0]
+            out.append(1 if not n % bt else int(refcount(s.blocks[0][-1]) > 1))
+        return out
+
     def free_blocks(self) -> int:
         return self.pool.manager.num_available
 
@@ -76,11 +89,15 @@ class HFRunner:
         model = self._model()
         if model is None:
             raise RuntimeError("oxygen_torch: the model of these generate() calls is gone")
-        for row in rows:
-            core = row.req.kv._core
-            if core.pool is None:
-                core.bind(1, *self.geometry)
-        step = MergedStep([Part(row.req.kv._core, [row.n], row.n) for row in rows])
+        cores = [row.req.kv._core for row in rows]
+        decode = all(row.ids is None for row in rows)
+        if decode:  # the steady state: one token for each row, every row bound
+            step = DecodeStep(cores)
+        else:
+            for core in cores:
+                if core.pool is None:
+                    core.bind(1, *self.geometry)
+            step = MergedStep([Part(c, [row.n], row.n) for c, row in zip(cores, rows)])
         replay = self._replayable(rows)
         with step.pool.lock:
             step.reserve(build=not replay)
@@ -97,13 +114,13 @@ class HFRunner:
         return logits
 
     def _replayable(self, rows) -> bool:
-        if not self.cfg.scheduler.decode_graphs or any(row.n != 1 or not row.keep for row in rows):
+        if not self.cfg.scheduler.decode_graphs or any(row.ids is not None for row in rows):
             return False
         kv = rows[0].req.kv
         return graphs.usable(self.device, kv) and not kv._core.debug
 
     def _replay(self, model, step: MergedStep, rows, ids, pos):
-        need = max(p.core.seqs.max_blocks() for p in step.parts)
+        need = max(len(c.seqs.blocks[0]) for c in step.cores)
         width = max(graphs.WIDTH_STEP, 1 << (need - 1).bit_length())
         logits = self.graphs.run(model, step, width, [ids], pos, _graph_forward)
         self.replayed += logits is not None
@@ -152,6 +169,7 @@ def engine_for(model, cfg) -> Engine:
         return eng
 
 
+@atexit.register
 def close_all() -> None:
     """Ends every engine thread (disable()): calls still waiting get a clear error."""
     with _engines_lock:

@@ -160,7 +160,7 @@ class MergedGraphs:
         rows = bucket(len(pos))
         key = (rows, width, id(step.pool))
         with self._lock:
-            cores = [p.core for p in step.parts]
+            cores = getattr(step, "cores", None) or [p.core for p in step.parts]
             same = len(cores) == len(self._checked) and all(
                 r() is c for r, c in zip(self._checked, cores)
             )
@@ -177,9 +177,7 @@ class MergedGraphs:
             if g is not None and g.core._pool() is not step.pool:  # a new pool at the same id
                 g = None
             if g is None:
-                g = self.graphs[key] = MergedDecodeGraph(
-                    rows, width, step, step.parts[0].core.device
-                )
+                g = self.graphs[key] = MergedDecodeGraph(rows, width, step, step.pool.key.device)
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
             self.graphs.move_to_end(key)
