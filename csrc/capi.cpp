@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "capi_guard.h"
+#include "host_maps.h"
 #include "vmm_backend.h"
 
 #define OXY_API extern "C" __attribute__((visibility("default")))
@@ -95,4 +96,10 @@ OXY_API int oxygen_backend_selftest(const char* kind, int device, size_t page_si
     if (!kind || !granularity_out) return invalid_handle("backend_selftest", "backend or output");
     return selftest(kind, device, page_size, granularity_out);
   });
+}
+
+// How many host page mappings a forked child would make private (host_maps.h); tests check that
+// the record follows what the pools map and unmap.
+OXY_API size_t oxygen_host_mappings() {
+  return guarded_value<size_t>("host_mappings", 0, [] { return host_maps::count(); });
 }

@@ -2,6 +2,7 @@
 #include "vmm_backend.h"
 
 #include "fork.h"
+#include "host_maps.h"
 #include "stats.h"
 
 #include <dlfcn.h>
@@ -134,7 +135,9 @@ class HostBackend final : public Backend {
       res_.erase(it);
     }
     close(fd);
+    std::lock_guard<std::mutex> g(host_maps::lock());
     if (munmap(reinterpret_cast<void*>(va), size) != 0) return os_error("munmap(reservation)");
+    host_maps::forget(va, size);  // pages still mapped in it went with it
     return OK;
   }
   Status create(std::size_t size, PhysHandle* handle) override {
@@ -160,24 +163,36 @@ class HostBackend final : public Backend {
     if (close(static_cast<int>(handle)) != 0) return os_error("close(memfd)");
     return OK;
   }
+  // Page mappings change under host_maps::lock() and are recorded there: a forked child makes
+  // them private (host_maps.h).
   Status map(std::uintptr_t va, std::size_t size, PhysHandle handle) override {
+    std::lock_guard<std::mutex> g(host_maps::lock());
+    host_maps::add(va, size, static_cast<int>(handle));
     // Mapped PROT_NONE until set_access, as the driver does.
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
                    static_cast<int>(handle), 0);
-    if (p == MAP_FAILED) return os_error("mmap(MAP_FIXED page)");
+    if (p == MAP_FAILED) {
+      Status s = os_error("mmap(MAP_FIXED page)");
+      host_maps::forget(va, size);
+      return s;
+    }
     return OK;
   }
   Status set_access(std::uintptr_t va, std::size_t size) override {
+    std::lock_guard<std::mutex> g(host_maps::lock());
     if (mprotect(reinterpret_cast<void*>(va), size, PROT_READ | PROT_WRITE) != 0)
       return os_error("mprotect(read/write)");
+    host_maps::set_access(va, size);
     return OK;
   }
   Status unmap(std::uintptr_t va, std::size_t size) override {
     int fd = reservation_fd(va, size);
     if (fd < 0) return invalid("unmap: range is not inside a reservation of this backend");
+    std::lock_guard<std::mutex> g(host_maps::lock());
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
                    MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, static_cast<off_t>(va));
     if (p == MAP_FAILED) return os_error("mmap(PROT_NONE over unmapped page)");
+    host_maps::forget(va, size);
     return OK;
   }
   Status mem_info(std::size_t* free_bytes, std::size_t* total_bytes) override {

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from oxygen_torch.pool import Arena, VirtualPool
 from oxygen_torch.pool import native as _native
@@ -215,3 +216,57 @@ def test_fork_after_the_global_route_allocated():
     )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "child 0" in r.stdout and "parent True" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def host_mappings() -> int:
+    """Host page mappings a fork would make private in the child (csrc/host_maps.h)."""
+    fn = _native.lib().oxygen_host_mappings
+    fn.restype = ctypes.c_size_t
+    return fn()
+
+
+def test_a_childs_writes_to_inherited_pages_stay_in_the_child():
+    """Host pages are MAP_SHARED memfd mappings: before issue 31's fix a child writing a block or
+    an arena view it inherited wrote the parent's memory (the KV cache's silent corruption). The
+    child now reads what the parent had written and writes pages of its own."""
+    n = 3 * MiB + 5  # a block over whole pages and a partial one
+    with VirtualPool(backend="host", capacity=64 * MiB) as pool, Arena(8 * MiB) as arena:
+        arena.map_pages(1, 2)
+        view = arena.as_tensor()[arena.page_size : 3 * arena.page_size]
+        ptr = pool.malloc(n)
+        ctypes.memset(ptr, 0x5A, n)
+        view.fill_(7)
+        pid = os.fork()
+        if pid == 0:
+            code = CRASHED
+            try:
+                torch.set_num_threads(1)  # as DataLoader's workers: OpenMP does not survive fork
+                seen = ctypes.string_at(ptr, n) == b"\x5a" * n and bool((view == 7).all())
+                ctypes.memset(ptr, 0xC3, n)
+                view.fill_(9)
+                mine = ctypes.string_at(ptr, n) == b"\xc3" * n and bool((view == 9).all())
+                code = OK if seen and mine else NEW_POOL_WRONG
+            finally:
+                os._exit(code)
+        assert wait_bounded(pid, CHILD_BOUND_S) == OK
+        assert ctypes.string_at(ptr, n) == b"\x5a" * n, "the child's writes reached the parent"
+        assert bool((view == 7).all()), "the child's writes reached the parent's arena"
+        pool.free(ptr)
+        del view
+
+
+def test_the_record_of_host_mappings_follows_map_and_unmap():
+    before = host_mappings()
+    with Arena(16 * MiB, backend="host") as arena:
+        arena.map_pages(0, 3)
+        arena.map_pages(5)
+        assert host_mappings() == before + 4
+        arena.unmap_pages(1)
+        assert host_mappings() == before + 3
+    assert host_mappings() == before
+    with VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=0) as pool:
+        ptr = pool.malloc(5 * MiB)
+        assert host_mappings() == before + pool.stats()["mapped_bytes"] // pool.page_size
+        pool.free(ptr)
+        pool.empty_cache()
+        assert host_mappings() == before
