@@ -22,13 +22,13 @@ import random, sys, threading
 from oxygen_torch.pool import Arena, VirtualPool
 
 MiB = 1 << 20
-kind, trials, nthreads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kind, backend, trials, nthreads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
 
 def make():
     if kind == "pool":
-        return VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=50)
-    return Arena(8 * nthreads * 2 * MiB, backend="host")
+        return VirtualPool(backend=backend, capacity=64 * MiB, hysteresis_us=50)
+    return Arena(8 * nthreads * 2 * MiB, backend=backend)
 
 
 def churn(obj, me, started, ended):
@@ -96,11 +96,12 @@ print(f"ok {trials}")
 """
 
 
+@pytest.mark.parametrize("backend", ["host", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind", ["pool", "arena"])
-def test_close_while_other_threads_call_never_crashes(kind):
+def test_close_while_other_threads_call_never_crashes(kind, backend):
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-c", TRIAL_SCRIPT, kind, str(TRIALS), str(THREADS)],
+        [sys.executable, "-c", TRIAL_SCRIPT, kind, backend, str(TRIALS), str(THREADS)],
         capture_output=True,
         text=True,
         timeout=BOUND_S,
@@ -108,4 +109,4 @@ def test_close_while_other_threads_call_never_crashes(kind):
     out = r.stdout + r.stderr[-3000:]
     assert r.returncode == 0, f"exit {r.returncode} (-11: segfault, -6: abort): {out}"
     assert f"ok {TRIALS}" in r.stdout, out
-    print(f"{kind}: {TRIALS} trials in {time.monotonic() - t0:.1f} s")
+    print(f"{kind} ({backend}): {TRIALS} trials in {time.monotonic() - t0:.1f} s")
