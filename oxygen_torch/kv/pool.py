@@ -83,6 +83,7 @@ class KVPool:
         self.oversubscribed = {"calls_split": 0, "groups_run": 0}
         self.window_freed_blocks = 0  # freed behind sliding windows (kv/window.py)
         self.window_narrowed_blocks = 0  # narrowed behind a hybrid model's windows (likewise)
+        self.pid = os.getpid()  # a forked child's calls make pools of their own
 
     def cpu_tier(
         self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
@@ -140,6 +141,12 @@ class KVPool:
             return self.prefix.clear() if self.prefix is not None else 0
 
     def _on_alloc(self, blocks: list[int]) -> None:
+        if self.pid != os.getpid():
+            raise RuntimeError(
+                "oxygen KV cache: this cache was made before fork(), in the parent process, "
+                "whose KV pool it uses; a forked child cannot add to it. A generate() started in "
+                "the child gets KV of its own (or start workers with the 'spawn' method)"
+            )
         self.storage.on_alloc(blocks)
         if self.scales is not None:
             try:
@@ -149,11 +156,15 @@ class KVPool:
                 raise
 
     def _on_free(self, blocks: list[int]) -> None:
+        if self.pid != os.getpid():
+            return  # a cache made before fork() let go in the child: the pages are the parent's
         self.storage.on_free(blocks)
         if self.scales is not None:
             self.scales.on_free(blocks)
 
     def _on_narrow(self, blocks: list[int]) -> None:
+        if self.pid != os.getpid():
+            return
         self.storage.on_narrow(blocks)
         if self.scales is not None:
             self.scales.on_narrow(blocks)
@@ -215,13 +226,23 @@ _pools: dict[PoolKey, KVPool] = {}
 _pools_lock = threading.Lock()
 
 
-def _reset_lock_in_child() -> None:
-    # a fork while another thread was in get_pool would leave the lock held in the child
+_inherited: list[KVPool] = []  # in a forked child, the parent's pools (_after_fork_in_child)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with no pools: the parent's belong to the parent. Their arenas
+    refuse every call here (csrc/fork.h), their locks may be held by threads this process does
+    not have, their block managers would hand out the very blocks the parent goes on handing
+    out, and their prefix caches would read pages the parent goes on writing. The child's calls
+    make pools of their own. The parent's are kept, unused: collected here, their finalizers
+    would close what the parent still uses (a disk tier's file)."""
     global _pools_lock
-    _pools_lock = threading.Lock()
+    _pools_lock = threading.Lock()  # a fork while another thread was in get_pool left it held
+    _inherited.extend(_pools.values())
+    _pools.clear()
 
 
-os.register_at_fork(after_in_child=_reset_lock_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def get_pool(key: PoolKey) -> KVPool:
