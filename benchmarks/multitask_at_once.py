@@ -10,7 +10,9 @@ greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process
   generate_batch  transformers' continuous batching (generate_batch) over the same prompts
 
 Each reports generated tok/s (tokens the requests asked for, over the wall time after a
-warm-up), GPU memory held at peak, and for the engine its steps and host time a step.
+warm-up of K requests with 16 new tokens each), GPU memory held at peak, and for the engine its
+steps, host time a step and the step timeline (start, rows, tokens, choose / launch / complete
+ms) in the JSON.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     model = build(shape, device)
     reqs = workload(seed, k, model.config.vocab_size, new)
     kw = sampling_kw(sample)
-    warm = workload(seed + 1000, min(k, 8), model.config.vocab_size, "8")
+    # warm-up: K requests of the same lengths' distribution, 16 new tokens each (Triton compiles
+    # the prefill shapes and decode graphs are captured for K rows here, not in the timed run)
+    warm = workload(seed + 1000, k, model.config.vocab_size, "16")
     if mode == "generate_batch":
         from transformers import GenerationConfig
 
@@ -137,15 +141,36 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
                tok_per_s=round(tokens / took, 1), tokens=tokens, seconds=round(took, 2),
                peak_GiB=round(_held() / 2**30, 2))  # fmt: skip
     after = _engine(model)
+    timeline = _timeline(model)
+    if timeline:
+        out["timeline"] = timeline[-400:]
     if after:
         steps = after["steps"] - before.get("steps", 0)
         out["steps"] = steps
         out["rows_per_step"] = round((after["drawn"] - before.get("drawn", 0)) / max(steps, 1), 1)
         out["host_ms_per_step"] = round(1e3 * (after["host_s"] - before.get("host_s", 0))
                                         / max(steps, 1), 3)  # fmt: skip
+        for k in ("choose_s", "complete_s"):
+            out[k.replace("_s", "_ms_per_step")] = round(
+                1e3 * (after[k] - before.get(k, 0)) / max(steps, 1), 3
+            )
         out["wait_ms_per_step"] = round(1e3 * (after["wait_s"] - before.get("wait_s", 0))
                                         / max(steps, 1), 3)  # fmt: skip
     return out
+
+
+def _timeline(model) -> list:
+    try:
+        from oxygen_torch.integrations.hf import engine_runner
+    except Exception:  # noqa: BLE001 - transformers' own mode
+        return []
+    engines = [e for g in engine_runner._engines.values() for e in g.values()]
+    if not engines:
+        return []
+    t = list(engines[0].stats.timeline)
+    t0 = t[0][0] if t else 0
+    return [(round(1e3 * (a - t0), 2), r, n, round(1e3 * c, 3), round(1e3 * la, 3),
+             round(1e3 * co, 3)) for a, r, n, c, la, co in t]  # fmt: skip
 
 
 def _engine(model) -> dict:

@@ -61,9 +61,13 @@ class EngineStats:
     preemptions: int = 0
     forwards: int = 0  # forwards run (one a step)
     host_s: float = 0.0  # host time spent choosing, building and launching steps
+    choose_s: float = 0.0  # of which choosing the rows
+    complete_s: float = 0.0  # host time reading steps' tokens, stops, delivery (waits included)
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
     wall_s: float = 0.0  # time with work in the engine
     rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
+    # the last steps' (start, rows, tokens, choose s, launch s, complete s): where time goes
+    timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 @dataclass
@@ -111,7 +115,8 @@ class Engine:
         return {
             "engines": 1, "steps": st.steps, "forwards": st.forwards, "tokens": st.tokens,
             "drawn": st.drawn, "preemptions": st.preemptions, "host_s": st.host_s,
-            "wait_s": st.wait_s, "running": len(self.running), "waiting": len(self.waiting),
+            "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
+            "running": len(self.running), "waiting": len(self.waiting),
             "rows_per_step": sum(rows) / len(rows),
         }  # fmt: skip
 
@@ -177,10 +182,18 @@ class Engine:
             self._drop_cancelled()
             rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
                                        self.runner.free_blocks()))  # fmt: skip
+            chosen = time.perf_counter()
             launched = self._launch(rows) if rows else None
-            self.stats.host_s += time.perf_counter() - start
+            done = time.perf_counter()
+            st = self.stats
+            st.host_s += done - start
+            st.choose_s += chosen - start
             if inflight is not None:
                 self._complete(inflight)
+                st.complete_s += time.perf_counter() - done
+            if launched is not None:
+                st.timeline.append((start, len(rows), sum(r.n for r in rows), chosen - start,
+                                    done - chosen, time.perf_counter() - done))  # fmt: skip
             inflight = launched
             if launched is not None:
                 idle_since = time.monotonic()
