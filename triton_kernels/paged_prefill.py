@@ -99,7 +99,10 @@ def _key_phase(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Integers that change from step to step (rows, the table's width) are not specialised on: Triton
+# compiles a variant for each value that is 1 or a multiple of 16, and on the H200 the engine's
+# steps met a new one every few steps, each a ~1 s compile inside someone's generate()
+@triton.jit(do_not_specialize=["max_len", "batch", "stride_btb"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -363,7 +366,7 @@ def paged_prefill(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_TOKENS=bt,
-        BATCH_PAD=max(2, next_pow2(batch)),
+        BATCH_PAD=max(16, next_pow2(batch)),  # (a compile per power of two past 16 rows)
         CAUSAL=causal,
         HAS_WINDOW=window > 0,
         FP8=fp8,
