@@ -415,12 +415,19 @@ class Engine:
         self.stats.wait_s += time.perf_counter() - start
         toks = f.host.tolist()
         now = time.monotonic()
-        touched = set()
+        touched, padded = set(), []
         self.stats.drawn += len(toks)
         for row, tok in zip(f.kept, toks):
             r = row.req
             if r.finished is not None:
                 continue  # a row that stopped a step ago: this token is dropped
+            if r.stopped is not None:  # a lockstep row that stopped: pad, as stock does
+                r.out.append(r.pad_id)
+                padded.append(r)
+                if len(r.out) >= r.stop.max_new:
+                    self._end(r, r.stopped)
+                    touched.add(r.group)
+                continue
             r.out.append(tok)
             if r.first_token_at is None:
                 r.first_token_at = now
@@ -432,16 +439,39 @@ class Engine:
                 else None
             )  # fmt: skip
             if why is not None:
-                self._end(r, why)
+                if r.lockstep and len(r.out) < r.stop.max_new and self._others_run(r):
+                    r.stopped = why  # the call's other rows go on: this one steps with pad
+                    padded.append(r)
+                else:
+                    self._end(r, why)
+                    if r.lockstep:
+                        self._end_lockstep(r.group)
                 touched.add(r.group)
             elif r.group.streaming:
                 touched.add(r.group)
+        for pad in {r.pad_id for r in padded if r.slot >= 0}:
+            # their next input is the pad token (the step in flight already read their draw)
+            slots = [r.slot for r in padded if r.pad_id == pad and r.slot >= 0]
+            self.last.index_fill_(0, _upload(slots, self.runner.device), pad)
         if isinstance(self.policy, policies.WFQ) and self.running:
             self.policy.reweigh([r.account for r in self.running])
         for g in touched:  # a caller wakes for its tokens only when it streams them, or at its end
             if g.done:
                 self._groups.discard(g)
             g.notify()
+
+    @staticmethod
+    def _others_run(r: Request) -> bool:
+        return any(x.finished is None and x.stopped is None for x in r.group.requests if x is not r)
+
+    def _end_lockstep(self, group: Group) -> None:
+        """A row of a lockstep call ended: the rows of it that stopped before end with it when
+        no row of it still runs (rows that run end by their own tokens)."""
+        if any(x.finished is None and x.stopped is None for x in group.requests):
+            return
+        for x in group.requests:
+            if x.finished is None:
+                self._end(x, x.stopped)
 
 
 def _stopped(r: Request) -> bool:

@@ -49,6 +49,11 @@ class Request:
     keep_logits: bool = False  # output_logits: the raw logits of every step
     penalty_ids: Any = None  # the ids the repetition penalty starts from (padding included)
     keep_kv: bool = False  # a row that ends well hands its KV to the caller (the output's cache)
+    # a row of a call that keeps scores or logits steps until the call's last row stops, fed
+    # the pad token after its own end, as stock's batch does (its scores are stock's then; with
+    # a repetition penalty, the draw made while its end was read counts as held, not the pad)
+    lockstep: bool = False
+    pad_id: int = 0
     # --- engine state ---
     account: Account | None = None
     kv: Any = None  # the runner's per-row KV (a PagedKVCore)
@@ -59,6 +64,7 @@ class Request:
     scores: list = field(default_factory=list)
     logits: list = field(default_factory=list)
     finished: str | None = None  # "eos", "length", "stop", "cancelled", "error"
+    stopped: str | None = None  # a lockstep row's stop, while the call's other rows go on
     recompute: int = 0  # tokens to compute again after a preemption (prompt + delivered)
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -81,7 +87,7 @@ class Request:
         return self.sampled - len(self.out)
 
     @property
-    def wants_draw(self) -> bool:
+    def wants_draw(self) -> bool:  # (a lockstep row that stopped still draws: pad)
         """Whether the row still draws tokens (max_new not reached, not finished)."""
         return self.finished is None and self.sampled < self.stop.max_new
 

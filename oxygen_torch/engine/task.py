@@ -22,12 +22,14 @@ QOS_OF_LEVEL = {2: 1.0, 1: 0.5, 0: 0.1}  # the seed's QoS in [0, 1] for each nam
 @dataclass(frozen=True)
 class Task:
     """A call's tags: `level` orders preemption (lower goes first), `qos` in [0, 1] enters the
-    weight, `slo_ms` is the per-token latency the caller wants (None: none given)."""
+    weight, `slo_ms` is the per-token latency the caller wants (None: none given), `seed` the
+    seed of its sampled tokens (None: drawn from torch's global RNG when the call starts)."""
 
     name: str = "default"
     level: int = 1
     qos: float = 0.5
     slo_ms: float | None = None
+    seed: int | None = None
 
     @property
     def priority_class(self) -> str:
@@ -44,7 +46,7 @@ _ids = itertools.count(1)
 
 
 def parse(priority: str | int = "normal", qos: float | None = None, name: str | None = None,
-          slo_ms: float | None = None) -> Task:  # fmt: skip
+          slo_ms: float | None = None, seed: int | None = None) -> Task:  # fmt: skip
     if isinstance(priority, bool) or not isinstance(priority, (str, int)):
         raise ValueError(
             f"task priority: {priority!r} is not allowed; allowed: high, normal, low, or an "
@@ -67,19 +69,24 @@ def parse(priority: str | int = "normal", qos: float | None = None, name: str | 
         isinstance(slo_ms, bool) or not isinstance(slo_ms, (int, float)) or not slo_ms > 0
     ):
         raise ValueError(f"task slo_ms: {slo_ms!r} is not allowed; allowed: a number > 0")
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63
+    ):
+        raise ValueError(f"task seed: {seed!r} is not allowed; allowed: an integer in [0, 2**63)")
     label = name if name is not None else f"task-{next(_ids)}"
     if not isinstance(label, str) or not label:
         raise ValueError(f"task name: {name!r} is not allowed; allowed: a non-empty string")
-    return Task(label, int(level), float(qos), None if slo_ms is None else float(slo_ms))
+    return Task(label, int(level), float(qos), None if slo_ms is None else float(slo_ms), seed)
 
 
 @contextlib.contextmanager
 def task(priority: str | int = "normal", qos: float | None = None, name: str | None = None,
-         slo_ms: float | None = None):  # fmt: skip
+         slo_ms: float | None = None, seed: int | None = None):  # fmt: skip
     """Tags the generate() calls made inside: priority "high" / "normal" / "low" or an integer
     level (higher first), qos in (0, 1] (default from the priority), a name (metrics label),
-    slo_ms the per-token latency wanted. Yields the Task."""
-    t = parse(priority, qos, name, slo_ms)
+    slo_ms the per-token latency wanted, seed the seed of the calls' sampled tokens (each call
+    draws the same tokens for the same seed, whatever else runs beside it). Yields the Task."""
+    t = parse(priority, qos, name, slo_ms, seed)
     token = _current.set(t)
     try:
         yield t

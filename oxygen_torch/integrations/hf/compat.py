@@ -7,6 +7,9 @@
   (packed sequences, bidirectional, overlays). The mask interface is not told which, so the
   function's closure is read; an unknown structure counts as custom (the paged path then refuses
   it with an error that names it: never a silent wrong mask).
+- Whether generate()'s repetition penalty skips a row's left padding (it does from some release
+  after 5.17, before 5.24: the processor is given each row's padding length); read once from
+  generate's own processor builder.
 - Private entry points the integration needs but cannot find are reported by
   ``_patching.require`` (one warning naming the transformers version); that part runs stock.
 """
@@ -91,3 +94,16 @@ def layer_types(text_config) -> list[str]:
 
     types, _ = get_layer_types_and_kwargs(text_config)  # 5.24: per-layer kwargs; unused here
     return list(types)
+
+
+@functools.cache
+def penalty_skips_padding() -> bool:
+    """Whether stock generate() leaves a row's left padding out of its repetition penalty (its
+    processor builder passes ``prompt_ignore_length``)."""
+    from transformers.generation.utils import GenerationMixin
+
+    builder = getattr(GenerationMixin, "_get_logits_processor", None)
+    try:
+        return builder is not None and "prompt_ignore_length=" in inspect.getsource(builder)
+    except (OSError, TypeError):  # no source (a frozen install): the newer rule
+        return True

@@ -205,6 +205,9 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
     )  # fmt: skip
     if stop.strings and stop.text_of is None:
         return "stop_strings without a tokenizer"
+    # the ids the repetition penalty starts from: the row as given, or without its left padding
+    penalised = [host_ids[b][host_mask[b]] if compat.penalty_skips_padding() else host_ids[b]
+                 for b in range(ids.shape[0])]  # fmt: skip
     task = current_task()
     base = _call_seed()
     requests = []
@@ -225,8 +228,10 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
                     task,
                     keep_scores=bool(gc.output_scores),
                     keep_logits=bool(gc.output_logits),
-                    penalty_ids=host_ids[b],
+                    penalty_ids=penalised[b],
                     keep_kv=bool(gc.return_dict_in_generate),
+                    pad_id=pad,
+                    lockstep=bool(gc.output_scores or gc.output_logits) and ids.shape[0] * n > 1,
                 )  # fmt: skip
             )
     rows = ids.repeat_interleave(n, dim=0) if n > 1 else ids

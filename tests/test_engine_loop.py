@@ -1,0 +1,295 @@
+"""The engine owns the loop (scheduler.engine): generate() calls become engine requests, one
+thread steps every row at once. On CPU, tiny random models of several architectures: every
+greedy call's output equals stock generate()'s, sampled calls are reproducible by seed whatever
+runs beside them, streamers see the returned tokens in order on the caller's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import transformers as T
+from test_engine import in_threads
+from test_hf_generate import tiny
+from tiny_tokenizer import tiny_tokenizer
+
+import oxygen_torch
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import PagedKVCache, engine_runner, front
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats
+
+ENGINE = load_config(scheduler={"engine": True})
+
+
+def engines(model):
+    return list(engine_runner._engines.get(model, {}).values())
+
+
+def blocks_in_use() -> int:
+    return sum(p["blocks_used"] for p in pool_stats())
+
+
+def call(seed: int, vocab: int = 128) -> dict:
+    """A call's own arguments: batch 1-3 with left padding, prompt lengths, max/min lengths,
+    EOS ids differ from call to call."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = 1 + seed % 3, 4 + (7 * seed) % 13
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(1, rows):  # left padding of different widths (row 0 keeps all)
+        pad = int(torch.randint(0, width - 1, (1,), generator=g))
+        mask[r, :pad] = 0
+        ids[r, :pad] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    if seed % 4 == 1:
+        kw["max_length"] = width + 3 + seed % 6
+    else:
+        kw["max_new_tokens"] = 3 + seed % 9
+    if seed % 3 == 2:
+        kw["eos_token_id"] = [int(ids[0, -1]), 7]  # may stop early where generated
+    if seed % 5 == 3:
+        kw["min_new_tokens"] = 2
+    return kw
+
+
+def stock_then_engine(model, kws: list[dict]):
+    """Each call on stock transformers one after the other, then all at once from threads on the
+    engine: (stock outputs, engine outputs)."""
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    return ref, [out[i] for i in range(len(kws))]
+
+
+def _generate(model, kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("calls", [1, 5, 16])
+def test_concurrent_greedy_calls_equal_stock(oxygen, arch, calls):
+    model = tiny(arch)
+    seeds = torch.randint(0, 10_000, (calls,)).tolist()
+    kws = [call(s) for s in seeds]
+    ref, got = stock_then_engine(model, kws)
+    for i, (r, o) in enumerate(zip(ref, got)):
+        assert torch.equal(o, r), (arch, seeds[i], kws[i])
+    (eng,) = engines(model)
+    st = eng.snapshot()
+    assert st["forwards"] == st["steps"] > 0  # one forward a step, every call's rows in it
+    assert not front.REASONS, front.REASONS
+    assert blocks_in_use() == 0  # every row's blocks came back
+
+
+def test_no_per_call_python_per_step(oxygen, monkeypatch):
+    """Engine calls never enter transformers' decoding loop: the loop is the engine's."""
+    model = tiny("llama")
+    kws = [call(s) for s in range(8)]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+
+    def refuse(*a, **k):
+        raise AssertionError("transformers' own decoding loop ran")
+
+    monkeypatch.setattr(T.GenerationMixin, "_sample", refuse)
+    hf.apply(model, ENGINE)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    (eng,) = engines(model)
+    rows = eng.snapshot()["rows_per_step"]
+    assert rows > 1.5, rows  # steps served several calls' rows at once
+
+
+@pytest.mark.parametrize("ending", ["eos", "penalty"])
+def test_dict_outputs_scores_and_logits_equal_stock(oxygen, ending):
+    """return_dict_in_generate with output_scores / output_logits: the classes, shapes and
+    values of stock's (float32): a row that ends early (EOS) while the others go on (its call
+    steps on with the pad token, as stock's batch does), or every row with a repetition
+    penalty."""
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+              return_dict_in_generate=True, output_scores=True, output_logits=True)  # fmt: skip
+    with torch.no_grad():
+        probe = model.generate(**kw).sequences
+    if ending == "eos":  # row 2's third new token, which rows 0 and 1 do not draw
+        eos = int(probe[2, 9 + 2])
+        assert eos not in probe[:2, 9:].tolist()
+        kw["eos_token_id"] = eos
+    else:
+        kw["repetition_penalty"] = 1.3
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        hf.apply(model, ENGINE)
+        got = model.generate(**kw)
+    assert type(got) is type(ref) and torch.equal(got.sequences, ref.sequences)
+    assert len(got.scores) == len(ref.scores) and len(got.logits) == len(ref.logits)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert isinstance(got.past_key_values, PagedKVCache)
+    assert got.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
+
+
+def test_stop_strings_equal_stock(oxygen):
+    model = tiny("llama")
+    tok = tiny_tokenizer()
+    with torch.no_grad():  # a stop string that a greedy continuation reaches
+        probe = model.generate(torch.tensor([[5, 9, 11, 13]]), max_new_tokens=10, do_sample=False)
+    word = tok.convert_ids_to_tokens([int(probe[0, 7])])[0]
+    kws = [dict(input_ids=torch.tensor([[5, 9, 11, 13]]), max_new_tokens=10, do_sample=False,
+                stop_strings=[word, "w999"], tokenizer=tok)]  # fmt: skip
+    kws += [call(s) for s in range(3)]
+    ref, got = stock_then_engine(model, kws)
+    for r, o in zip(ref, got):
+        assert torch.equal(o, r)
+    assert ref[0].shape[1] <= 4 + 4  # it stopped at the string
+
+
+class Recorder:
+    """A streamer: what put() got, from which thread."""
+
+    def __init__(self):
+        self.puts, self.threads, self.ended = [], set(), False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+        self.threads.add(threading.get_ident())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamers_see_the_returned_tokens_in_order_on_the_callers_thread(oxygen):
+    model = tiny("llama")
+    hf.apply(model, ENGINE)
+    kws = [call(s) for s in (0, 3, 6, 9)]  # single-row calls and batches
+    rec = [Recorder() for _ in kws]
+    me = {}
+
+    def run(i):
+        me[i] = threading.get_ident()
+        return _generate(model, dict(kws[i], streamer=rec[i]))
+
+    out, errors = in_threads(run, [(i,) for i in range(len(kws))])
+    assert not errors, errors
+    for i, kw in enumerate(kws):
+        r = rec[i]
+        assert r.ended and r.threads == {me[i]}
+        assert torch.equal(r.puts[0], kw["input_ids"])  # the prompt first, as stock
+        steps = torch.stack([p.view(-1) for p in r.puts[1:]], 1)
+        assert torch.equal(steps, out[i][:, kw["input_ids"].shape[1] :])
+
+
+def test_sampling_is_reproducible_by_seed_whatever_runs_beside(oxygen):
+    model = tiny("llama")
+    hf.apply(model, ENGINE)
+    kw = dict(input_ids=torch.tensor([[5, 9, 11, 13, 17]]), max_new_tokens=12, do_sample=True,
+              temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.2)  # fmt: skip
+
+    def sampled(seed):
+        with oxygen_torch.task(seed=seed), torch.no_grad():
+            return model.generate(**kw)
+
+    alone = sampled(1234)
+    others = [(call(s),) for s in range(6)]
+    out, errors = in_threads(
+        lambda i: sampled(1234) if i == 3 else _generate(model, others[i][0]),
+        [(i,) for i in range(6)],
+    )
+    assert not errors, errors
+    assert torch.equal(out[3], alone)
+    assert not torch.equal(sampled(99), alone)  # another seed, other tokens
+    torch.manual_seed(7)
+    a = _generate(model, kw)
+    torch.manual_seed(7)
+    assert torch.equal(_generate(model, kw), a)  # a call alone after torch.manual_seed
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(num_beams=2), "num_beams"),
+        (dict(output_hidden_states=True), "output_hidden_states"),
+        (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+        (
+            dict(logits_processor=T.LogitsProcessorList([T.TemperatureLogitsWarper(0.5)])),
+            "logits_processor",
+        ),
+    ],
+)
+def test_unsupported_settings_take_the_per_call_path_counted(oxygen, kw, reason):
+    model = tiny("llama")
+    base = dict(input_ids=torch.tensor([[5, 9, 11, 13]]), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(**base, **kw)
+        hf.apply(model, ENGINE)
+        front.REASONS.clear()
+        got = model.generate(**base, **kw)
+    got_seq = got if isinstance(got, torch.Tensor) else got.sequences
+    ref_seq = ref if isinstance(ref, torch.Tensor) else ref.sequences
+    assert torch.equal(got_seq, ref_seq)
+    assert any(reason in r for r in front.REASONS), front.REASONS
+
+
+class Boom(Exception):
+    pass
+
+
+class RaisingStreamer(Recorder):
+    def put(self, value):
+        super().put(value)
+        if len(self.puts) == 3:
+            raise Boom("the caller's streamer")
+
+
+def test_a_raising_streamer_ends_only_its_call_and_its_blocks_come_back(oxygen):
+    model = tiny("llama")
+    kws = [call(s) for s in range(6)]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    bad = dict(input_ids=torch.tensor([[5, 9, 11]]), max_new_tokens=40, do_sample=False,
+               streamer=RaisingStreamer())  # fmt: skip
+    out, errors = in_threads(
+        lambda i: _generate(model, bad if i == 6 else kws[i]), [(i,) for i in range(7)]
+    )
+    assert set(errors) == {6} and isinstance(errors[6], Boom)
+    assert all(torch.equal(out[i], ref[i]) for i in range(6))
+    (eng,) = engines(model)
+    for _ in range(100):  # the engine drops the cancelled call at its next step
+        if blocks_in_use() == 0 and not eng.running:
+            break
+        threading.Event().wait(0.02)
+    assert blocks_in_use() == 0
+
+
+def test_an_engine_thread_that_dies_fails_every_waiting_call_and_none_hangs(oxygen, monkeypatch):
+    model = tiny("llama")
+    hf.apply(model, ENGINE)
+    _generate(model, call(0))  # the engine exists
+    (eng,) = engines(model)
+    forward = eng.runner.forward
+
+    def dies(*a, **k):
+        raise SystemExit("the engine thread's forward")  # (not an Exception: the thread ends)
+
+    monkeypatch.setattr(eng.runner, "forward", dies)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(call(s),) for s in range(5)],
+                             timeout=60)  # fmt: skip
+    assert len(errors) == 5 and all(isinstance(e, SystemExit) for e in errors.values())
+    monkeypatch.setattr(eng.runner, "forward", forward)
+    kw = call(1)
+    with torch.no_grad():  # a new call after the failure: a new thread serves it
+        again = model.generate(**kw)
+    assert again.shape[0] == kw["input_ids"].shape[0]
+    assert blocks_in_use() == 0
