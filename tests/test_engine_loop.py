@@ -293,3 +293,47 @@ def test_an_engine_thread_that_dies_fails_every_waiting_call_and_none_hangs(oxyg
         again = model.generate(**kw)
     assert again.shape[0] == kw["input_ids"].shape[0]
     assert blocks_in_use() == 0
+
+
+def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_finish(oxygen):
+    """max_step_seqs 4, four low-priority calls decoding: a high-priority call arriving takes a
+    low row's place at once (preempted, recomputed later) and draws its first token within 3
+    steps; every low call still ends with its stock tokens."""
+    model = tiny("llama")
+    low = [dict(input_ids=torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(s)),
+                max_new_tokens=30, do_sample=False) for s in range(4)]  # fmt: skip
+    high = dict(input_ids=torch.tensor([[5, 9, 11, 13]]), max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in low] + [model.generate(**high)]
+    hf.apply(model, load_config(scheduler={"engine": True, "max_step_seqs": 4}))
+    _generate(model, high)  # the engine exists
+    (eng,) = engines(model)
+    started = threading.Event()
+
+    class FirstToken(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 2:
+                self.step = eng.stats.steps
+
+    def run(i):
+        if i < 4:
+            with oxygen_torch.task(priority="low"):
+                return _generate(model, dict(low[i], streamer=marks[i]))
+        assert started.wait(60)
+        submitted[0] = eng.stats.steps
+        with oxygen_torch.task(priority="high"):
+            return _generate(model, dict(high, streamer=first))
+
+    class Running(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 6:  # every low call decodes: the engine is full
+                started.set()
+
+    marks, first, submitted = [Running() for _ in range(4)], FirstToken(), [0]
+    out, errors = in_threads(run, [(i,) for i in range(5)])
+    assert not errors, errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(5))
+    assert first.step - submitted[0] <= 3, (submitted, first.step)
+    assert eng.stats.preemptions >= 1

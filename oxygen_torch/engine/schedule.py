@@ -37,6 +37,7 @@ class StepRow:
     start: int
     ids: list[int] | None
     keep: bool
+    blocks: int = 0  # fresh KV blocks the step counted for it
 
 
 class Budget:
@@ -79,17 +80,42 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         budget.free -= b
         budget.tokens -= 1
         budget.seqs -= 1
-        rows.append(StepRow(r, 1, r.computed, None, True))
+        rows.append(StepRow(r, 1, r.computed, None, True, b))
     prefills = _ordered(engine, prefills) + _ordered(
         engine, [r for r in engine.waiting if r.pending == 0 and r.finished is None]
     )
     for r in prefills:
-        if budget.tokens <= 0 or budget.seqs <= 0:
+        if budget.tokens <= 0:
             break
+        if budget.seqs <= 0 and not _make_room(engine, r, budget, rows):
+            continue  # (a higher row further on may still find a lower one to preempt)
         row = _chunk(engine, r, budget, rows)
         if row is not None:
             rows.append(row)
     return rows
+
+
+def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> bool:
+    """A step full of rows (max_step_seqs) and `r` waiting: a running row that `r` outranks by
+    level gives its place (preempted: it comes back when there is room). Whether one did."""
+    if r.kv is not None:
+        return False  # (a row already running waits for its next step)
+    lower = [v for v in engine.running if v.kv is not None and v.task.level < r.task.level]
+    victim = _lowest(engine, lower)
+    if victim is None:
+        return False
+    _preempt(engine, victim, budget, chosen)
+    return budget.seqs > 0
+
+
+def _preempt(engine, v: Request, budget: Budget, chosen: list[StepRow]) -> None:
+    """Preempts `v`, and takes it out of the step being chosen if it was in it."""
+    budget.free += engine.preempt(v)
+    for row in [row for row in chosen if row.req is v]:
+        chosen.remove(row)
+        budget.free += row.blocks
+        budget.tokens += row.n
+        budget.seqs += 1
 
 
 def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow | None:
@@ -98,30 +124,24 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
     left = target - r.computed
     n = min(left, budget.tokens)
     blocks = engine.blocks_for(r, n)
-    if blocks > engine.total_blocks():
-        whole = engine.blocks_for(r, left)
+    whole = engine.runner.blocks_for(None, len(r.prompt) + r.stop.max_new)
+    if whole > engine.total_blocks():  # it could never hold its tokens, whoever else left
         engine.fail(
             r,
             KVBudgetError(
-                f"oxygen_torch: this request needs {whole} KV blocks, the whole KV pool holds "
-                f"{engine.total_blocks()}: raise kv.arena_bytes or shorten the prompt"
+                f"oxygen_torch: a row of {len(r.prompt)} prompt tokens and {r.stop.max_new} new "
+                f"ones needs {whole} KV blocks, the whole KV pool holds "
+                f"{engine.total_blocks()}: raise kv.arena_bytes or ask for fewer tokens"
             ),
         )
         return None
     if blocks > budget.free:
-        taken = {row.req for row in chosen}
         victims = [v for v in engine.running if v is not r and v.kv is not None
                    and outranks(r, v)]  # fmt: skip
         for v in reversed(_ordered(engine, victims)):
             if blocks <= budget.free:
                 break
-            budget.free += engine.preempt(v)
-            if v in taken:  # a decode row of this step: out of it again
-                for row in [row for row in chosen if row.req is v]:
-                    chosen.remove(row)
-                    budget.free += engine.blocks_for(v, 0)
-                    budget.tokens += row.n
-                    budget.seqs += 1
+            _preempt(engine, v, budget, chosen)
     if blocks > budget.free:  # a shorter chunk that fits the blocks left
         n = engine.tokens_fitting(r, budget.free, n)
         if n <= 0:
@@ -133,7 +153,7 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
     budget.tokens -= n
     budget.seqs -= 1
     ids = r.seq()[r.computed : r.computed + n]
-    return StepRow(r, n, r.computed, ids, r.computed + n == r.target)
+    return StepRow(r, n, r.computed, ids, r.computed + n == r.target, blocks)
 
 
 def _ordered(engine, reqs: list[Request]) -> list[Request]:
