@@ -1,0 +1,149 @@
+"""The engine's batched processors and draw (engine/sampling.py, triton_kernels/sampling.py):
+each processor against transformers' own on fresh random logits, and the draw's distribution
+against the processed probabilities (a chi-square test on a small vocabulary)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers as T
+
+from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed
+from oxygen_torch.triton_kernels.sampling import sample_rows, sample_rows_ref
+
+V = 12
+SETTINGS = {
+    "temperature": SamplingParams(do_sample=True, temperature=0.7),
+    "top_k": SamplingParams(do_sample=True, top_k=5),
+    "top_p": SamplingParams(do_sample=True, top_p=0.8),
+    "min_p": SamplingParams(do_sample=True, min_p=0.15),
+    "penalty": SamplingParams(do_sample=True, repetition_penalty=1.5),
+    "all": SamplingParams(do_sample=True, temperature=1.3, top_k=8, top_p=0.9, min_p=0.05,
+                          repetition_penalty=1.2),  # fmt: skip
+}
+
+
+def stock_processors(p: SamplingParams) -> T.LogitsProcessorList:
+    """transformers' processors for the same settings, in generate()'s order."""
+    procs = T.LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        procs.append(T.RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    if p.temperature != 1.0:
+        procs.append(T.TemperatureLogitsWarper(p.temperature))
+    if p.top_k:
+        procs.append(T.TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        procs.append(T.TopPLogitsWarper(p.top_p))
+    if p.min_p is not None:
+        procs.append(T.MinPLogitsWarper(p.min_p))
+    return procs
+
+
+def held_tokens(rows: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, V, (rows, 5), generator=gen)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_processed_scores_equal_transformers(name):
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    p = SETTINGS[name]
+    rows = 6
+    logits = torch.randn(rows, V, generator=gen) * 3
+    held = held_tokens(rows, gen)
+    sampler = Sampler(V, torch.device("cpu"))
+    for r in range(rows):
+        sampler.start_row(r, held[r])
+    _, scores = sampler(logits, [RowSample(p, 0, r) for r in range(rows)])
+    want = stock_processors(p)(held, logits.clone())
+    torch.testing.assert_close(scores, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_with_different_settings_in_one_batch_each_get_their_own():
+    gen = torch.Generator().manual_seed(3)
+    names = list(SETTINGS) + ["greedy"]
+    params = [SETTINGS.get(n, SamplingParams()) for n in names]
+    logits = torch.randn(len(params), V, generator=gen) * 2
+    held = held_tokens(len(params), gen)
+    sampler = Sampler(V, torch.device("cpu"))
+    for r in range(len(params)):
+        sampler.start_row(r, held[r])
+    tokens, scores = sampler(logits, [RowSample(p, 0, r) for r, p in enumerate(params)])
+    for r, p in enumerate(params):
+        want = stock_processors(p)(held[r : r + 1], logits[r : r + 1].clone())
+        torch.testing.assert_close(scores[r : r + 1], want, rtol=1e-6, atol=1e-6)
+    assert int(tokens[-1]) == int(logits[-1].argmax())  # the greedy row: the argmax
+    suppressed = Sampler(V, torch.device("cpu"))
+    toks, sc = suppressed(logits[-1:], [RowSample(SamplingParams(), 0, 0, (int(tokens[-1]),))])
+    assert sc[0, int(tokens[-1])] == float("-inf") and int(toks[0]) != int(tokens[-1])
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """(statistic, degrees of freedom) over the tokens the probabilities allow."""
+    keep = probs > 0
+    n = counts.sum()
+    expected = probs[keep] * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def chi2_limit(dof: int) -> float:
+    """A bound the statistic passes with probability ~1 - 1e-6 (Wilson-Hilferty)."""
+    z = 4.9
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_draws_follow_the_processed_probabilities(name):
+    """Many rows of the same logits, each with its own seed: the tokens drawn are distributed
+    as softmax(processed scores); filtered tokens are never drawn."""
+    gen = torch.Generator().manual_seed(11)
+    p = SETTINGS[name]
+    logits = torch.randn(1, V, generator=gen) * 2
+    held = held_tokens(1, gen)
+    rows = 4000
+    sampler = Sampler(V, torch.device("cpu"))
+    for r in range(rows):
+        sampler.start_row(r, held[0])
+    samples = [RowSample(SamplingParams(**{**p.__dict__, "seed": 1000 + r}), 0, r)
+               for r in range(rows)]  # fmt: skip
+    tokens, scores = sampler(logits.expand(rows, V).contiguous(), samples)
+    probs = scores[0].softmax(-1)
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[probs == 0].sum() == 0
+    stat, dof = chi_square(counts, probs.double())
+    if dof > 0:
+        assert stat < chi2_limit(dof), (name, stat, dof)
+
+
+def test_the_kernel_draws_by_its_seeds_and_its_greedy_rows_take_the_first_maximum():
+    """triton_kernels.sample_rows under the interpreter: the same seeds the same draws, whoever
+    else is in the launch; greedy rows the first of tied maxima; frequencies near the
+    probabilities (the GPU suite tests the distribution at scale)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 9, generator=gen)
+    logits[2, 4] = logits[2, 7] = logits[2].max() + 1  # a tie: the first index wins
+    seeds = torch.tensor([step_seed(s, 0) for s in range(6)])
+    greedy = torch.tensor([False, False, True, False, False, False])
+    a = sample_rows(logits, seeds, greedy)
+    b = sample_rows(logits[[0, 2, 1]], seeds[[0, 2, 1]], greedy[[0, 2, 1]])
+    assert int(a[2]) == 4 and torch.equal(b, a[[0, 2, 1]])
+    filtered = logits[0].clone()
+    filtered[3] = float("-inf")
+    n = 200
+    tok = sample_rows(filtered.expand(n, 9).contiguous(),
+                      torch.tensor([step_seed(s, 7) for s in range(n)]),
+                      torch.zeros(n, dtype=torch.bool))  # fmt: skip
+    assert not (tok == 3).any()
+    freq = torch.bincount(tok, minlength=9).double() / n
+    assert (freq - filtered.softmax(-1).double()).abs().max() < 0.12
+
+
+def test_reference_draw_matches_its_seeds():
+    logits = torch.randn(3, 9)
+    seeds = torch.tensor([1, 2, 3])
+    greedy = torch.tensor([False, True, False])
+    a = sample_rows_ref(logits, seeds, greedy)
+    assert torch.equal(a, sample_rows_ref(logits, seeds, greedy))
+    assert int(a[1]) == int(logits[1].argmax())
