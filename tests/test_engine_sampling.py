@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 import transformers as T
+from oxygen_torch.triton_kernels.sampling import sample_rows, sample_rows_ref
 
 from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed
-from oxygen_torch.triton_kernels.sampling import sample_rows, sample_rows_ref
 
 V = 12
 SETTINGS = {
@@ -20,8 +20,9 @@ SETTINGS = {
     "top_p": SamplingParams(do_sample=True, top_p=0.8),
     "min_p": SamplingParams(do_sample=True, min_p=0.15),
     "penalty": SamplingParams(do_sample=True, repetition_penalty=1.5),
-    "all": SamplingParams(do_sample=True, temperature=1.3, top_k=8, top_p=0.9, min_p=0.05,
-                          repetition_penalty=1.2),  # fmt: skip
+    "all": SamplingParams(
+        do_sample=True, temperature=1.3, top_k=8, top_p=0.9, min_p=0.05, repetition_penalty=1.2
+    ),  # fmt: skip
 }
 
 
