@@ -337,3 +337,27 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
     assert all(torch.equal(out[i], ref[i]) for i in range(5))
     assert first.step - submitted[0] <= 3, (submitted, first.step)
     assert eng.stats.preemptions >= 1
+
+
+def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
+    from oxygen_torch.engine.stats import METRICS
+
+    before = METRICS.snapshot()
+    model = tiny("llama")
+    hf.apply(model, ENGINE)
+    kws = [call(s) for s in range(4)]
+    with oxygen_torch.task(priority="high"):
+        out = _generate(model, kws[0])
+    in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws[1:]])
+    after = METRICS.snapshot()
+    (eng,) = engines(model)
+    steps = eng.snapshot()["steps"]
+    assert after["counters"]["steps"] - before["counters"]["steps"] == steps
+    host = after["step_time"]["host"]
+    assert sum(host[1]) - sum(before["step_time"]["host"][1]) == steps
+    new = out.shape[1] - kws[0]["input_ids"].shape[1]
+    high = after["ttft"]["high"][1]
+    assert sum(high) - sum(before["ttft"].get("high", ([], [0], 0))[1]) == out.shape[0]
+    if new > 1:  # its later tokens: one TPOT observation each row and token
+        got = sum(after["tpot"]["high"][1]) - sum(before["tpot"].get("high", ([], [0], 0))[1])
+        assert got == out.shape[0] * (new - 1)

@@ -31,6 +31,7 @@ from . import policy as policies
 from .request import Group, Request
 from .sampling import RowSample, Sampler
 from .schedule import Budget, StepRow, choose
+from .stats import METRICS
 
 log = logging.getLogger("oxygen_torch")
 
@@ -61,6 +62,8 @@ class EngineStats:
     preemptions: int = 0
     forwards: int = 0  # forwards run (one a step)
     host_s: float = 0.0  # host time spent choosing, building and launching steps
+    gpu_s: float = 0.0  # GPU time of the steps (CUDA events)
+    gpu_idle_s: float = 0.0  # the GPU's gaps between back-to-back steps (CUDA events)
     choose_s: float = 0.0  # of which choosing the rows
     complete_s: float = 0.0  # host time reading steps' tokens, stops, delivery (waits included)
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
@@ -76,6 +79,8 @@ class _Inflight:
     kept: list[StepRow]
     host: torch.Tensor  # the drawn tokens, on the host once `event` has passed
     event: Any
+    began: Any = None  # an event recorded before the step's first kernel (CUDA)
+    host_s: float = 0.0  # the host time choosing and launching it
 
 
 class Engine:
@@ -103,6 +108,9 @@ class Engine:
         self.pid = os.getpid()
         self._host_bufs: list = [None, None]
         self._turn = 0
+        self._last_done: float | None = None  # when the last step's tokens were read
+        self._prev_end = None  # the last step's end event (CUDA): the GPU's gap to the next
+        METRICS.attach_engine(self)
 
     @property
     def closed(self) -> bool:
@@ -116,6 +124,7 @@ class Engine:
             "engines": 1, "steps": st.steps, "forwards": st.forwards, "tokens": st.tokens,
             "drawn": st.drawn, "preemptions": st.preemptions, "host_s": st.host_s,
             "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
+            "gpu_s": st.gpu_s, "gpu_idle_s": st.gpu_idle_s,
             "running": len(self.running), "waiting": len(self.waiting),
             "rows_per_step": sum(rows) / len(rows),
         }  # fmt: skip
@@ -192,12 +201,14 @@ class Engine:
                 self._complete(inflight)
                 st.complete_s += time.perf_counter() - done
             if launched is not None:
+                launched.host_s = done - start
                 st.timeline.append((start, len(rows), sum(r.n for r in rows), chosen - start,
                                     done - chosen, time.perf_counter() - done))  # fmt: skip
             inflight = launched
             if launched is not None:
                 idle_since = time.monotonic()
                 continue
+            self._last_done = self._prev_end = None  # a pause: no step period, no GPU gap
             with self._cond:
                 if self._inbox or self._closed:
                     continue
@@ -279,6 +290,7 @@ class Engine:
         self.running.remove(r)
         self.waiting.append(r)
         self.stats.preemptions += 1
+        METRICS.preempted()
         return self.runner.free_blocks() - before
 
     def fail(self, r: Request, err: BaseException) -> None:
@@ -358,6 +370,10 @@ class Engine:
 
     def _launch(self, rows: list[StepRow]) -> _Inflight:
         device = self.runner.device
+        began = None
+        if device.type == "cuda":
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         flat, pos = self._inputs(rows)
         logits = self.runner.forward(rows, flat, pos)
         kept = [row for row in rows if row.keep]
@@ -383,14 +399,14 @@ class Engine:
         if device.type == "cuda":
             host = self._pinned(tokens.shape[0])
             host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         st = self.stats
         st.steps += 1
         st.forwards += 1
         st.tokens += sum(row.n for row in rows)
         st.rows.append(len(rows))
-        return _Inflight(rows, kept, host, event)
+        return _Inflight(rows, kept, host, event, began)
 
     def _pinned(self, n: int) -> torch.Tensor:
         """A pinned host buffer for a step's tokens: two in turn (a step's copy is read before
@@ -415,6 +431,7 @@ class Engine:
         self.stats.wait_s += time.perf_counter() - start
         toks = f.host.tolist()
         now = time.monotonic()
+        self._observe(f, now)
         touched, padded = set(), []
         self.stats.drawn += len(toks)
         for row, tok in zip(f.kept, toks):
@@ -459,6 +476,34 @@ class Engine:
             if g.done:
                 self._groups.discard(g)
             g.notify()
+
+    def _observe(self, f: _Inflight, now: float) -> None:
+        """The step's figures for the metrics: its period (since the step before was read),
+        host time, GPU time and the GPU's idle gap since the step before (CUDA events); per
+        class, first tokens and later ones."""
+        period = now - self._last_done if self._last_done is not None else None
+        self._last_done = now
+        gpu = idle = None
+        if f.began is not None:
+            gpu = f.began.elapsed_time(f.event) / 1e3
+            if self._prev_end is not None:
+                idle = max(0.0, self._prev_end.elapsed_time(f.began) / 1e3)
+            self._prev_end = f.event
+            st = self.stats
+            st.gpu_s += gpu
+            st.gpu_idle_s += idle or 0.0
+        METRICS.engine_step(len(f.rows), sum(r.n for r in f.rows), period, f.host_s, gpu, idle)
+        first, gaps = [], {}
+        for row in f.kept:
+            r = row.req
+            if r.finished is not None or r.stopped is not None:
+                continue
+            label = r.task.priority_class
+            if not r.out:
+                first.append((label, now - r.arrived))
+            else:
+                gaps[label] = gaps.get(label, 0) + 1
+        METRICS.engine_tokens(first, gaps, period)
 
     @staticmethod
     def _others_run(r: Request) -> bool:

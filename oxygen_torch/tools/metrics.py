@@ -387,7 +387,34 @@ def _engine_metrics() -> Iterator[Metric]:
     steps.add_metric([], float(c["steps"]))
     pre = CounterMetricFamily(PREFIX + "engine_preemptions", "Calls preempted (KV recomputed).")
     pre.add_metric([], float(c["preemptions"]))
-    yield from (depth, tasks, steps, pre)
+    tokens = CounterMetricFamily(PREFIX + "engine_tokens", "Tokens computed by engine steps.")
+    tokens.add_metric([], float(c["tokens"]))
+    yield from (depth, tasks, steps, pre, tokens)
+    yield _histogram(
+        "engine_step_seconds",
+        "An engine step: its period (one step's tokens read to the next's), its host work "
+        "(choose, build, launch) and its GPU time.",
+        ["part"], [([k], v) for k, v in sorted(snap["step_time"].items())],
+    )  # fmt: skip
+    yield _histogram("engine_step_rows", "Rows an engine step serves.", [],
+                     [([], snap["step_rows"])])  # fmt: skip
+    yield _histogram("engine_step_tokens", "Tokens an engine step computes.", [],
+                     [([], snap["step_tokens"])])  # fmt: skip
+    gpu = snap["gpu"]
+    busy = CounterMetricFamily(
+        PREFIX + "engine_gpu_seconds",
+        "GPU time of engine steps, and the GPU's idle gaps between back-to-back steps.",
+        labels=["state"],
+    )
+    busy.add_metric(["busy"], gpu["busy_seconds"])
+    busy.add_metric(["idle"], gpu["idle_seconds"])
+    total = gpu["busy_seconds"] + gpu["idle_seconds"]
+    frac = GaugeMetricFamily(
+        PREFIX + "engine_gpu_idle_fraction",
+        "The GPU's idle share between back-to-back engine steps since start (goal: <= 0.1).",
+    )
+    frac.add_metric([], gpu["idle_seconds"] / total if total else 0.0)
+    yield from (busy, frac)
 
 
 class OxygenCollector:
