@@ -361,3 +361,27 @@ def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     if new > 1:  # its later tokens: one TPOT observation each row and token
         got = sum(after["tpot"]["high"][1]) - sum(before["tpot"].get("high", ([], [0], 0))[1])
         assert got == out.shape[0] * (new - 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefix_cache_gives_later_calls_their_shared_prefix(oxygen, arch):
+    """kv.prefix_cache: a call whose prompt starts with an earlier call's prompt and answer
+    (a chat's next turn) computes only the rest; its tokens equal stock's."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(8)
+    first = torch.randint(3, 128, (1, 37), generator=g)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ref1 = model.generate(first, **kw)
+        turn = torch.cat([ref1, torch.randint(3, 128, (1, 5), generator=g)], 1)
+        ref2 = model.generate(turn, **kw)
+        hf.apply(model, load_config(scheduler={"engine": True}, kv={"prefix_cache": True}))
+        got1 = model.generate(first, **kw)
+        (eng,) = engines(model)
+        before = eng.snapshot()["tokens"]
+        got2 = model.generate(turn, **kw)
+    assert torch.equal(got1, ref1) and torch.equal(got2, ref2)
+    computed = eng.snapshot()["tokens"] - before
+    # the 43 tokens of the first call's prompt and answer, in whole 16-token blocks, came
+    # from the cache: the second computes the rest of its 48-token prompt and 5 decodes
+    assert computed == 48 - 32 + 5, computed

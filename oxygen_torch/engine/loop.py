@@ -44,6 +44,8 @@ class Runner(Protocol):
     vocab: int
 
     def new_kv(self) -> Any: ...
+    def start(self, kv: Any, tokens: list[int]) -> int: ...  # prefix-cache hit: tokens held
+    def keep(self, kv: Any, tokens: list[int]) -> None: ...  # its blocks to the prefix cache
     def blocks_for(self, kv: Any, n: int) -> int: ...
     def decode_blocks(self, kvs: list) -> list[int]: ...  # blocks_for(kv, 1) of each
     def free_blocks(self) -> int: ...
@@ -273,7 +275,9 @@ class Engine:
         if r.kv is not None:
             return True
         r.kv = self.runner.new_kv()
-        r.computed, r.recompute = 0, len(r.seq()) if r.out else 0
+        r.recompute = len(r.seq()) if r.out else 0
+        # the prefix cache's blocks of its first tokens (kv.prefix_cache): computed already
+        r.computed = self.runner.start(r.kv, r.seq())
         r.slot = self._take_slot()
         if r.params.penalised:
             ids = r.penalty_ids if r.penalty_ids is not None else torch.tensor(r.prompt)
@@ -284,8 +288,10 @@ class Engine:
         return True
 
     def preempt(self, r: Request) -> int:
-        """Frees r's KV (its tokens are computed again when it comes back); blocks freed."""
+        """Frees r's KV (its tokens are computed again when it comes back, from the prefix
+        cache as far as it kept them); blocks freed."""
         before = self.runner.free_blocks()
+        self.runner.keep(r.kv, r.seq())
         self._unbind(r)
         self.running.remove(r)
         self.waiting.append(r)
@@ -320,6 +326,8 @@ class Engine:
     def _end(self, r: Request, why: str) -> None:
         if r.finished is None:
             r.finished = why
+        if why in ("eos", "length", "stop") and r.kv is not None:
+            self.runner.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
         if r.keep_kv and why in ("eos", "length", "stop"):
             r.kv, kept = None, r.kv  # the caller's now (its output's cache)
             self._unbind(r)

@@ -95,6 +95,11 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     return rows
 
 
+def _victims(engine, r: Request) -> list[Request]:
+    """The running rows `r` may preempt for KV."""
+    return [v for v in engine.running if v is not r and v.kv is not None and outranks(r, v)]
+
+
 def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> bool:
     """A step full of rows (max_step_seqs) and `r` waiting: a running row that `r` outranks by
     level gives its place (preempted: it comes back when there is room). Whether one did."""
@@ -119,36 +124,38 @@ def _preempt(engine, v: Request, budget: Budget, chosen: list[StepRow]) -> None:
 
 
 def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow | None:
-    """A prefill chunk of `r` within the budget, preempting lower rows when KV is short."""
-    target = r.target if r.kv is not None else len(r.seq())
-    left = target - r.computed
+    """A prefill chunk of `r` within the budget, preempting lower rows when KV is short. A
+    waiting row is admitted first (its KV, and what the prefix cache holds of its tokens)."""
+    if r.kv is None:
+        whole = engine.runner.blocks_for(None, len(r.prompt) + r.stop.max_new)
+        if whole > engine.total_blocks():  # it could never hold its tokens, whoever else left
+            engine.fail(
+                r,
+                KVBudgetError(
+                    f"oxygen_torch: a row of {len(r.prompt)} prompt tokens and "
+                    f"{r.stop.max_new} new ones needs {whole} KV blocks, the whole KV pool "
+                    f"holds {engine.total_blocks()}: raise kv.arena_bytes or ask for fewer "
+                    "tokens"
+                ),
+            )
+            return None
+        first = min(len(r.seq()), budget.tokens)
+        if engine.runner.blocks_for(None, first) > budget.free and not _victims(engine, r):
+            return None  # no room and no one to make it: it waits (not admitted)
+        engine.admit(r)
+    left = r.target - r.computed
     n = min(left, budget.tokens)
     blocks = engine.blocks_for(r, n)
-    whole = engine.runner.blocks_for(None, len(r.prompt) + r.stop.max_new)
-    if whole > engine.total_blocks():  # it could never hold its tokens, whoever else left
-        engine.fail(
-            r,
-            KVBudgetError(
-                f"oxygen_torch: a row of {len(r.prompt)} prompt tokens and {r.stop.max_new} new "
-                f"ones needs {whole} KV blocks, the whole KV pool holds "
-                f"{engine.total_blocks()}: raise kv.arena_bytes or ask for fewer tokens"
-            ),
-        )
-        return None
     if blocks > budget.free:
-        victims = [v for v in engine.running if v is not r and v.kv is not None
-                   and outranks(r, v)]  # fmt: skip
-        for v in reversed(_ordered(engine, victims)):
+        for v in reversed(_ordered(engine, _victims(engine, r))):
             if blocks <= budget.free:
                 break
             _preempt(engine, v, budget, chosen)
     if blocks > budget.free:  # a shorter chunk that fits the blocks left
         n = engine.tokens_fitting(r, budget.free, n)
         if n <= 0:
-            return None
+            return None  # (admitted: its prefill starts when blocks come back)
         blocks = engine.blocks_for(r, n)
-    if not engine.admit(r):
-        return None
     budget.free -= blocks
     budget.tokens -= n
     budget.seqs -= 1

@@ -11,6 +11,7 @@ on (kv.decode_graphs and scheduler.decode_graphs, on a GPU).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import weakref
@@ -23,6 +24,7 @@ from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
 from . import graphs, merged_graphs
+from . import prefix as prefix_cache
 from .batched import _forward, _geometry, _graph_forward
 from .cache import PagedKVCache
 
@@ -45,6 +47,7 @@ class HFRunner:
         self.block_tokens = proto._core.block_tokens
         self.precision, self.tiles = proto._core.precision, proto._core.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
+        self._serial = prefix_cache._serial(model)
         self.replayed = 0
 
     # --- rows' KV --------------------------------------------------------------------------
@@ -53,6 +56,74 @@ class HFRunner:
         return PagedKVCache(
             config=self.text, cfg=self.cfg, kv_dtype=self._kv_dtype, precision=self._precision
         )
+
+    # --- the prefix cache (kv.prefix_cache) ------------------------------------------------
+
+    def _prefix(self):
+        """The pool's prefix cache, its zones set from the configuration; None when off."""
+        kv = self.cfg.kv
+        if not kv.prefix_cache:
+            return None
+        pc = self.pool.prefix_cache(kv.prefix_cache_bytes)
+        if pc is not None:
+            zones = self.cfg.pool
+            self.pool.cpu_tier_of(zones)
+            pc.threshold, pc.hot_ratio = zones.migration_threshold, zones.hot_zone_ratio
+        return pc
+
+    def start(self, kv: PagedKVCache, tokens: list[int]) -> int:
+        """A new row takes the prefix cache's blocks of its first tokens (at most all but the
+        last, whose logits it draws from): their count, 0 on a miss."""
+        with self.pool.lock:
+            pc = self._prefix()
+            if pc is None or len(tokens) < 2:
+                return 0
+            ns = self._ns(kv)
+            # a row about to give blocks back behind its window keeps its tokens' blocks first
+            kv._core.before_drop = functools.partial(self._keep_early, ns, list(tokens))
+            pc.promote(ns, [tokens])
+            bt = self.block_tokens
+            take = min(len(pc.peek(ns, tokens)) * bt, len(tokens) - 1)
+            blocks = pc.lookup(ns, tokens, use=take)
+            if take > 0:
+                core = kv._core
+                core.bind(1, *self.geometry)
+                mine = blocks[: -(-take // bt)]
+                self.pool.manager.incref(mine)
+                core.seqs.blocks[0], core.seqs.lens[0] = list(mine), take
+                core._grow_table(len(mine))
+                core._table_host[0, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+                core.length = take
+                core._lent = True  # (the device table is built by the step)
+            pc.sweep()
+        return take
+
+    def keep(self, kv: PagedKVCache | None, tokens: list[int]) -> None:
+        """A row's whole blocks join the prefix cache (a later call, or the row itself after a
+        preemption, starts on them); not a row that gave blocks back behind its window."""
+        core = kv._core if kv is not None else None
+        if core is None or core.seqs is None or core.pool is not self.pool:
+            return
+        with self.pool.lock:
+            pc = self._prefix()
+            seqs = core.seqs
+            if pc is None or seqs.dropped[0] or seqs.narrowed[0]:
+                return
+            pc.insert(self._ns(kv), tokens[: min(len(tokens), seqs.lens[0])], seqs.blocks[0])
+            pc.sweep()
+
+    def _keep_early(self, ns: tuple, tokens: list[int], core, rows: list[int]) -> None:
+        """A core's before_drop (pool lock held): the row's first blocks join the prefix cache
+        before its window lets them go (its tokens known at admission, as far as computed)."""
+        pc, seqs = self.pool.prefix, core.seqs
+        if pc is not None and seqs is not None and rows == [0]:
+            pc.insert(ns, tokens[: min(len(tokens), seqs.lens[0])], seqs.blocks[0])
+
+    def _ns(self, kv: PagedKVCache) -> tuple:
+        """The namespace of a row's K/V in the prefix cache: the model, precision, tiles and
+        stored dtype (as generate()'s per-call prefix cache keys them)."""
+        core = kv._core
+        return (self._serial, int(core.precision), core.tiles, core.kv_dtype)
 
     def blocks_for(self, kv: PagedKVCache | None, n: int) -> int:
         """Fresh blocks n more tokens of the row take (a row without KV: from nothing)."""
