@@ -1,7 +1,7 @@
-"""python -m oxygen_torch doctor | stats | plot
+"""python -m oxygen_torch doctor | stats | plot | serve
 
 doctor: is this install usable here, and what will oxygen_torch do on this machine?
-stats, plot: see cli_stats.py and cli_plot.py.
+stats, plot: see cli_stats.py and cli_plot.py; serve: serve/command.py.
 """
 
 from __future__ import annotations
@@ -156,10 +156,17 @@ def _plot(argv: list[str]) -> int:
     return plot(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from .serve.command import main as serve
+
+    return serve(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # stats and plot parse their own arguments (plot passes everything after `--` to a script).
-    own = {"stats": _stats, "plot": _plot}
+    # stats, plot and serve parse their own arguments (plot passes everything after `--` to a
+    # script).
+    own = {"stats": _stats, "plot": _plot, "serve": _serve}
     if argv and argv[0] in own:
         return own[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="python -m oxygen_torch")
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="check the install and print what oxygen_torch will do here")
     sub.add_parser("stats", help="print memory_stats() of this or a running process (--url)")
     sub.add_parser("plot", help="draw allocated vs mapped bytes over time of a script or --demo")
+    sub.add_parser("serve", help="serve a local checkpoint with an OpenAI-compatible HTTP API")
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
         return doctor(rest)

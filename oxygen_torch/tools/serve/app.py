@@ -1,0 +1,288 @@
+"""The FastAPI app: OpenAI's endpoints over one model, with limits on everything a client sends.
+
+    POST /v1/completions        prompt: text, texts, token ids or lists of them
+    POST /v1/chat/completions   messages through the tokenizer's chat template
+    GET  /v1/models             the one model served
+    GET  /health, GET /metrics  liveness; Prometheus text (oxygen's figures and the server's)
+
+A request is checked (protocol.py), admitted (at most ``max_queue`` waiting for a first token,
+else 429 with Retry-After), tokenised on a thread, checked against the model's context and the
+KV pool (400 naming the limit), then run as one generate() call on a worker thread (jobs.py).
+The server watches the client while the call runs: a client that leaves ends its call at the
+engine's next step. Every refusal is OpenAI's error object with a 4xx status; a 5xx means the
+server failed, never that the client sent something wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .answers import Answer, error_event
+from .jobs import Admission, Job
+from .protocol import ApiError, Limits, chat_request, completion_request, parse_json
+from .served import Served
+
+log = logging.getLogger("oxygen_torch.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's own settings (the engine's are oxygen's configuration)."""
+
+    model_name: str = "model"
+    api_key: str | None = None  # None: no authentication
+    max_queue: int = 256  # requests waiting for their first token before 429
+    max_body_bytes: int = 8 << 20  # a 128k-token prompt as JSON ids is ~1 MiB
+    body_timeout_s: float = 30.0  # the whole body must arrive within this
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    workers: int | None = None  # generate() threads; None: scheduler.max_step_seqs + max_queue
+    retry_after_s: int = 1
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self):
+        checks = {
+            "max_queue": self.max_queue >= 1,
+            "max_body_bytes": self.max_body_bytes >= 1024,
+            "body_timeout_s": self.body_timeout_s > 0,
+            "retry_after_s": self.retry_after_s >= 0,
+            "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
+            "workers": self.workers is None or self.workers >= 1,
+            "api_key": self.api_key is None or bool(self.api_key),
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"ServeConfig.{name}: {getattr(self, name)!r} is not allowed")
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _from_generate(err: BaseException) -> ApiError:
+    """What generate() raised, as the client's answer."""
+    # KV errors by name: the engine's and the pool's classes (kv/, engine/) are not this layer's
+    if type(err).__name__ in ("KVCacheFull", "KVBudgetError"):
+        return ApiError(400, f"the request does not fit the KV pool: {err}")
+    if isinstance(err, (ValueError, TypeError)):  # transformers refusing the settings
+        return ApiError(400, f"generate() refused the request: {str(err)[:500]}")
+    if type(err).__name__ == "OutOfMemoryError":
+        return ApiError(503, "the device is out of memory; retry later",
+                        headers={"Retry-After": "1"})  # fmt: skip
+    log.error("generate() failed", exc_info=err)
+    return ApiError(500, f"the server failed: {type(err).__name__}")
+
+
+async def _read_body(request: Request, cfg: ServeConfig) -> bytes:
+    """The body, at most max_body_bytes (413), whole within body_timeout_s (408)."""
+    size = request.headers.get("content-length")
+    if size is not None:
+        if not size.isdigit():
+            raise ApiError(400, f"Content-Length: {size[:40]!r} is not a number")
+        if len(size) > 15 or int(size) > cfg.max_body_bytes:
+            raise ApiError(413, f"the body is larger than this server's {cfg.max_body_bytes} bytes")
+
+    async def read() -> bytes:
+        chunks, got = [], 0
+        async for chunk in request.stream():
+            got += len(chunk)
+            if got > cfg.max_body_bytes:
+                raise ApiError(413, f"the body is larger than {cfg.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), cfg.body_timeout_s)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {cfg.body_timeout_s:g} s",
+                       headers={"Connection": "close"}) from None  # fmt: skip
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_or_left(job: Job, request: Request):
+    """The job's next item, or None when the client left first (the job is then cancelled)."""
+    get = asyncio.ensure_future(job.queue.get())
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        done, _ = await asyncio.wait({get, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if get in done:
+        return get.result()
+    get.cancel()
+    job.cancel()
+    return None
+
+
+class Server:
+    """The app's state: the model, the admission counter, the worker threads, live jobs."""
+
+    def __init__(self, model, tokenizer, cfg: ServeConfig):
+        import oxygen_torch
+
+        self.cfg, self.served = cfg, Served(model, tokenizer, cfg.max_model_len)
+        self.admission = Admission(cfg.max_queue, cfg.retry_after_s)
+        active = oxygen_torch.active_config()
+        seqs = active.scheduler.max_step_seqs if active is not None else 256
+        self.executor = ThreadPoolExecutor(cfg.workers or seqs + cfg.max_queue, "serve")
+        self.jobs: set[Job] = set()
+        self.started = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        if self.cfg.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.cfg.api_key.encode()
+        ):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                           code="invalid_api_key")  # fmt: skip
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        self.authorize(request)
+        body = parse_json(await _read_body(request, self.cfg))
+        prio = request.headers.get("x-priority")
+        lim = self.cfg.limits
+        req = chat_request(body, lim, prio) if chat else (
+            completion_request(body, lim, self.served.vocab, prio))  # fmt: skip
+        if req.model is not None and req.model != self.cfg.model_name:
+            raise ApiError(404, f"model: {req.model[:100]!r} does not exist here; this server "
+                           f"serves {self.cfg.model_name!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+        self.admission.enter()
+        try:
+            prompts = await asyncio.to_thread(self.served.encode, req)
+            call = self.served.call(req, prompts)
+        except BaseException:
+            self.admission.leave(False, "refused")
+            raise
+        job = Job(call, self.admission, asyncio.get_running_loop(), req.sampling.stream)
+        answer = Answer(call, self.cfg.model_name, chat, req.sampling.return_token_ids)
+        self.jobs.add(job)
+        future = asyncio.get_running_loop().run_in_executor(
+            self.executor, job.run, self.served.model, self.served.pad
+        )
+        future.add_done_callback(lambda _: self.jobs.discard(job))
+        first = await _next_or_left(job, request)
+        if first is None:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        if first[0] == "error":
+            raise _from_generate(first[1])
+        if not req.sampling.stream:
+            return JSONResponse(answer.whole())
+        return StreamingResponse(
+            self._events(job, answer, first, req.sampling.include_usage),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+        )  # fmt: skip
+
+    async def _events(self, job: Job, answer: Answer, item, include_usage: bool):
+        """The stream: text chunks as they come, then finish reasons, usage, [DONE]. Starlette
+        ends this generator when the client disconnects: the job is cancelled on the way out."""
+        try:
+            for chunk in answer.opening():
+                yield chunk
+            while True:
+                kind, data = item
+                if kind == "text":
+                    yield answer.texts(data)
+                elif kind == "done":
+                    for chunk in answer.closing(include_usage):
+                        yield chunk
+                    return
+                else:  # the call failed after its first token: say so in the stream
+                    yield error_event(_from_generate(data).body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                item = await job.queue.get()
+        finally:
+            job.cancel()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": self.started,
+                "owned_by": "oxygen_torch", "max_model_len": self.served.max_model_len}  # fmt: skip
+
+    def close(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def build_app(model, tokenizer, cfg: ServeConfig) -> FastAPI:
+    """The app over `model` (already on its device, oxygen applied) and its tokenizer."""
+    server = Server(model, tokenizer, cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        server.close()
+
+    app = FastAPI(title="oxygen_torch", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, err: ApiError):
+        return _error(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, err: StarletteHTTPException):
+        return _error(ApiError(err.status_code, str(err.detail), headers=err.headers))
+
+    @app.exception_handler(Exception)
+    async def server_error(request, err: Exception):
+        log.error("request failed", exc_info=err)
+        return _error(ApiError(500, f"the server failed: {type(err).__name__}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request)
+        return server.models()
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):
+        server.authorize(request)
+        if name != cfg.model_name:
+            raise ApiError(404, f"model {name[:100]!r} does not exist here", param="model",
+                           code="model_not_found")  # fmt: skip
+        return server._model_card()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        from .metrics import text
+
+        body = await asyncio.to_thread(text, server.admission)
+        return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,141 @@
+"""python -m oxygen_torch serve PATH: load a local checkpoint, switch oxygen on, serve it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EPILOG = """\
+The oxygen configuration comes from OXYGEN_CONFIG_FILE (YAML), OXYGEN_CONF ("key:value,...")
+and --conf (same form, highest precedence). The server turns scheduler.engine on unless one of
+them sets it. The API key can also be given as OXYGEN_API_KEY (a flag shows in `ps`).
+
+  python -m oxygen_torch serve ./Llama-3.2-1B-Instruct --port 8000 --max-queue 128
+  curl -s 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m oxygen_torch serve",
+        description="Serve a local checkpoint with an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the engine.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    a = p.add_argument
+    a("path", help="a local checkpoint directory (model, tokenizer, chat template)")
+    a("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    a("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    a("--dtype", choices=DTYPES, default="auto", help="weights' dtype (auto: the checkpoint's)")
+    a("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when there is one)")
+    a("--model-name", default=None, help="the name clients give as `model` (default: PATH)")
+    a(
+        "--api-key",
+        default=os.environ.get("OXYGEN_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 (default: $OXYGEN_API_KEY, else none)",
+    )
+    a(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for their first token before the server answers 429 (default 256)",
+    )
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens at most (default: the model's max_position_embeddings)",
+    )
+    a("--conf", default="", help='oxygen configuration, as OXYGEN_CONF: "key:value,key:value"')
+    a("--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 past it)")
+    a("--body-timeout", type=float, default=30.0, help="seconds a body may take to arrive (408)")
+    a(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    a("--max-connections", type=int, default=1024, help="open connections before 503")
+    a("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    a("--no-warmup", action="store_true", help="skip the generate() call made before serving")
+    return p  # fmt: skip
+
+
+def configure_oxygen(conf: str):
+    """enable() with --conf over OXYGEN_CONF / the file; scheduler.engine on unless set."""
+    import oxygen_torch
+    from oxygen_torch.config import parse_conf_string
+
+    overrides = parse_conf_string(conf) if conf else {}
+    if "scheduler.engine" not in oxygen_torch.load_config(**overrides).sources:
+        overrides["scheduler.engine"] = True
+    return oxygen_torch.enable(**overrides)
+
+
+def load(path: str, dtype: str = "auto", device: str | None = None):
+    """(model, tokenizer) from a local directory, nothing downloaded; model on `device`."""
+    import torch
+    import transformers as T
+
+    if not Path(path).is_dir():
+        raise ValueError(f"{path}: not a directory (serve takes a local checkpoint directory)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = T.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = T.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+    )
+    return model.to(device).eval(), tokenizer
+
+
+def warm_up(model, pad: int) -> float:
+    """One short greedy call: the KV pool is made (its size bounds requests) and first-call
+    costs (compiles, graph captures) are paid before the first client. Returns seconds."""
+    import torch
+
+    t0 = time.perf_counter()
+    ids = torch.full((1, 4), pad, device=model.device)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from .app import ServeConfig, build_app
+        from .http import HttpConfig, bind, server
+    except ImportError as err:
+        print(f"serve needs FastAPI and uvicorn: pip install 'oxygen_torch[serve]' ({err})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        http = HttpConfig(args.host, args.port, args.header_timeout, 5, args.max_connections,
+                          args.log_level)  # fmt: skip
+        cfg = ServeConfig(
+            model_name=args.model_name or args.path, api_key=args.api_key or None,
+            max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout, max_model_len=args.max_model_len,
+        )  # fmt: skip
+        oxygen = configure_oxygen(args.conf)
+        model, tokenizer = load(args.path, args.dtype, args.device)
+    except (ValueError, OSError) as err:
+        print(f"serve: {err}", file=sys.stderr)
+        return 2
+    app = build_app(model, tokenizer, cfg)
+    if not args.no_warmup:
+        took = warm_up(model, app.state.server.served.pad)
+        print(f"warm-up call: {took:.1f} s", flush=True)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    engine = "on" if oxygen.scheduler.engine else "off"
+    print(f"serving {cfg.model_name!r} on http://{host}:{port}/v1 (device {model.device}, engine "
+          f"{engine}, max queue {cfg.max_queue})", flush=True)  # fmt: skip
+    server(app, http).run(sockets=[sock])
+    return 0

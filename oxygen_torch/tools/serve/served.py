@@ -1,0 +1,115 @@
+"""The model side of the server: prompts to token ids, the limits a request must fit, and the
+generate() call a checked request becomes."""
+
+from __future__ import annotations
+
+from .jobs import Call
+from .protocol import ApiError, Request, bad
+from .text import ChoiceText
+
+
+def _eos_ids(model) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else (int(e) for e in eos))
+
+
+class Served:
+    """A model and its tokenizer as the endpoints see them."""
+
+    def __init__(self, model, tokenizer, max_model_len: int | None = None):
+        self.model, self.tok = model, tokenizer
+        cfg = model.config
+        known = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self.max_model_len = int(max_model_len or known or 2048)
+        self.vocab = int(cfg.get_text_config().vocab_size)
+        self.eos = _eos_ids(model)
+        gc = model.generation_config
+        if gc.pad_token_id is None:  # stock says so at every call otherwise
+            pad = getattr(tokenizer, "pad_token_id", None)
+            gc.pad_token_id = pad if pad is not None else min(self.eos, default=0)
+        self.pad = int(gc.pad_token_id)
+        self._kv_tokens: int | None = None
+
+    # --- prompts (on a worker thread: a long text takes a while to tokenise) ----------------
+
+    def encode(self, req: Request) -> list[list[int]]:
+        if req.messages:
+            return [self._chat_ids(req.messages)]
+        out = []
+        for p in req.prompts:
+            ids = list(p) if isinstance(p, list) else self.tok(p)["input_ids"]
+            if not ids:
+                raise bad("prompt", "the prompt is empty once tokenised")
+            out.append(ids)
+        return out
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise bad(
+                "messages", "this model's tokenizer has no chat template; use /v1/completions"
+            )
+        try:
+            text = self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as err:  # noqa: BLE001 - a template that refuses these messages
+            raise bad("messages", f"the chat template refused them: {str(err)[:300]}") from None
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise bad("messages", "the conversation is empty once tokenised")
+        return ids
+
+    # --- limits -------------------------------------------------------------------------------
+
+    def kv_tokens(self) -> int | None:
+        """Tokens one row may hold in the model's KV pool (None until the pool exists)."""
+        if self._kv_tokens is None:
+            import oxygen_torch
+
+            device = str(self.model.device)
+            pools = [p for p in oxygen_torch.kv_stats() if p.get("device") == device]
+            if pools:
+                self._kv_tokens = max(p["blocks_total"] * p["block_tokens"] for p in pools)
+        return self._kv_tokens
+
+    def max_tokens(self, req: Request, prompts: list[list[int]]) -> int:
+        """The request's max_tokens (its own, or the room left); 400 naming the limit when a
+        prompt and its completion do not fit the model's context or the KV pool."""
+        s, longest = req.sampling, max(map(len, prompts))
+        param = "messages" if req.messages else "prompt"
+        limit, what = self.max_model_len, "this model's maximum context length"
+        kv = self.kv_tokens()
+        if kv is not None and kv < limit:
+            limit, what = kv, "the KV pool (kv.arena_bytes)"
+        if longest >= limit:
+            raise bad(param, f"{what} is {limit} tokens; the prompt has {longest}")
+        new = s.max_tokens if s.max_tokens is not None else limit - longest
+        if longest + new > limit:
+            raise ApiError(
+                400,
+                f"{what} is {limit} tokens; this request asks for {longest + new} ({longest} in "
+                f"the prompt, {new} to generate)",
+                param="max_tokens",
+            )  # fmt: skip
+        if s.min_tokens > new:
+            raise bad("min_tokens", f"{s.min_tokens} is more than the {new} tokens that fit")
+        return new
+
+    # --- the call -----------------------------------------------------------------------------
+
+    def call(self, req: Request, prompts: list[list[int]]) -> Call:
+        s = req.sampling
+        new = self.max_tokens(req, prompts)
+        gen: dict = {"max_new_tokens": new, "do_sample": s.temperature > 0}
+        if s.temperature > 0:
+            gen.update(temperature=s.temperature, top_p=s.top_p)
+        if s.min_tokens:
+            gen["min_new_tokens"] = s.min_tokens
+        if s.stop:
+            gen.update(stop_strings=list(s.stop), tokenizer=self.tok)
+        call = Call(prompts, s.n, gen, priority=s.priority, seed=s.seed)
+        call.rows = [ChoiceText(self.tok, p, new, s.stop, self.eos) for p in prompts
+                     for _ in range(s.n)]  # fmt: skip
+        return call

@@ -1,0 +1,84 @@
+"""One choice's text as its tokens arrive: incremental detokenisation, stop strings, finish.
+
+Tokens are decoded a few at a time against the tokens before them (vLLM's incremental
+detokeniser: a token's text depends on its neighbours, e.g. SentencePiece's leading space), so a
+step costs the same whatever the length so far. The first token is decoded after the prompt's
+last few tokens, so a completion's leading space is kept. Text that could be the start of a stop
+string is held back until it is not; the text a client gets stops before the stop string (as
+OpenAI's). Streamed deltas joined are the whole text: both answers come from this one path.
+"""
+
+from __future__ import annotations
+
+# prompt tokens decoded before the first new token (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_
+# OFFSET): enough for a tokenizer's merge of a token with its left neighbour
+CONTEXT_TOKENS = 5
+
+
+class ChoiceText:
+    """The text of one row: ``add(token)`` returns the text that may be sent now."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], max_tokens: int,
+                 stop: tuple[str, ...] = (), eos: frozenset[int] = frozenset()):  # fmt: skip
+        self.tok, self.max_tokens, self.stop, self.eos = tokenizer, max_tokens, stop, eos
+        self.ids: list[int] = []  # generated, the EOS that ended it included
+        self.seq = list(prompt_ids[-CONTEXT_TOKENS:])  # what is decoded: context, then text ids
+        self.prefix, self.read = 0, len(self.seq)  # the decode windows into seq
+        self.text = ""  # decoded so far (held-back text included), cut at a stop string
+        self.sent = 0  # characters of text given out
+        self.finish: str | None = None  # "stop" or "length" once the row has ended
+        self.stopped = False  # ended at a stop string
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _delta(self, final: bool = False) -> str:
+        before = self._decode(self.seq[self.prefix : self.read])
+        now = self._decode(self.seq[self.prefix :])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.seq)
+            return now[len(before) :]
+        return ""  # an incomplete character: wait for the next token
+
+    def add(self, token: int) -> str:
+        """Takes the row's next token; returns the text to send now ("" if none)."""
+        if self.finish is not None:
+            return ""  # the engine pads rows that ended before their call's last row
+        self.ids.append(token)
+        eos = token in self.eos
+        if not eos:  # an EOS ends the text and is not part of it
+            self.seq.append(token)
+        self.text += self._delta(final=eos)
+        if self._cut_at_stop() or eos:
+            self.finish = "stop"
+            return self._release(len(self.text))
+        if len(self.ids) >= self.max_tokens:
+            return self.end()
+        return self._release(len(self.text) - self.hold)
+
+    def end(self) -> str:
+        """The row ended (it reached max_tokens, or its call returned: the engine matched a
+        stop string or an EOS the row did not see as one): what is left to send."""
+        if self.finish is None:
+            self.text += self._delta(final=True)
+            cut = self._cut_at_stop()
+            self.finish = "stop" if cut or len(self.ids) < self.max_tokens else "length"
+        return self._release(len(self.text))
+
+    def _cut_at_stop(self) -> bool:
+        """Finds the first stop string in the new text; cuts the text before it."""
+        if not self.stop:
+            return False
+        start = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text, self.finish, self.stopped = self.text[: min(hits)], "stop", True
+        return True
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
