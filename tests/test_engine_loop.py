@@ -385,3 +385,27 @@ def test_prefix_cache_gives_later_calls_their_shared_prefix(oxygen, arch):
     # the 43 tokens of the first call's prompt and answer, in whole 16-token blocks, came
     # from the cache: the second computes the rest of its 48-token prompt and 5 decodes
     assert computed == 48 - 32 + 5, computed
+
+
+@pytest.mark.parametrize("tier", [0, 64 << 20])
+def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
+    """12 calls of 1-2 rows that each end at 2 blocks a row, 36 rows' worth of 31 blocks of 128
+    tokens: rows are preempted (their KV to the CPU tier and back, or recomputed when there is
+    none) and every call ends with stock's tokens; every block comes back."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(21)
+    kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 100 + 5 * i), generator=g),
+                max_new_tokens=40 + 9 * (i % 3), do_sample=False) for i in range(12)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True}, kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+                      pool={"cpu_tier_bytes": tier})  # fmt: skip
+    hf.apply(model, cfg)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    (eng,) = engines(model)
+    st = eng.snapshot()
+    assert st["preemptions"] > 0, st
+    assert (st["swaps"] > 0) == bool(tier), st
+    assert blocks_in_use() == 0

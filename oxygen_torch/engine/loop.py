@@ -46,6 +46,9 @@ class Runner(Protocol):
     def new_kv(self) -> Any: ...
     def start(self, kv: Any, tokens: list[int]) -> int: ...  # prefix-cache hit: tokens held
     def keep(self, kv: Any, tokens: list[int]) -> None: ...  # its blocks to the prefix cache
+    def swap_out(self, kv: Any, low: bool) -> int | None: ...  # to the CPU tier: blocks freed
+    def swap_in(self, kv: Any) -> bool: ...  # back (False: not enough free blocks)
+    def swapped_blocks(self, kv: Any) -> int: ...  # blocks swap_in takes
     def blocks_for(self, kv: Any, n: int) -> int: ...
     def decode_blocks(self, kvs: list) -> list[int]: ...  # blocks_for(kv, 1) of each
     def free_blocks(self) -> int: ...
@@ -62,6 +65,7 @@ class EngineStats:
     tokens: int = 0  # tokens computed (prefill and decode)
     drawn: int = 0  # tokens drawn (delivered or dropped)
     preemptions: int = 0
+    swaps: int = 0  # preemptions that moved the KV to the CPU tier (no recompute)
     forwards: int = 0  # forwards run (one a step)
     host_s: float = 0.0  # host time spent choosing, building and launching steps
     gpu_s: float = 0.0  # GPU time of the steps (CUDA events)
@@ -124,7 +128,8 @@ class Engine:
         rows = st.rows or [0]
         return {
             "engines": 1, "steps": st.steps, "forwards": st.forwards, "tokens": st.tokens,
-            "drawn": st.drawn, "preemptions": st.preemptions, "host_s": st.host_s,
+            "drawn": st.drawn, "preemptions": st.preemptions, "swaps": st.swaps,
+            "host_s": st.host_s,
             "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
             "gpu_s": st.gpu_s, "gpu_idle_s": st.gpu_idle_s,
             "running": len(self.running), "waiting": len(self.waiting),
@@ -288,16 +293,36 @@ class Engine:
         return True
 
     def preempt(self, r: Request) -> int:
-        """Frees r's KV (its tokens are computed again when it comes back, from the prefix
-        cache as far as it kept them); blocks freed."""
+        """Frees r's KV blocks: its KV goes to the CPU tier (swapped: it comes back as it
+        was, `resume`) or, when there is none or it lacks room, is dropped (its tokens are
+        computed again when it comes back, from the prefix cache as far as it kept them).
+        Returns the blocks freed."""
         before = self.runner.free_blocks()
-        self.runner.keep(r.kv, r.seq())
-        self._unbind(r)
+        low = r.task.level < 1  # (below "normal": the tier may keep it as fp8)
+        if self.runner.swap_out(r.kv, low) is not None:
+            r.swapped = True  # (its slot stays: its next input is the draw in `last`)
+            self.stats.swaps += 1
+        else:
+            self.runner.keep(r.kv, r.seq())
+            self._unbind(r)
         self.running.remove(r)
         self.waiting.append(r)
         self.stats.preemptions += 1
         METRICS.preempted()
         return self.runner.free_blocks() - before
+
+    def resume(self, r: Request) -> bool:
+        """A swapped row's KV comes back from the CPU tier (the step's stream waits for the
+        copy); it runs again from its next step. False: not enough free blocks."""
+        if not self.runner.swap_in(r.kv):
+            return False
+        r.swapped = False
+        self.waiting.remove(r)
+        self.running.append(r)
+        return True
+
+    def swapped_blocks(self, r: Request) -> int:
+        return self.runner.swapped_blocks(r.kv)
 
     def fail(self, r: Request, err: BaseException) -> None:
         self._end(r, "error")

@@ -65,6 +65,7 @@ class Request:
     logits: list = field(default_factory=list)
     finished: str | None = None  # "eos", "length", "stop", "cancelled", "error"
     stopped: str | None = None  # a lockstep row's stop, while the call's other rows go on
+    swapped: bool = False  # preempted to the CPU tier: its KV comes back as it was
     recompute: int = 0  # tokens to compute again after a preemption (prompt + delivered)
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

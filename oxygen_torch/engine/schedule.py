@@ -81,8 +81,17 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         budget.tokens -= 1
         budget.seqs -= 1
         rows.append(StepRow(r, 1, r.computed, None, True, b))
+    for r in _ordered(engine, [r for r in engine.waiting if r.swapped and r.finished is None]):
+        # swapped rows first (they hold their tokens): back when their blocks fit, running from
+        # the next step
+        need = engine.swapped_blocks(r) + 1
+        if budget.seqs <= 0 or need > budget.free:
+            break
+        if engine.resume(r):
+            budget.free -= need
     prefills = _ordered(engine, prefills) + _ordered(
-        engine, [r for r in engine.waiting if r.pending == 0 and r.finished is None]
+        engine,
+        [r for r in engine.waiting if r.pending == 0 and r.finished is None and not r.swapped],
     )
     for r in prefills:
         if budget.tokens <= 0:

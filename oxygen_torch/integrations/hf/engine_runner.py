@@ -19,6 +19,8 @@ import weakref
 import torch
 
 from ...engine.loop import Engine
+from ...kv import swap
+from ...kv.block_manager import KVCacheFull
 from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
@@ -118,6 +120,30 @@ class HFRunner:
         pc, seqs = self.pool.prefix, core.seqs
         if pc is not None and seqs is not None and rows == [0]:
             pc.insert(ns, tokens[: min(len(tokens), seqs.lens[0])], seqs.blocks[0])
+
+    # --- swap preemption (the pool's CPU tier: pool.cpu_tier_bytes) -------------------------
+
+    def swap_out(self, kv: PagedKVCache, low: bool) -> int | None:
+        """The row's KV to the CPU tier: the device blocks freed, or None (no tier, no room,
+        or a row that narrowed blocks behind its window: it is recomputed instead)."""
+        core = kv._core
+        if core.seqs is None or core.debug or not any(core.seqs.blocks):
+            return None
+        with self.pool.lock:
+            if self.pool.cpu_tier_of(self.cfg.pool) is None:
+                return None
+        return swap.swap_out(core, low_priority=low)
+
+    def swap_in(self, kv: PagedKVCache) -> bool:
+        try:
+            swap.swap_in(kv._core)
+        except KVCacheFull:
+            return False
+        return True
+
+    def swapped_blocks(self, kv: PagedKVCache) -> int:
+        s = kv._core._swapped
+        return s.blocks_needed() if s is not None else 0
 
     def _ns(self, kv: PagedKVCache) -> tuple:
         """The namespace of a row's K/V in the prefix cache: the model, precision, tiles and
