@@ -246,24 +246,31 @@ class Boom(Exception):
 
 
 class RaisingStreamer(Recorder):
+    def __init__(self, exc):
+        super().__init__()
+        self.exc = exc
+
     def put(self, value):
         super().put(value)
         if len(self.puts) == 3:
-            raise Boom("the caller's streamer")
+            raise self.exc("the caller's streamer")
 
 
-def test_a_raising_streamer_ends_only_its_call_and_its_blocks_come_back(oxygen):
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_a_raising_or_interrupted_caller_ends_only_its_call_and_its_blocks_come_back(oxygen, exc):
+    """A streamer that raises, or a caller interrupted (KeyboardInterrupt reaching its thread
+    while it waits), ends that call at the engine's next step; the others finish."""
     model = tiny("llama")
     kws = [call(s) for s in range(6)]
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
     hf.apply(model, ENGINE)
     bad = dict(input_ids=torch.tensor([[5, 9, 11]]), max_new_tokens=40, do_sample=False,
-               streamer=RaisingStreamer())  # fmt: skip
+               streamer=RaisingStreamer(exc))  # fmt: skip
     out, errors = in_threads(
         lambda i: _generate(model, bad if i == 6 else kws[i]), [(i,) for i in range(7)]
     )
-    assert set(errors) == {6} and isinstance(errors[6], Boom)
+    assert set(errors) == {6} and isinstance(errors[6], exc)
     assert all(torch.equal(out[i], ref[i]) for i in range(6))
     (eng,) = engines(model)
     for _ in range(100):  # the engine drops the cancelled call at its next step
