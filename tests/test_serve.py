@@ -9,11 +9,14 @@ wait is bounded in count and time."""
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -125,6 +128,30 @@ def words(tok, ids: list[int]) -> list[str]:
     return [w for w in tok.convert_ids_to_tokens(ids) if w not in ("<pad>", "<s>", "</s>")]
 
 
+@dataclass
+class Reply:
+    status: int
+    headers: dict
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+_direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+
+
+def http(url: str, method: str = "GET", body=None, headers: dict | None = None) -> Reply:
+    """A plain request (the standard library): for what the openai client does not send."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with _direct.open(req, timeout=30) as r:
+            return Reply(r.status, dict(r.headers), r.read())
+    except urllib.error.HTTPError as err:
+        return Reply(err.code, dict(err.headers), err.read())
+
+
 def blocks_in_use() -> int:
     return sum(p["blocks_used"] for p in oxygen_torch.kv_stats())
 
@@ -143,8 +170,8 @@ PROMPTS = [[5, 9, 11, 13], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 
 def test_models_health_and_metrics(srv):
     assert [m.id for m in srv.client().models.list()] == ["tiny"]
-    assert httpx.get(srv.url + "/health", timeout=30).json() == {"status": "ok"}
-    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    assert http(srv.url + "/health").json() == {"status": "ok"}
+    text = http(srv.url + "/metrics").body.decode()
     assert 'oxygen:serve_requests{state="waiting"}' in text and "oxygen:serve_max_queue 64" in text
 
 
@@ -273,7 +300,7 @@ def test_concurrent_clients_with_priorities_get_their_own_tokens(srv, loaded):
         t.join(120)
     assert not errors, errors
     assert got == want
-    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    text = http(srv.url + "/metrics").body.decode()
     classes = {
         line.split('class="')[1].split('"')[0]
         for line in text.splitlines()
