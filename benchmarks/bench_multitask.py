@@ -41,8 +41,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-from load import pct, trace  # noqa: E402  (the trace generator the load script uses)
+from traces import pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
 
 MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq", "burst")
 SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"

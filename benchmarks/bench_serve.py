@@ -1,0 +1,365 @@
+"""The server under load: an arrival trace at rising rates, through `python -m oxygen_torch serve`
+(streamed and not) and in-process (generate() threads, as bench_multitask.py), per class.
+
+    python benchmarks/bench_serve.py --smoke                     # tiny model on CPU: the plumbing
+    python benchmarks/bench_serve.py                             # H200: 1B-class shape, bf16
+    python benchmarks/bench_serve.py --rates 4 8 16 32 --requests 200 --cv 1
+    python benchmarks/bench_serve.py --checkpoint /models/llama --conf kv.prefix_cache:true
+
+The trace is benchmarks/traces.py's (gamma arrivals, ~20 % high priority, log-normal chat
+lengths; min_tokens = max_tokens so every request makes exactly its tokens), on a random-weight
+checkpoint written to a temporary directory (a word-level tokenizer built offline, no EOS) or on
+--checkpoint. Modes, at each rate (one server per rate, warmed up, for both server modes; a fresh
+process for in-process):
+
+  stream     the server, stream: true. TTFT: request sent to first text chunk; TPOT: (last chunk
+             - first chunk) / (tokens - 1), per request
+  whole      the server, not streamed: only the request's whole time
+  inprocess  the same trace as generate() threads in one process, timed by a streamer
+
+Per mode and rate: generated tok/s (first arrival to last answer), per class TTFT and TPOT P50 /
+P99 and mean request time, failures. Rates rise until the stream mode's TTFT P99 passes
+--ttft-limit. The goals (issue 33): the server within 10 % of in-process throughput at the same
+rate; streaming adds at most 1 ms to TPOT P50 (the stream mode's beside in-process's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+from traces import pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=1024)  # fmt: skip
+CLASSES = ("high", "low")
+
+
+def make_checkpoint(path: Path, smoke: bool) -> Path:
+    """A random-weight Llama and a word-level tokenizer (w0 .. w{V-1}, no special token, so
+    every token is text and no EOS ends a request early), saved to `path`."""
+    import torch
+    import transformers as T
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    shape = TINY if smoke else LLAMA_1B
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
+    model = model.to(torch.float32 if smoke else torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    words = {f"w{i}": i for i in range(shape["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    T.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
+
+
+# --- the client side ------------------------------------------------------------------------
+
+
+def send(url: str, model: str, req: dict, stream: bool, start: float) -> dict:
+    """One request at its arrival time; its timings."""
+    time.sleep(max(0.0, start + req["at"] - time.monotonic()))
+    host, port = url.removeprefix("http://").split(":")
+    body = {"model": model, "prompt": req["prompt_ids"], "max_tokens": req["max_tokens"],
+            "min_tokens": req["max_tokens"], "temperature": 0, "priority": req["priority"],
+            "stream": stream, "return_token_ids": True}  # fmt: skip
+    t0 = time.monotonic()
+    out = dict(priority=req["priority"], ok=False)
+    try:
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return dict(out, error=f"{resp.status}: {resp.read()[:200]!r}")
+        if not stream:
+            got = json.loads(resp.read())
+            tokens = len(got["choices"][0]["token_ids"])
+            return dict(out, ok=True, tokens=tokens, done=time.monotonic() - t0)
+        times, tokens = [], 0
+        while line := resp.readline():
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                if c.get("text"):
+                    times.append(time.monotonic())
+                tokens = len(c.get("token_ids", ())) or tokens
+        done = time.monotonic() - t0
+        tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and times else None
+        ttft = times[0] - t0 if times else None
+        return dict(out, ok=True, tokens=tokens, ttft=ttft, tpot=tpot, done=done)
+    except Exception as err:  # noqa: BLE001 - counted as failed
+        return dict(out, error=repr(err))
+
+
+def run_trace(reqs: list[dict], one) -> tuple[list[dict], float]:
+    results: list[dict] = [{}] * len(reqs)
+    start = time.monotonic()
+
+    def work(i):
+        results[i] = one(reqs[i], start)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.monotonic() - start
+
+
+def summarize(mode: str, rate: float, results: list[dict], took: float) -> dict:
+    ok = [r for r in results if r.get("ok")]
+    out = dict(
+        mode=mode,
+        rate=rate,
+        requests=len(results),
+        ok=len(ok),
+        tok_per_s=round(sum(r["tokens"] for r in ok) / took, 1),
+        seconds=round(took, 2),
+    )
+    errors = [r["error"] for r in results if not r.get("ok")]
+    if errors:
+        out["first_error"] = errors[0][:300]
+    for cls in CLASSES:
+        rs = [r for r in ok if r["priority"] == cls]
+        if rs:
+            ms = lambda xs, q: round(pct(xs, q) * 1000, 2)  # noqa: E731
+            ttft, tpot = [r.get("ttft") for r in rs], [r.get("tpot") for r in rs]
+            out[cls] = dict(
+                n=len(rs),
+                ttft_p50_ms=ms(ttft, 0.5),
+                ttft_p99_ms=ms(ttft, 0.99),
+                tpot_p50_ms=ms(tpot, 0.5),
+                tpot_p99_ms=ms(tpot, 0.99),
+                mean_done_s=round(statistics.fmean(r["done"] for r in rs), 3),
+            )
+    return out
+
+
+# --- the server side and in-process --------------------------------------------------------
+
+
+class ServerProcess:
+    """`python -m oxygen_torch serve` on a free loopback port, until close()."""
+
+    def __init__(self, ckpt: Path, args):
+        cmd = [sys.executable, "-m", "oxygen_torch", "serve", str(ckpt), "--port", "0",
+               "--model-name", "bench", "--log-level", "warning", "--max-queue", "100000",
+               "--conf", args.conf]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)  # fmt: skip
+        lines, deadline = [], time.monotonic() + 1800
+        self.url = None
+        while self.url is None and time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the server did not start:\n" + "".join(lines[-40:]))
+            lines.append(line)
+            if m := re.search(r"on (http://[\d.]+:\d+)/v1", line):
+                self.url = m.group(1)
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain its output
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class Clock:
+    """A streamer: when each new token of one call arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt = True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass
+
+
+def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tuple[list, float]:
+    """The trace as generate() threads in this process, the engine on (as `serve` sets it)."""
+    import torch
+
+    from oxygen_torch.tools.serve.command import configure_oxygen, load
+
+    configure_oxygen(conf)
+    model, _ = load(str(ckpt))
+
+    def one(req: dict, start: float) -> dict:
+        import oxygen_torch
+
+        time.sleep(max(0.0, start + req["at"] - time.monotonic()))
+        x = torch.tensor([req["prompt_ids"]], device=model.device)
+        clock, t0, n = Clock(), time.monotonic(), req["max_tokens"]
+        with oxygen_torch.task(priority=req["priority"]), torch.no_grad():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, streamer=clock)  # fmt: skip
+        t = clock.times
+        tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return dict(priority=req["priority"], ok=True, tokens=len(t), ttft=t[0] - t0,
+                    tpot=tpot, done=time.monotonic() - t0)  # fmt: skip
+
+    run_trace(warm, one)
+    return run_trace(reqs, one)
+
+
+def requests(args, rate: float) -> tuple[list[dict], list[dict]]:
+    vocab = (TINY if args.smoke else LLAMA_1B)["vocab_size"]
+    cap_p, cap_n = (48, 16) if args.smoke else (2048, 1024)
+    reqs = trace(args.seed, args.requests, rate, args.cv, 0.2, vocab, cap_p, cap_n)
+    # warm-up: the trace's first requests, all at once, short (compiles, graph captures)
+    warm = [dict(r, at=0.0, max_tokens=min(8, r["max_tokens"])) for r in reqs[: args.warm]]
+    return reqs, warm
+
+
+def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[dict]:
+    """One server for the rate, warmed up once; the modes one after the other against it."""
+    out = []
+    reqs, warm = requests(args, rate)
+    if not modes:
+        return out
+    server = ServerProcess(ckpt, args)
+    try:
+        run_trace(warm, lambda r, s: send(server.url, "bench", r, True, s))
+        for mode in modes:
+            stream = mode == "stream"
+            results, took = run_trace(
+                reqs, lambda r, s, stream=stream: send(server.url, "bench", r, stream, s)
+            )
+            out.append(summarize(mode, rate, results, took))
+    finally:
+        server.close()
+    return out
+
+
+def run_inprocess(ckpt: Path, args, rate: float) -> dict:
+    """In its own process (the engine and the pool are the process's)."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--run-inprocess",
+        str(ckpt),
+        "--rates",
+        str(rate),
+        "--requests",
+        str(args.requests),
+        "--seed",
+        str(args.seed),
+        "--cv",
+        str(args.cv),
+        "--warm",
+        str(args.warm),
+        "--conf",
+        args.conf,
+    ] + (["--smoke"] if args.smoke else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
+                          env=dict(os.environ, PYTHONPATH=str(HERE.parent)))  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        return dict(mode="inprocess", rate=rate, error=(proc.stdout + proc.stderr)[-2000:])
+    return json.loads(lines[-1])
+
+
+def show(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['mode']:9} rate {r['rate']:6.2f}: FAILED {r['error'][-500:]}")
+        return
+    head = (f"{r['mode']:9} rate {r['rate']:6.2f}: {r['ok']}/{r['requests']} ok, "
+            f"{r['tok_per_s']:9.1f} tok/s")  # fmt: skip
+    parts = []
+    for cls in CLASSES:
+        c = r.get(cls)
+        if c:
+            timed = (
+                ""
+                if r["mode"] == "whole"
+                # a whole answer has no token times
+                else (
+                    f" TTFT P50/P99 {c['ttft_p50_ms']}/{c['ttft_p99_ms']} ms, TPOT "
+                    f"{c['tpot_p50_ms']}/{c['tpot_p99_ms']} ms,"
+                )
+            )
+            parts.append(f"{cls}{timed} request mean {c['mean_done_s']} s")
+    print(
+        head + " | " + " | ".join(parts) + (f" | {r['first_error']}" if "first_error" in r else "")
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, few requests")
+    p.add_argument("--checkpoint", help="a local checkpoint (default: a random one, written)")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="arrivals per second")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--cv", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm", type=int, default=4, help="warm-up requests before each mode")
+    p.add_argument("--modes", nargs="+", default=["stream", "whole", "inprocess"],
+                   choices=["stream", "whole", "inprocess"])  # fmt: skip
+    p.add_argument("--ttft-limit", type=float, default=1.0, help="s: stop rising past this P99")
+    p.add_argument(
+        "--conf", default="", help="oxygen configuration for both sides (OXYGEN_CONF form)"
+    )
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--run-inprocess", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.rates = args.rates or ([4.0, 8.0] if args.smoke else [2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    args.requests = args.requests or (12 if args.smoke else 200)
+    if args.run_inprocess:
+        reqs, warm = requests(args, args.rates[0])
+        results, took = inprocess(Path(args.run_inprocess), reqs, warm, args.conf)
+        print(json.dumps(summarize("inprocess", args.rates[0], results, took)), flush=True)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp), args.smoke)
+        everything = []
+        for rate in args.rates:
+            rows = run_server_modes(ckpt, args, rate, [m for m in args.modes if m != "inprocess"])
+            if "inprocess" in args.modes:
+                rows.append(run_inprocess(ckpt, args, rate))
+            for r in rows:
+                show(r)
+            everything += rows
+            stream = next((r for r in rows if r["mode"] == "stream" and "error" not in r), None)
+            worst = (
+                max((stream.get(c, {}).get("ttft_p99_ms", 0) for c in CLASSES), default=0)
+                if stream
+                else 0
+            )
+            if worst > args.ttft_limit * 1000:
+                print(f"stream TTFT P99 {worst:.0f} ms > {args.ttft_limit:g} s: stop rising")
+                break
+        if args.json:
+            Path(args.json).write_text(json.dumps(everything, indent=1))
+
+
+if __name__ == "__main__":
+    main()
