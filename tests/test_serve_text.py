@@ -1,0 +1,89 @@
+"""One choice's text as its tokens arrive (oxygen_torch/tools/serve/text.py): the deltas a stream
+sends, joined, are the whole text; no half character is sent; the text stops before the first
+stop string, even one split over tokens, and no part of it is sent first; EOS and max_tokens end
+the row with their finish reason. A byte-level tokenizer (one token per UTF-8 byte) makes
+characters split over tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from oxygen_torch.tools.serve.text import ChoiceText
+
+EOS = 256
+
+
+class Bytes:
+    """Token i < 256 is the byte i; 256 is EOS (special: decoded to nothing)."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def feed(text: str, stop=(), max_tokens=1000, eos_at=None, prompt="> "):
+    ids = list(text.encode())
+    if eos_at is not None:
+        ids.insert(eos_at, EOS)
+    row = ChoiceText(Bytes(), list(prompt.encode()), max_tokens, tuple(stop), frozenset([EOS]))
+    deltas = []
+    for t in ids:
+        deltas.append(row.add(t))
+        if row.finish:
+            break
+    deltas.append(row.end())
+    return row, deltas
+
+
+def test_deltas_join_to_the_text_and_no_half_character_is_sent():
+    row, deltas = feed("héllo wörld ✓ done")
+    assert "".join(deltas) == row.text == "héllo wörld ✓ done"
+    assert not any("\ufffd" in d for d in deltas)
+    assert row.finish == "length" or row.finish == "stop"  # ended by end(): the call returned
+    assert len(row.ids) == len("héllo wörld ✓ done".encode())
+
+
+def test_a_stop_string_split_over_tokens_ends_the_text_before_it_and_is_never_sent():
+    row, deltas = feed("hello world", stop=("lo w", "zz"))
+    assert row.text == "hel" and "".join(deltas) == "hel"
+    assert row.finish == "stop" and row.stopped
+    assert len(row.ids) == len("hello w")  # the token that completed the stop string counts
+
+
+def test_the_first_stop_string_to_be_complete_wins():
+    row, _ = feed("abcdefgh", stop=("fg", "cd"))
+    assert row.text == "ab"
+    row, _ = feed("abcdefgh", stop=("bcd", "c"))  # "c" is complete first
+    assert row.text == "ab"
+
+
+def test_eos_ends_the_row_and_is_not_text():
+    row, deltas = feed("abc", eos_at=2)
+    assert row.text == "ab" == "".join(deltas)
+    assert row.finish == "stop" and not row.stopped and row.ids[-1] == EOS
+
+
+def test_max_tokens_ends_the_row_with_length():
+    row, deltas = feed("abcdef", max_tokens=3)
+    assert row.text == "abc" == "".join(deltas) and row.finish == "length"
+    assert row.add(ord("x")) == ""  # the engine pads a row that ended: ignored
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_text_and_stop_strings(seed):
+    rng = random.Random(seed)
+    alphabet = "ab é✓"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+                   for _ in range(rng.randrange(0, 3))})  # fmt: skip
+    row, deltas = feed(text, stop=stops)
+    want, stopped = text, False
+    for k in range(1, len(text) + 1):  # the first stop string to be complete ends the text
+        hits = [i for i in (text[:k].find(s) for s in stops) if i >= 0]
+        if hits:
+            want, stopped = text[: min(hits)], True
+            break
+    assert row.text == want and "".join(deltas) == want
+    assert not any("\ufffd" in d for d in deltas)
+    assert row.stopped == stopped
