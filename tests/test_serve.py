@@ -26,6 +26,7 @@ from tiny_tokenizer import tiny_tokenizer
 
 import oxygen_torch
 from oxygen_torch import _patching
+from oxygen_torch.integrations.hf import engine_runner, front
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.tools.serve.app import ServeConfig, build_app
@@ -205,6 +206,18 @@ def test_chat_greedy_equals_generate_on_the_template(srv, loaded):
     assert choice.token_ids == want and choice.message.role == "assistant"
     assert choice.message.content.split() == words(tok, want)
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_requests_run_on_the_engine_not_the_per_call_path(srv, loaded):
+    model, _ = loaded
+    front.REASONS.clear()
+    before = engine_runner.engine_stats(model)["steps"]
+    srv.client().completions.create(
+        model="tiny", prompt=["w5 w6", [7, 8, 9]], max_tokens=8, temperature=0.7, top_p=0.9, n=2,
+        seed=3, stop=["w9"], extra_body={"min_tokens": 2, "priority": "low"},
+    )  # fmt: skip
+    assert not front.REASONS, front.REASONS
+    assert engine_runner.engine_stats(model)["steps"] > before
 
 
 def collect(stream) -> tuple[dict, dict, object]:

@@ -5,6 +5,7 @@ The server and model are test_serve.py's; every wait is bounded in count and tim
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -140,6 +141,8 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/j
 def test_a_content_length_that_is_no_number_is_a_400(srv, length):
     got, _ = raw(srv.url, HEAD + b"Content-Length: " + length + b"\r\n\r\n{}")
     assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["type"] == "invalid_request_error" and "invalid HTTP request" in error["message"]
 
 
 def test_a_body_shorter_than_its_length_is_a_408_within_the_deadline(srv):

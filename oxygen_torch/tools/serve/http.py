@@ -12,9 +12,11 @@ taken by admitted requests.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from dataclasses import dataclass
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -26,6 +28,8 @@ class HttpConfig:
     keep_alive_s: int = 5
     max_connections: int = 1024
     log_level: str = "info"
+    # on shutdown, streams still open after this are cut (their calls end at the next step)
+    shutdown_timeout_s: int = 10
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -57,6 +61,19 @@ class _DeadlineH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a Content-Length that is no number, a broken head): 400
+        with OpenAI's error object, as every other refusal, then the connection closes."""
+        body = json.dumps({"error": {"message": f"invalid HTTP request: {msg}",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": None}}).encode()  # fmt: skip
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                (b"connection", b"close")]  # fmt: skip
+        for event in (h11.Response(status_code=400, headers=head, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):  # fmt: skip
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _serving(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
@@ -100,6 +117,6 @@ def server(app, http: HttpConfig):
         app, host=http.host, port=http.port, http=protocol(http.header_timeout_s),
         timeout_keep_alive=http.keep_alive_s, limit_concurrency=http.max_connections,
         log_level=http.log_level, access_log=http.log_level in ("debug", "trace"),
-        lifespan="on",
+        lifespan="on", timeout_graceful_shutdown=http.shutdown_timeout_s,
     )  # fmt: skip
     return uvicorn.Server(config)

@@ -3,6 +3,8 @@ generate() call a checked request becomes."""
 
 from __future__ import annotations
 
+import threading
+
 from .jobs import Call
 from .protocol import ApiError, Request, bad
 from .text import ChoiceText
@@ -31,19 +33,23 @@ class Served:
             gc.pad_token_id = pad if pad is not None else min(self.eos, default=0)
         self.pad = int(gc.pad_token_id)
         self._kv_tokens: int | None = None
+        # encoding may set a fast tokenizer's truncation / padding state, which concurrent
+        # calls must not meet half set ("Already borrowed"); decoding only reads it
+        self._encoding = threading.Lock()
 
     # --- prompts (on a worker thread: a long text takes a while to tokenise) ----------------
 
     def encode(self, req: Request) -> list[list[int]]:
-        if req.messages:
-            return [self._chat_ids(req.messages)]
-        out = []
-        for p in req.prompts:
-            ids = list(p) if isinstance(p, list) else self.tok(p)["input_ids"]
-            if not ids:
-                raise bad("prompt", "the prompt is empty once tokenised")
-            out.append(ids)
-        return out
+        with self._encoding:
+            if req.messages:
+                return [self._chat_ids(req.messages)]
+            out = []
+            for p in req.prompts:
+                ids = list(p) if isinstance(p, list) else self.tok(p)["input_ids"]
+                if not ids:
+                    raise bad("prompt", "the prompt is empty once tokenised")
+                out.append(ids)
+            return out
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
