@@ -24,7 +24,9 @@ from ... import _patching
 from ...engine.request import Group, Request, StopRule
 from ...engine.sampling import SamplingParams
 from ...engine.task import current as current_task
+from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
+from . import generate as gen
 
 log = logging.getLogger("oxygen_torch")
 
@@ -78,10 +80,23 @@ class Plan:
         self.pad, self.streamer = pad, streamer
 
 
-def plan(model, args: tuple, kwargs: dict) -> Plan | str:
-    """The call's engine requests, or the reason it runs on the per-call path."""
+def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
+    """The call's engine requests, or the reason it runs on the per-call path. `call`: the
+    call's generate._Call (what it asks of its model: a cache of its own, use_cache=False...),
+    made here when not given."""
     if len(args) > 1:
         return "positional arguments after the inputs"
+    if compat.cache_arg(type(model)) is None:
+        return f"{type(model).__name__}.forward takes no cache argument oxygen knows"
+    call = call if call is not None else gen._Call(model, args, kwargs)
+    if compat.given_cache(kwargs) is not None:
+        return "a cache passed in"
+    stock = gen._stock_reason(model, call)
+    if stock is not None:
+        return stock
+    text = model.config.get_text_config(decoder=True)
+    if model.device.type == "cuda" and compat.head_dim(text) not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {compat.head_dim(text)} (no kernel)"
     if model._forward_hooks or model._forward_pre_hooks:
         return "forward hooks on the model"
     if model.__dict__.get("forward") is not None or model.__dict__.get("_compiled_call_impl"):

@@ -117,7 +117,7 @@ def _generate(self, *args, **kwargs):
     call = gen._Call(self, args, kwargs)
     gen.validate(self, call)  # before the call can share a step with others
     if merged and not tp and cfg.scheduler.engine:
-        p = front.plan(self, args, kwargs)
+        p = front.plan(self, args, kwargs, call)
         if not isinstance(p, str):
             return front.run(engine_runner.engine_for(self, cfg), p)
         front.note_reason(p)
