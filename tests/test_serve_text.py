@@ -22,11 +22,12 @@ class Bytes:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def feed(text: str, stop=(), max_tokens=1000, eos_at=None, prompt="> "):
+def feed(text: str, stop=(), max_tokens=1000, eos_at=None, prompt="> ", incremental=True):
     ids = list(text.encode())
     if eos_at is not None:
         ids.insert(eos_at, EOS)
-    row = ChoiceText(Bytes(), list(prompt.encode()), max_tokens, tuple(stop), frozenset([EOS]))
+    row = ChoiceText(Bytes(), list(prompt.encode()), max_tokens, tuple(stop), frozenset([EOS]),
+                     incremental)  # fmt: skip
     deltas = []
     for t in ids:
         deltas.append(row.add(t))
@@ -58,16 +59,28 @@ def test_the_first_stop_string_to_be_complete_wins():
     assert row.text == "ab"
 
 
-def test_eos_ends_the_row_and_is_not_text():
-    row, deltas = feed("abc", eos_at=2)
+@pytest.mark.parametrize("incremental", [True, False])
+def test_eos_ends_the_row_and_is_not_text(incremental):
+    row, deltas = feed("abc", eos_at=2, incremental=incremental)
     assert row.text == "ab" == "".join(deltas)
     assert row.finish == "stop" and not row.stopped and row.ids[-1] == EOS
 
 
-def test_max_tokens_ends_the_row_with_length():
-    row, deltas = feed("abcdef", max_tokens=3)
+@pytest.mark.parametrize("incremental", [True, False])
+def test_max_tokens_ends_the_row_with_length(incremental):
+    row, deltas = feed("abcdef", max_tokens=3, incremental=incremental)
     assert row.text == "abc" == "".join(deltas) and row.finish == "length"
     assert row.add(ord("x")) == ""  # the engine pads a row that ended: ignored
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_row_decoded_once_at_its_end_has_the_streamed_text(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab é✓") for _ in range(rng.randrange(1, 40)))
+    streamed, _ = feed(text, max_tokens=len(text.encode()) - seed)
+    whole, deltas = feed(text, max_tokens=len(text.encode()) - seed, incremental=False)
+    assert whole.text == streamed.text and whole.finish == streamed.finish
+    assert deltas[:-1] == [""] * (len(deltas) - 1) and deltas[-1] == whole.text  # all at the end
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -116,6 +116,6 @@ class Served:
         if s.stop:
             gen.update(stop_strings=list(s.stop), tokenizer=self.tok)
         call = Call(prompts, s.n, gen, priority=s.priority, seed=s.seed)
-        call.rows = [ChoiceText(self.tok, p, new, s.stop, self.eos) for p in prompts
-                     for _ in range(s.n)]  # fmt: skip
+        call.rows = [ChoiceText(self.tok, p, new, s.stop, self.eos, incremental=s.stream)
+                     for p in prompts for _ in range(s.n)]  # fmt: skip
         return call

@@ -6,6 +6,8 @@ step costs the same whatever the length so far. The first token is decoded after
 last few tokens, so a completion's leading space is kept. Text that could be the start of a stop
 string is held back until it is not; the text a client gets stops before the stop string (as
 OpenAI's). Streamed deltas joined are the whole text: both answers come from this one path.
+A row nobody reads as it comes (not streamed, no stop string: `incremental=False`) is decoded
+once, when it ends: its worker thread then does no tokenizer work a step, beside the engine's.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ class ChoiceText:
     """The text of one row: ``add(token)`` returns the text that may be sent now."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], max_tokens: int,
-                 stop: tuple[str, ...] = (), eos: frozenset[int] = frozenset()):  # fmt: skip
+                 stop: tuple[str, ...] = (), eos: frozenset[int] = frozenset(),
+                 incremental: bool = True):  # fmt: skip
         self.tok, self.max_tokens, self.stop, self.eos = tokenizer, max_tokens, stop, eos
+        self.incremental = incremental or bool(stop)  # stop strings are found as text comes
         self.ids: list[int] = []  # generated, the EOS that ended it included
         self.seq = list(prompt_ids[-CONTEXT_TOKENS:])  # what is decoded: context, then text ids
         self.prefix, self.read = 0, len(self.seq)  # the decode windows into seq
@@ -49,6 +53,11 @@ class ChoiceText:
         eos = token in self.eos
         if not eos:  # an EOS ends the text and is not part of it
             self.seq.append(token)
+        if not self.incremental:  # decoded when it ends; end() gives the text out
+            if eos or len(self.ids) >= self.max_tokens:
+                self.text += self._delta(final=True)
+                self.finish = "stop" if eos else "length"
+            return ""
         self.text += self._delta(final=eos)
         if self._cut_at_stop() or eos:
             self.finish = "stop"
