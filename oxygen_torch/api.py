@@ -97,7 +97,11 @@ def enable(**overrides: Any) -> OxygenConfig:
 
 
 def disable() -> None:
-    """Undo what enable() did. Safe to call when not enabled."""
+    """Undo what enable() did. Safe to call when not enabled.
+
+    A generate() call running on oxygen's paged cache meanwhile either finishes (its forwards
+    were done) or raises one OxygenDisabledError (a RuntimeError naming disable()); KV pools
+    that running calls hold stay until those calls end."""
     global _active
     with _lock:
         if _active is None:

@@ -235,6 +235,7 @@ def test_the_file_is_gone_when_the_pool_closes_and_at_exit(tmp_path):
         and path.stat().st_size == tier.disk.num_records * tier.row_bytes
     )
     assert tier.disk.num_records == 4 * MiB // tier.row_bytes
+    del pool, tier  # release_pools() closes a pool once nothing refers to it
     release_pools()
     assert not path.exists()
     code = (

@@ -3,12 +3,16 @@
 A pool is created on first use and kept: generate() calls on the same model reuse its arena, and
 a cache returned to the user shares blocks with the next one it is forked into. Blocks come back
 when caches end or are garbage-collected; pages with no live block are unmapped at once.
+release_pools() lets idle pools go; a pool goes (its arena unmapped) only once nothing refers to
+it, so a cache bound to it never finds it gone.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +88,10 @@ class KVPool:
         self.window_freed_blocks = 0  # freed behind sliding windows (kv/window.py)
         self.window_narrowed_blocks = 0  # narrowed behind a hybrid model's windows (likewise)
         self.pid = os.getpid()  # a forked child's calls make pools of their own
+        self.closed = False
+        if key.device.type == "cuda":  # collected, not closed (release_pools): its arena is
+            # unmapped by the arena's own finalizer; no queued kernel may still read it
+            weakref.finalize(self, torch.cuda.synchronize, key.device).atexit = False
 
     def cpu_tier(
         self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
@@ -206,6 +214,11 @@ class KVPool:
         }
 
     def close(self) -> None:
+        """Unmaps the pool now: every block of it must be unused (release_pools lets pools go
+        by reachability instead). A second close does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self.key.device.type == "cuda":
             torch.cuda.synchronize(self.key.device)  # no queued kernel may read what we unmap
         self.storage.backing.close()
@@ -222,7 +235,11 @@ def default_arena_bytes(device: torch.device) -> int:
     return _HOST_DEFAULT_BYTES
 
 
+# Pools kept for reuse (generate() calls on one model share an arena); release_pools() lets the
+# idle ones go. `_open` also holds, weakly, a pool let go that something still refers to (a cache
+# bound to it): get_pool gives it again, so one geometry never has two pools while it lives.
 _pools: dict[PoolKey, KVPool] = {}
+_open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _pools_lock = threading.Lock()
 
 
@@ -238,8 +255,9 @@ def _after_fork_in_child() -> None:
     would close what the parent still uses (a disk tier's file)."""
     global _pools_lock
     _pools_lock = threading.Lock()  # a fork while another thread was in get_pool left it held
-    _inherited.extend(_pools.values())
+    _inherited.extend([*_pools.values(), *_open.values()])
     _pools.clear()
+    _open.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -248,15 +266,28 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def get_pool(key: PoolKey) -> KVPool:
     with _pools_lock:
         pool = _pools.get(key)
-        if pool is None:
-            pool = _pools[key] = KVPool(key)
+        if pool is not None:
+            return pool
+        let_go = _open.get(key) is not None
+    if let_go:  # collected now unless something still refers to it (a cache bound to it)
+        gc.collect()
+    with _pools_lock:
+        pool = _pools.get(key) or _open.get(key)
+        if pool is None or pool.closed:
+            pool = KVPool(key)
+        _pools[key] = _open[key] = pool
         return pool
 
 
 def pool_stats() -> list[dict]:
-    """One dict per live pool: blocks used/total, mapped and reserved bytes, prefix cache."""
+    """One dict per live pool: blocks used/total, mapped and reserved bytes, prefix cache. (A
+    pool let go by release_pools that a call still holds blocks in counts.)"""
     with _pools_lock:
         pools = list(_pools.values())
+        pools += [
+            p for p in _open.values()
+            if p not in pools and not p.closed and p.manager.num_used > 0
+        ]  # fmt: skip
     out = []
     for p in pools:
         with p.lock:
@@ -265,14 +296,21 @@ def pool_stats() -> list[dict]:
 
 
 def release_pools() -> None:
-    """Closes every pool that has no live block (tests, disable()): the prefix cache's blocks
-    are given back first. Busy pools are kept (with their prefix cache)."""
+    """Lets go of every pool that has no live block (tests, disable()): the prefix cache's
+    blocks are given back first. A pool let go is unmapped when it is collected, here, unless
+    something still refers to it: a cache bound to it (a call running through this whose
+    blocks come and go: preempted, swapped to the CPU tier, or binding just now) keeps it open,
+    and get_pool gives it again. Busy pools stay (with their prefix cache)."""
+    _let_go_idle()
+    gc.collect()  # (pools refer to themselves through their block manager's callbacks)
+
+
+def _let_go_idle() -> None:
     with _pools_lock:
         for key, pool in list(_pools.items()):
             with pool.lock:
                 held = pool.prefix.num_hot if pool.prefix is not None else 0
                 if held and pool.manager.num_used == held and pool.prefix.reclaimable() == held:
                     pool.drop_prefix_cache()
-            if pool.manager.num_used == 0:
-                pool.close()
-                del _pools[key]
+                if pool.manager.num_used == 0:
+                    del _pools[key]

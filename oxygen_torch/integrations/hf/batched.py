@@ -39,7 +39,7 @@ from ...kv.swap import pending, swap_in, swap_out, swappable
 from ...kv.transfer import to_device
 from . import compat, graphs, merged_graphs
 from .attention import new_columns
-from .cache import PagedKVCache, PagedLayer
+from .cache import DISABLED, OxygenDisabledError, PagedKVCache, PagedLayer
 
 _MERGEABLE = frozenset(
     {"input_ids", "attention_mask", "position_ids", "cache_position", "logits_to_keep"}
@@ -231,6 +231,8 @@ class Merger:
         model = self._model()
         if model is None:
             raise RuntimeError("oxygen_torch: the model of these generate() calls is gone")
+        if model.config.get_text_config(decoder=True)._attn_implementation != "oxygen":
+            raise OxygenDisabledError(DISABLED)  # disable() put the model back on stock
         if chunks[0].part == "solo" or self._whole_alone(chunks):
             req = chunks[0].request
             run = req.payload.run if chunks[0].part == "solo" else req.payload.alone
@@ -428,7 +430,7 @@ class _StepCache(PagedKVCache):
         self.cfg, self._config, self._core = None, model_config, step
         self._any_sliding = any(t != "full_attention" for t in types)
         self.max_cache_len_hint, self.compile_options, self.merge = 0, None, None
-        self.prefix_prompt = None
+        self.prefix_prompt, self._on_oxygen = None, True
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super(PagedKVCache, self).__init__(layers=layers)
 

@@ -50,6 +50,19 @@ def hybrid_window(text_config, types: list[str]) -> tuple[int | None, tuple[int,
     return int(window), layers
 
 
+class OxygenDisabledError(RuntimeError):
+    """oxygen_torch.disable() ran while a generate() call was running on oxygen's paged cache
+    (or the model's attention was switched away from oxygen under it)."""
+
+
+DISABLED = (
+    "oxygen_torch.disable() ran while this generate() call was running on oxygen's paged KV "
+    "cache (or the model's attention was switched away from oxygen under it): its K/V are kept "
+    "for oxygen attention, which is gone, so the call cannot go on. Run it again (on stock "
+    "transformers now), or call disable() once no generate() is running"
+)
+
+
 class PagedLayer(CacheLayerMixin):
     """Per-layer face of PagedKVCache; the data and the batch operations live in the core."""
 
@@ -139,6 +152,7 @@ class PagedKVCache(Cache):
         self.max_cache_len_hint = 0  # tokens generate() may reach (sizes decode graphs)
         self.compile_options = None  # backend "oxygen" options of the call (compile_config)
         self.merge = None  # (Merger, Call) while a generate() on this cache is registered
+        self._on_oxygen = False  # stored K/V for oxygen attention (no dense read-back after)
         self.prefix_prompt = None  # the prompt the prefix cache saw (integrations/hf/prefix.py)
         layers = [PagedLayer(self, i, t != "full_attention") for i, t in enumerate(types)]
         super().__init__(layers=layers)
@@ -174,6 +188,7 @@ class PagedKVCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"PagedKVCache: layer {layer_idx} of {len(self.layers)}")
         if self._deferred():
+            self._on_oxygen = True
             if torch.compiler.is_compiling():
                 if not context.TRACING:
                     raise NotImplementedError(
@@ -184,6 +199,8 @@ class PagedKVCache(Cache):
                 return key_states, value_states  # oxygen::paged_step stores them
             context.hand_over(self, layer_idx, key_states, value_states)
             return key_states, value_states
+        if self._on_oxygen:  # the model left oxygen attention under it: disable()
+            raise OxygenDisabledError(DISABLED)
         # dense read-back: every block stays whole (kv/window.py)
         self._core.window = self._core.narrow_window = None
         self._core.write(layer_idx, key_states, value_states)

@@ -277,6 +277,7 @@ def apply(model, cfg: OxygenConfig | None = None):
 
 def disable_hf() -> None:
     """Restore stock transformers: models switched to oxygen go back to SDPA."""
+    router.note_disable()  # forwards running on the paged cache now fail clearly
     with _state.lock:
         for model, (_, before) in list(_state.models.items()):
             if uses_oxygen(model):
@@ -284,7 +285,9 @@ def disable_hf() -> None:
         _state.models.clear()
         _patching.undo(GROUP)
         _state.installed = _state.defaulting = False
-        _state.cfg = _state.generate = _state.get_correct = None
+        # (generate and get_correct stay: a call, or a model's creation, that entered the
+        # wrap before the undo ends on them)
+        _state.cfg = None
         engine_runner.close_all()  # calls still waiting get a clear error
         graphs.clear()  # graphs read the pools' memory
         batched.clear_graphs()

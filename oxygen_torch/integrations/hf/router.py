@@ -22,7 +22,7 @@ import torch
 
 from ... import _patching, context
 from . import compat, graphs
-from .cache import PagedKVCache
+from .cache import DISABLED, OxygenDisabledError, PagedKVCache
 
 GROUP = "transformers"
 _MODULE_CALL = torch.nn.Module.__call__
@@ -33,6 +33,7 @@ _USER_COMPILED = (
     "compiled forward as it is."
 )
 _lock = threading.Lock()
+_disables = 0  # disable() calls so far (note_disable)
 
 
 def _compiled(fn) -> bool:
@@ -49,6 +50,28 @@ def _model_call(self, *args, **kw):
 
 
 def _paged_call(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
+    """A forward on the paged cache. One that disable() ran under (it switched the model back
+    to stock attention while the layers ran) may have mixed the two: it fails, clearly."""
+    seen = _disables
+    try:
+        out = _route(model, name, cache, args, kw)
+    except Exception as err:
+        if _disables != seen:
+            raise OxygenDisabledError(DISABLED) from err
+        raise
+    if _disables != seen:
+        raise OxygenDisabledError(DISABLED)
+    return out
+
+
+def note_disable() -> None:
+    """disable() starts: the paged forwards running now end in OxygenDisabledError."""
+    global _disables
+    with _lock:
+        _disables += 1
+
+
+def _route(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
     context.begin_forward()
     own = model.__dict__.get("forward")
     if model.__dict__.get("_compiled_call_impl") is not None or _compiled(own):

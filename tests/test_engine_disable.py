@@ -1,0 +1,196 @@
+"""disable() and release_pools() while generate() calls run on oxygen's paged cache.
+
+A call running through disable() either finishes with stock's tokens or raises one clear error
+(OxygenDisabledError, a RuntimeError naming disable()); release_pools() never pulls a pool out
+from under a live call (a pool goes only once nothing refers to it). Tiny random-weight models
+in float32 on CPU; every thread is joined with a bound (a hang fails the test)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from test_engine_errors import in_threads, llama, merged_rows, merged_steps
+
+import oxygen_torch
+from oxygen_torch.integrations.hf import batched
+from oxygen_torch.integrations.hf.cache import OxygenDisabledError
+from oxygen_torch.kv import pool as kv_pool
+from oxygen_torch.kv.core import PagedKVCore
+from oxygen_torch.kv.pool import pool_stats, release_pools
+
+MODES = {
+    "merged": merged_steps(),
+    "alone": {"scheduler": {"merge": False}},
+    # 31 blocks of 128 tokens (8 MiB) for ten calls that need 40 by their end: calls wait for
+    # blocks and are preempted (their KV dropped, recomputed later: their pool holds none of
+    # their blocks meanwhile), as in test_engine's burst
+    "preempted": {**merged_steps(), "kv": {"arena_bytes": 8 << 20, "block_tokens": 128}},
+}
+
+
+def calls(n: int, new: int, rows: int | None = None, length: int = 0) -> list[dict]:
+    """n greedy calls of 1 or 2 rows (or `rows`) of 6 to 15 tokens (or `length` + 0..n-1),
+    left padding in some."""
+    kws = []
+    for s in range(n):
+        g = torch.Generator().manual_seed(200 + s)
+        b, cols = rows or 1 + s % 2, length + s if length else 6 + 3 * (s % 4)
+        ids = torch.randint(1, 128, (b, cols), generator=g)
+        mask = torch.ones_like(ids)
+        if b > 1:
+            mask[0, : 1 + s % 3] = 0
+            ids[0, : 1 + s % 3] = 0
+        kws.append(dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False))
+    return kws
+
+
+def generate(model, kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+def stock_answers(kws):
+    stock = llama()
+    return [generate(stock, kw) for kw in kws]
+
+
+@pytest.fixture
+def cleanup(oxygen):
+    yield
+    oxygen_torch.disable()
+
+
+@pytest.mark.parametrize("mode", ["merged", "alone"])
+@pytest.mark.parametrize("after", [1, 4, 12])
+def test_disable_while_calls_run_finishes_them_or_says_so(cleanup, mode, after):
+    """8 calls; disable() from another thread once `after` forwards have run (a counter on the
+    embedding). Each call returns stock's tokens or raises OxygenDisabledError; nothing else."""
+    kws = calls(8, new=16)
+    ref = stock_answers(kws)
+    oxygen_torch.enable(**MODES[mode])
+    model = llama()
+    assert model.config._attn_implementation == "oxygen"
+    forwards, due = [0], threading.Event()
+
+    def count(module, args):
+        forwards[0] += 1
+        if forwards[0] >= after:
+            due.set()
+
+    model.model.embed_tokens.register_forward_pre_hook(count)
+
+    def disable():
+        assert due.wait(60), "no forward ran"
+        oxygen_torch.disable()
+
+    out, errors = in_threads(
+        lambda f, *a: f(*a), [(generate, model, kw) for kw in kws] + [(disable,)]
+    )
+    assert 8 not in errors, errors.get(8)
+    told = {i: (type(e), str(e)) for i, e in errors.items()}
+    del errors  # (their tracebacks hold the failed calls' caches)
+    for i, r in enumerate(ref):
+        if i in told:
+            kind, text = told[i]
+            assert kind is OxygenDisabledError, f"call {i}: {kind.__name__}: {text}"
+            assert issubclass(kind, RuntimeError) and "oxygen_torch.disable()" in text
+        else:
+            assert torch.equal(out[i], r), f"call {i}"
+    assert told, "disable() came after every call had finished: the test saw nothing"
+    assert torch.equal(generate(model, kws[0]), ref[0])  # stock from now on
+    gc.collect()
+    release_pools()
+    assert pool_stats() == []  # nothing left held
+
+
+@pytest.mark.parametrize("mode", ["merged", "alone"])
+def test_release_pools_between_a_bind_and_its_first_blocks_takes_no_pool(cleanup, mode):
+    """Every core binding to its pool is followed at once by release_pools() (what another
+    thread's release does when it lands between a call's bind and its first blocks): the pool
+    stays, and is the one every call of the model shares. 8 calls, stock's tokens."""
+    kws = calls(8, new=6)
+    ref = stock_answers(kws)
+    oxygen_torch.enable(**MODES[mode])
+    model = llama()
+    bind, lost = PagedKVCore.bind, []
+
+    def bind_then_release(core, *args):
+        bind(core, *args)
+        release_pools()
+        if kv_pool.get_pool(core.pool.key) is not core.pool:  # a second pool for its geometry
+            lost.append(core.pool)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PagedKVCore, "bind", bind_then_release)
+        out, errors = in_threads(lambda kw: generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, {i: repr(e) for i, e in errors.items()}
+    assert not lost, f"{len(lost)} calls' pools were let go under them"
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    if mode == "merged":
+        assert merged_rows(model) > 2
+
+
+@pytest.mark.parametrize("mode", ["merged", "preempted"])
+def test_release_pools_while_calls_run_takes_no_pool_from_them(cleanup, mode):
+    """8 threads of 3 calls each (preempted: 10 threads of one call of 2 rows x 100+ tokens
+    and 40 new ones) while another thread calls release_pools() in a loop: every call returns
+    stock's tokens. Once they are done, release_pools() lets every pool go."""
+    if mode == "preempted":
+        kws, repeat = calls(10, new=40, rows=2, length=100), 1
+    else:
+        kws, repeat = calls(8, new=10), 3
+    ref = stock_answers(kws)
+    oxygen_torch.enable(**MODES[mode])
+    model = llama()
+    left, lock, done = [len(kws)], threading.Lock(), threading.Event()
+    released = [0]
+
+    def calls_of(i):
+        try:
+            return [generate(model, kws[i]) for _ in range(repeat)]
+        finally:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+    def release():
+        while not done.wait(0.02):
+            release_pools()
+            released[0] += 1
+
+    out, errors = in_threads(
+        lambda f, *a: f(*a), [(calls_of, i) for i in range(len(kws))] + [(release,)]
+    )
+    assert not errors, {i: repr(e) for i, e in errors.items()}
+    for i, r in enumerate(ref):
+        assert all(torch.equal(o, r) for o in out[i]), f"call {i}"
+    assert released[0] > 10
+    if mode == "preempted":
+        assert sum(m.scheduler.stats.preemptions for m in batched._mergers[model].values()) > 0
+    gc.collect()
+    release_pools()
+    assert pool_stats() == [] and len(kv_pool._open) == 0
+
+
+def test_a_pool_a_core_is_bound_to_stays_until_the_core_lets_go():
+    """A core bound to its pool, holding no block (just bound, or preempted): release_pools()
+    keeps the pool open and get_pool gives the same one; once the core is released, the pool
+    goes."""
+    core = PagedKVCore(2, block_tokens=16, arena_bytes=8 << 20)
+    core.bind(1, 2, 64, torch.float32, "cpu")
+    pool = weakref.ref(core.pool)
+    key = core.pool.key
+    release_pools()
+    assert kv_pool.get_pool(key) is core.pool  # one pool per geometry while it lives
+    k = torch.randn(1, 2, 5, 64)
+    core.write(0, k, k)  # its blocks can still be taken and written
+    assert pool_stats()[0]["blocks_used"] == 1
+    core.release()
+    release_pools()
+    assert pool() is None and kv_pool._open.get(key) is None
