@@ -286,6 +286,16 @@ def test_stop_strings_end_the_text_before_them(srv, loaded):
     assert texts[0] == r.choices[0].text and finish[0] == "stop"
 
 
+def test_a_stop_string_no_token_can_spell_is_still_a_stop_string(srv, loaded):
+    """transformers refuses a stop string no token spells ("zz" here) for the whole call: the
+    server keeps it out of generate() and looks for it in the text."""
+    model, tok = loaded
+    want = reference(model, PROMPTS[0], 8)
+    r = srv.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8,
+                                        temperature=0, stop=["zz", "w999"])  # fmt: skip
+    assert r.choices[0].text.split() == words(tok, want)
+
+
 def test_concurrent_clients_with_priorities_get_their_own_tokens(srv, loaded):
     model, tok = loaded
     prompts = [[3 + 11 * i + j for j in range(4 + i % 5)] for i in range(8)]

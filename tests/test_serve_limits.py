@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -116,6 +117,54 @@ def test_other_methods_and_paths_are_json_errors_and_the_server_keeps_serving(sr
     assert blocks_in_use() == 0
     counts = srv.app.state.server.admission.counts
     assert counts["error"] == 0, counts  # no bad input reached generate() and failed there
+
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "min_tokens",
+          "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "priority",
+          "logprobs", "echo", "return_token_ids", "best_of", "logit_bias", "tools"]  # fmt: skip
+
+
+def anything(rng, depth: int = 0):
+    """A JSON value of any type, often an edge (huge, tiny, negative, empty, nested)."""
+    pick = rng.randrange(10)
+    if pick == 0:
+        return rng.choice([None, True, False])
+    if pick == 1:
+        return rng.choice([0, 1, 2, -1, 3, 16, 10**400, 2**63, -(2**63)])
+    if pick == 2:
+        return rng.choice([0.0, 0.5, 1e-300, 2.5, -0.1, 1.0, 1e300])
+    if pick == 3:
+        return rng.choice(["", "w5 w6", "high", "tiny", "\u0000", "abcdef", "x" * 300, "zz"])
+    if pick == 4 and depth < 3:
+        return [anything(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if pick == 5 and depth < 3:
+        keys = FIELDS + ["role", "content", "type", "text", "include_usage"]
+        return {rng.choice(keys): anything(rng, depth + 1) for _ in range(rng.randrange(3))}
+    if pick == 6:
+        return [rng.randrange(-2, 200) for _ in range(rng.randrange(5))]
+    if pick == 7:
+        roles, contents = ["user", "assistant", "system", "x"], ["w5", 5, None, []]
+        return [{"role": rng.choice(roles), "content": rng.choice(contents)}
+                for _ in range(rng.randrange(3))]  # fmt: skip
+    return rng.choice([3, 8, "w5", ["w5", "w7"], [[5, 6], [7]]])
+
+
+def test_random_bodies_never_get_a_5xx_and_leave_nothing_behind(srv):
+    rng = random.Random(33)
+    seen = set()
+    for _ in range(150):
+        body = {f: anything(rng) for f in rng.sample(FIELDS, rng.randrange(1, 7))}
+        if rng.random() < 0.7:  # mostly a valid request with a few odd fields
+            body = {k: v for k, v in body.items() if rng.random() < 0.4}
+            body = {"prompt": "w5 w6", "messages": CHAT["messages"], "max_tokens": 4, **body}
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        head = {"X-Priority": rng.choice(["high", "1", "bad", "9" * 500])}
+        r = http(srv.url + path, "POST", body, head if rng.random() < 0.3 else {})
+        assert r.status < 500, (path, body, r.body[:300])
+        seen.add(r.status)
+    assert {200, 400} <= seen
+    assert srv.app.state.server.admission.counts["error"] == 0
+    assert wait_for(lambda: blocks_in_use() == 0, 10)
 
 
 def raw(url: str, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:

@@ -168,8 +168,7 @@ class Server:
                            code="model_not_found")  # fmt: skip
         self.admission.enter()
         try:
-            prompts = await asyncio.to_thread(self.served.encode, req)
-            call = self.served.call(req, prompts)
+            call = await asyncio.to_thread(self._prepare, req)
         except BaseException:
             self.admission.leave(False, "refused")
             raise
@@ -191,6 +190,10 @@ class Server:
             self._events(job, answer, first, req.sampling.include_usage),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
+
+    def _prepare(self, req):
+        """Tokenises and checks the request (a thread: long texts take a while)."""
+        return self.served.call(req, self.served.encode(req))
 
     async def _events(self, job: Job, answer: Answer, item, include_usage: bool):
         """The stream: text chunks as they come, then finish reasons, usage, [DONE]. Starlette

@@ -36,6 +36,7 @@ class Served:
         # encoding may set a fast tokenizer's truncation / padding state, which concurrent
         # calls must not meet half set ("Already borrowed"); decoding only reads it
         self._encoding = threading.Lock()
+        self._stops: dict[tuple[str, ...], list[str]] = {}
 
     # --- prompts (on a worker thread: a long text takes a while to tokenise) ----------------
 
@@ -103,6 +104,25 @@ class Served:
             raise bad("min_tokens", f"{s.min_tokens} is more than the {new} tokens that fit")
         return new
 
+    def engine_stops(self, stop: tuple[str, ...]) -> list[str]:
+        """The stop strings generate() can match on tokens. transformers refuses a string no
+        token of the vocabulary can spell (a ValueError for the whole call); such a string is
+        still found in the text (text.py), and the call ended from the streamer. Cached."""
+        if stop not in self._stops:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            ok = []
+            for s in stop:
+                try:
+                    StopStringCriteria(self.tok, [s])
+                    ok.append(s)
+                except ValueError:
+                    pass
+            if len(self._stops) > 1024:
+                self._stops.clear()
+            self._stops[stop] = ok
+        return self._stops[stop]
+
     # --- the call -----------------------------------------------------------------------------
 
     def call(self, req: Request, prompts: list[list[int]]) -> Call:
@@ -113,8 +133,8 @@ class Served:
             gen.update(temperature=s.temperature, top_p=s.top_p)
         if s.min_tokens:
             gen["min_new_tokens"] = s.min_tokens
-        if s.stop:
-            gen.update(stop_strings=list(s.stop), tokenizer=self.tok)
+        if s.stop and (stops := self.engine_stops(s.stop)):
+            gen.update(stop_strings=stops, tokenizer=self.tok)
         call = Call(prompts, s.n, gen, priority=s.priority, seed=s.seed)
         call.rows = [ChoiceText(self.tok, p, new, s.stop, self.eos, incremental=s.stream)
                      for p in prompts for _ in range(s.n)]  # fmt: skip
