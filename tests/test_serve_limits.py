@@ -1,7 +1,8 @@
 """The server's limits on loopback: every bad input gets OpenAI's error object with its 4xx and
 the server goes on serving; bodies, headers and idle connections have deadlines; a burst past
 --max-queue gets 429 with Retry-After; the command itself (a subprocess) wants its API key.
-The server and model are test_serve.py's; every wait is bounded in count and time."""
+The server and model are test_serve.py's (a checkpoint loaded from transformers: this file runs
+on both ends of its range, Makefile's RANGE_IMPORTS); every wait is bounded in count and time."""
 
 from __future__ import annotations
 
