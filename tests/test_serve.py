@@ -92,6 +92,7 @@ def ckpt(tmp_path_factory):
 def loaded(ckpt):
     """oxygen enabled with the engine, the checkpoint loaded as `serve` loads it."""
     _patching.forget_warnings()
+    oxygen_torch.disable()  # (an earlier file's enable() with another configuration)
     oxygen_torch.enable(**OXYGEN)
     try:
         model, tok = load(str(ckpt), "float32", "cpu")
