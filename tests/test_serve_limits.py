@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import socket
@@ -290,17 +291,19 @@ def test_the_command_serves_and_wants_its_api_key(ckpt):
          "tiny", "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
-        url, lines = None, []
+        url, said = None, []
         deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1 .*engine on", line):
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                said.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1 .*engine on", said[-1]):
                 url = m.group(1)
-        assert url, "".join(lines)[-3000:]
+        assert url, "".join(said)[-3000:]
         c = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
         with pytest.raises(openai.AuthenticationError):
             c.completions.create(model="tiny", prompt=[5, 6], max_tokens=2)
