@@ -100,3 +100,32 @@ def test_random_text_and_stop_strings(seed):
     assert row.text == want and "".join(deltas) == want
     assert not any("\ufffd" in d for d in deltas)
     assert row.stopped == stopped
+
+
+def test_steps_the_event_loop_has_not_taken_yet_join_one_chunk():
+    """jobs.Job: text of several steps put while the loop is busy reaches it as one item."""
+    import asyncio
+
+    import torch
+
+    from oxygen_torch.tools.serve.jobs import Admission, Call, Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        call = Call([[1, 2]], 2, {})
+        call.rows = [ChoiceText(Bytes(), [1, 2], 100) for _ in range(2)]
+        admission = Admission(4)
+        admission.enter()
+        job = Job(call, admission, loop, stream=True)
+        job.put(torch.tensor([[1, 2], [1, 2]]))  # the prompt
+        for a, b in zip(b"hello", b"world"):
+            job.put(torch.tensor([a, b]))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert job.queue.qsize() == 1 and job.queue.get_nowait() == ("text", None)
+        assert job.take_text() == ["hello", "world"]
+        job.put(torch.tensor([ord("!"), ord("?")]))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert job.queue.qsize() == 1 and job.take_text() == ["!", "?"]
+        assert (admission.waiting, admission.running) == (0, 1)
+    finally:
+        loop.close()

@@ -204,7 +204,8 @@ class Server:
             while True:
                 kind, data = item
                 if kind == "text":
-                    yield answer.texts(data)
+                    if any(deltas := job.take_text()):
+                        yield answer.texts(deltas)
                 elif kind == "done":
                     for chunk in answer.closing(include_usage):
                         yield chunk

@@ -2,7 +2,8 @@
 
 The job is the call's streamer: generate() puts the prompt first, then one tensor of new tokens
 a step (one per row), on the worker thread. There the tokens become text (text.py); a streamed
-request's text goes to the event loop's queue as it comes. A job cancelled (its client left)
+request's text goes to the event loop as it comes (steps that come while the loop is busy
+join one chunk). A job cancelled (its client left)
 raises from its next put(): the engine ends the call at its next step and its KV blocks come
 back. Admission: at most ``max_queue`` requests wait for their first token; one more is refused
 with 429 before anything runs.
@@ -101,6 +102,10 @@ class Job:
         self.call, self.admission, self.loop, self.stream = call, admission, loop, stream
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        # text not yet taken by the event loop: steps that come while the loop is busy join one
+        # chunk (one wake-up of the loop and one write per chunk, not per step and request)
+        self._lock = threading.Lock()
+        self._pending: list[str] | None = None
         self.prompt_seen = False
         self.first_token_at: float | None = None
         self.error: BaseException | None = None
@@ -119,7 +124,7 @@ class Job:
         rows = self.call.rows
         deltas = [row.add(t) for row, t in zip(rows, value.view(-1).tolist())]
         if self.stream and any(deltas):
-            self._post(("text", deltas))
+            self._add_text(deltas)
         if all(r.finish for r in rows) and any(r.stopped for r in rows):
             raise AllStopped()
 
@@ -150,8 +155,15 @@ class Job:
             if outcome == "ok":
                 deltas = [row.end() for row in self.call.rows]
                 if self.stream and any(deltas):
-                    self._post(("text", deltas))
+                    self._add_text(deltas)
             self._post(("error", self.error) if self.error is not None else ("done", None))
+
+    def _add_text(self, deltas: list[str]) -> None:
+        with self._lock:
+            first = self._pending is None
+            self._pending = deltas if first else [a + b for a, b in zip(self._pending, deltas)]
+        if first:  # the loop takes all that has come by the time it looks
+            self._post(("text", None))
 
     def _post(self, item) -> None:
         try:
@@ -160,6 +172,12 @@ class Job:
             pass
 
     # --- the event loop ------------------------------------------------------------------
+
+    def take_text(self) -> list[str]:
+        """The text of each row since the last take (after a "text" item)."""
+        with self._lock:
+            out, self._pending = self._pending, None
+        return out or []
 
     def cancel(self) -> None:
         self.cancelled.set()
