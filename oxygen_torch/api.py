@@ -174,6 +174,18 @@ def decode_graph_stats(model) -> dict:
     return {**graphs.stats(model), "merged": batched.merged_graph_stats(model)}
 
 
+def engine_stats(model=None) -> dict:
+    """The engines' figures (`model`'s, when given; else every model's), summed: steps,
+    forwards, tokens computed and drawn, preemptions and swaps, rows a step, host / GPU time and
+    the GPU's idle time between steps, running and waiting rows; and under "per_call", the
+    generate() calls that ran their own loop instead, by reason (every model's)."""
+    from .integrations.hf import engine_runner, front
+
+    with front._reasons_lock:
+        reasons = dict(front.REASONS)
+    return {**engine_runner.engine_stats(model), "per_call": reasons}
+
+
 def empty_cache() -> None:
     """Unmap pages with nothing live and release cached physical handles."""
     pool.empty_cache()

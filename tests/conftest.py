@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _per_call_path(request, monkeypatch):
+    """Tests marked `per_call` run with scheduler.engine=false: they pin the per-call path
+    (each call's own loop, merged step by step), which calls the engine does not take use."""
+    if request.node.get_closest_marker("per_call") is not None:
+        given = os.environ.get("OXYGEN_CONF", "")
+        monkeypatch.setenv("OXYGEN_CONF", ",".join(filter(None, [given, "scheduler.engine:false"])))
+
+
 @pytest.fixture
 def device():
     """The device GPU-capable tests run on: cuda where there is one, else cpu."""

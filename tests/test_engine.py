@@ -24,6 +24,9 @@ from oxygen_torch.integrations.hf import batched
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 
 def llama(seed=0, arch="llama"):
     torch.manual_seed(seed)

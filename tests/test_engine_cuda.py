@@ -10,7 +10,8 @@ from test_engine import call_kw, in_threads, schedulers
 
 from oxygen_torch.integrations.hf import integration as hf
 
-pytestmark = pytest.mark.cuda
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = [pytest.mark.cuda, pytest.mark.per_call]
 
 SMALL = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,

@@ -22,6 +22,9 @@ from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.core import PagedKVCore
 from oxygen_torch.kv.pool import pool_stats, release_pools
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MODES = {
     "merged": merged_steps(),
     "alone": {"scheduler": {"merge": False}},

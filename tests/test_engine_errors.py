@@ -22,6 +22,9 @@ from oxygen_torch.engine.task import Task
 from oxygen_torch.integrations.hf import batched
 from oxygen_torch.integrations.hf import generate as gen
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 JOIN_S = 120  # a thread still alive after this is a hang
 
 

@@ -239,6 +239,7 @@ def test_unsupported_settings_take_the_per_call_path_counted(oxygen, kw, reason)
     ref_seq = ref if isinstance(ref, torch.Tensor) else ref.sequences
     assert torch.equal(got_seq, ref_seq)
     assert any(reason in r for r in front.REASONS), front.REASONS
+    assert oxygen_torch.engine_stats()["per_call"] == dict(front.REASONS)
 
 
 class Boom(Exception):
@@ -415,4 +416,33 @@ def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
     st = eng.snapshot()
     assert st["preemptions"] > 0, st
     assert (st["swaps"] > 0) == bool(tier), st
+    assert blocks_in_use() == 0
+
+
+def test_an_error_in_a_step_reaches_only_the_call_that_fails_alone(oxygen, monkeypatch):
+    """A step of several calls that raises is run again one call a step: only the call whose
+    rows make it fail gets the error, the others end with stock's tokens."""
+    model = tiny("llama")
+    kws = [call(s) for s in range(9)]
+    for kw in kws:
+        kw["input_ids"] = kw["input_ids"].clamp(max=126)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    _generate(model, kws[0])  # the engine exists
+    (eng,) = engines(model)
+    forward = eng.runner.forward
+
+    def marked(rows, ids, pos):
+        if bool((ids == 127).any()):
+            raise Boom("the marked call's rows")
+        return forward(rows, ids, pos)
+
+    monkeypatch.setattr(eng.runner, "forward", marked)
+    bad = dict(input_ids=torch.tensor([[5, 127, 9, 11]]), max_new_tokens=5, do_sample=False)
+    out, errors = in_threads(
+        lambda i: _generate(model, bad if i == 9 else kws[i]), [(i,) for i in range(10)]
+    )
+    assert set(errors) == {9} and isinstance(errors[9], Boom), errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(9))
     assert blocks_in_use() == 0

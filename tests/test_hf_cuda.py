@@ -16,7 +16,8 @@ from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.tools.demo_models import random_llama
 
-pytestmark = pytest.mark.cuda
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = [pytest.mark.cuda, pytest.mark.per_call]
 DEVICE = "cuda"
 
 SMALL = dict(

@@ -26,6 +26,9 @@ from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.core import PagedKVCore
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 
 @pytest.fixture
 def graphs(monkeypatch):

@@ -13,6 +13,9 @@ from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import PagedKVCache
 from oxygen_torch.integrations.hf import integration as hf
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 LAYERS = 2  # tiny()'s num_hidden_layers
 
 

@@ -35,6 +35,9 @@ from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.kv.storage import KVStorage
 from oxygen_torch.kv.swap import swap_out
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MiB, KiB = 1 << 20, 1 << 10
 BT = 16
 

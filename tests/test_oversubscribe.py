@@ -24,6 +24,9 @@ from oxygen_torch.integrations.hf import oversubscribe
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.block_manager import KVCacheFull
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 SMALL = {"block_tokens": 256, "arena_bytes": 8 << 20}  # 15 blocks
 LARGE = {"block_tokens": 256, "arena_bytes": 64 << 20}  # 127 blocks
 

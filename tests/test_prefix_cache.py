@@ -20,6 +20,9 @@ from oxygen_torch.kv import BlockManager, pool_stats
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.prefix import PrefixCache
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 BT = 16
 
 

@@ -24,6 +24,9 @@ from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
 from oxygen_torch.tools import metrics
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MiB = 1 << 20
 
 

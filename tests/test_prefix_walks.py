@@ -21,6 +21,9 @@ from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MiB = 1 << 20
 
 

@@ -26,6 +26,9 @@ from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.kv.storage import GUARD_BLOCK
 from oxygen_torch.kv.swap import swap_in, swap_out
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MiB = 1 << 20
 BT = 16
 W = 12  # not a multiple of BT

@@ -16,7 +16,8 @@ from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats, transfer
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 
-pytestmark = pytest.mark.cuda
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = [pytest.mark.cuda, pytest.mark.per_call]
 MiB = 1 << 20
 
 

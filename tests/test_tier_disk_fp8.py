@@ -29,6 +29,9 @@ from oxygen_torch.kv.disk import DiskTier
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.tier import PRESSURE, CPUTier, TierFull
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 MiB = 1 << 20
 
 

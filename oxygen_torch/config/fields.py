@@ -353,8 +353,8 @@ class SchedulerConfig:
     decode_graphs: bool = False
     # the engine owns the loop: a generate() call whose settings it supports becomes engine
     # requests (one thread per model steps every row at once); false: every call runs its own
-    # loop, merged step by step as above (off until its tests replace the merged path's)
-    engine: bool = False
+    # loop, merged step by step as above (the calls the engine does not take always do)
+    engine: bool = True
 
     def __post_init__(self):
         _check_types(self, "scheduler")

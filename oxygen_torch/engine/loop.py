@@ -114,6 +114,8 @@ class Engine:
         self.pid = os.getpid()
         self._host_bufs: list = [None, None]
         self._turn = 0
+        self._kept: list[Request] = []  # ended rows holding KV for their unfinished call
+        self._suspects: dict[Group, Exception] = {}  # calls of a failed step, to run alone
         self._last_done: float | None = None  # when the last step's tokens were read
         self._prev_end = None  # the last step's end event (CUDA): the GPU's gap to the next
         METRICS.attach_engine(self)
@@ -199,7 +201,11 @@ class Engine:
             rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
                                        self.runner.free_blocks()))  # fmt: skip
             chosen = time.perf_counter()
-            launched = self._launch(rows) if rows else None
+            try:
+                launched = self._launch(rows) if rows else None
+            except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
+                launched = None
+                self._step_failed(rows, err)
             done = time.perf_counter()
             st = self.stats
             st.host_s += done - start
@@ -225,6 +231,31 @@ class Engine:
                         return
                 self._cond.wait(IDLE_S if not (self.running or self.waiting) else 0.005)
 
+    def _step_failed(self, rows: list[StepRow], err: Exception) -> None:
+        """A step raised before it was launched (its KV reservations undone): a step of one
+        call's rows gives that call the error; a step of several calls' rows runs them again
+        one call a step (`allowed`), so the error reaches only a call that fails alone."""
+        groups = list(dict.fromkeys(row.req.group for row in rows))
+        if len(groups) == 1:
+            (g,) = groups
+            log.debug("oxygen_torch: a generate() call's step failed: %r", err)
+            for r in g.requests:
+                if r.finished is None:
+                    self._end(r, "error")
+            g.fail(err)
+            self._groups.discard(g)
+            self._suspects.pop(g, None)
+            return
+        for g in groups:
+            self._suspects.setdefault(g, err)
+
+    def allowed(self, r: Request) -> bool:
+        """Whether a row may join the next step: after a step of several calls failed, its
+        calls step one at a time until each has stepped alone (schedule.choose)."""
+        if not self._suspects:
+            return True
+        return r.group is next(iter(self._suspects))
+
     def _take_inbox(self) -> None:
         for g in self._inbox:
             self._groups.add(g)
@@ -240,6 +271,7 @@ class Engine:
                 if r.finished is None:
                     self._end(r, "cancelled")
             self._groups.discard(g)
+            self._suspects.pop(g, None)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._cond:
@@ -324,6 +356,18 @@ class Engine:
     def swapped_blocks(self, r: Request) -> int:
         return self.runner.swapped_blocks(r.kv)
 
+    def reclaim_kept(self) -> int:
+        """Rows that ended and keep their KV for their call's output cache, while the call's
+        other rows still wait, give the blocks back (the call then returns no cache): else a
+        call larger than the pool would wait for itself. Returns the blocks freed."""
+        before = self.runner.free_blocks()
+        for r in self._kept:
+            if not r.group.done and r.kv is not None:
+                self.runner.release(r.kv)
+                r.kv = None
+        self._kept = []
+        return self.runner.free_blocks() - before
+
     def fail(self, r: Request, err: BaseException) -> None:
         self._end(r, "error")
         r.group.fail(err)
@@ -357,6 +401,8 @@ class Engine:
             r.kv, kept = None, r.kv  # the caller's now (its output's cache)
             self._unbind(r)
             r.kv = kept
+            if not r.group.done:
+                self._kept.append(r)  # (taken back if its call's other rows need the blocks)
         else:
             self._unbind(r)
         for lst in (self.running, self.waiting):
@@ -458,6 +504,9 @@ class Engine:
         return r.stop.eos if r.sampled < r.stop.min_new else ()
 
     def _complete(self, f: _Inflight) -> None:
+        if self._suspects:  # a call that stepped alone and did not fail is cleared
+            for g in {row.req.group for row in f.rows}:
+                self._suspects.pop(g, None)
         start = time.perf_counter()
         if f.event is not None:
             f.event.synchronize()
@@ -508,6 +557,7 @@ class Engine:
         for g in touched:  # a caller wakes for its tokens only when it streams them, or at its end
             if g.done:
                 self._groups.discard(g)
+                self._kept = [r for r in self._kept if r.group is not g]  # (the caller's now)
             g.notify()
 
     def _observe(self, f: _Inflight, now: float) -> None:

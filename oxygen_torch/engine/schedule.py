@@ -58,7 +58,10 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     waiting rows, the policy, the KV figures (`blocks_for`, `total_blocks`) and `preempt`."""
     rows: list[StepRow] = []
     decoding, prefills = [], []
+    allowed = engine.allowed
     for r in engine.running:  # (one pass: hundreds of rows a step)
+        if not allowed(r):
+            continue
         if r.computed < (r.recompute or len(r.prompt)):
             prefills.append(r)
         elif r.sampled < r.stop.max_new and r.finished is None:
@@ -91,8 +94,9 @@ def choose(engine, budget: Budget) -> list[StepRow]:
             budget.free -= need
     prefills = _ordered(engine, prefills) + _ordered(
         engine,
-        [r for r in engine.waiting if r.pending == 0 and r.finished is None and not r.swapped],
-    )
+        [r for r in engine.waiting
+         if r.pending == 0 and r.finished is None and not r.swapped and allowed(r)],
+    )  # fmt: skip
     for r in prefills:
         if budget.tokens <= 0:
             break
@@ -150,7 +154,9 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
             return None
         first = min(len(r.seq()), budget.tokens)
         if engine.runner.blocks_for(None, first) > budget.free and not _victims(engine, r):
-            return None  # no room and no one to make it: it waits (not admitted)
+            budget.free += engine.reclaim_kept()  # (ended rows kept for an output cache)
+            if engine.runner.blocks_for(None, first) > budget.free:
+                return None  # no room and no one to make it: it waits (not admitted)
         engine.admit(r)
     left = r.target - r.computed
     n = min(left, budget.tokens)

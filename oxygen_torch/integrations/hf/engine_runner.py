@@ -5,7 +5,7 @@ packs every row's new tokens into one row of ids [1, T] with their own positions
 model's own forward over a MergedStep (kv/merged.py), which writes and attends over every row's
 blocks side by side: one forward per step, whatever the rows. A step in which every row decodes
 one token replays a CUDA graph by batch-size bucket (merged_graphs.py) where decode graphs are
-on (kv.decode_graphs and scheduler.decode_graphs, on a GPU).
+on (kv.decode_graphs, on a GPU).
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class HFRunner:
         return logits
 
     def _replayable(self, rows) -> bool:
-        if not self.cfg.scheduler.decode_graphs or any(row.ids is not None for row in rows):
+        """A step of decodes only, with decode graphs on (kv.decode_graphs, on a GPU)."""
+        if any(row.ids is not None for row in rows):
             return False
         kv = rows[0].req.kv
         return graphs.usable(self.device, kv) and not kv._core.debug

@@ -293,6 +293,7 @@ def _call_seed() -> int:
 
 def run(engine, p: Plan):
     """Submits the call's rows, waits (streaming in this thread), returns stock's output."""
+    _check_lockstep(engine, p)
     group = Group(p.requests, streaming=p.streamer is not None)
     streamer = p.streamer
     if streamer is not None:
@@ -329,6 +330,24 @@ def _release(group: Group) -> None:
         if r.keep_kv and r.kv is not None and r.finished in ("eos", "length", "stop"):
             r.kv._core.release()
             r.kv = None
+
+
+def _check_lockstep(engine, p: Plan) -> None:
+    """A call that keeps scores or logits steps all its rows until its last ends (as stock's
+    batch): they must fit the KV pool together, or it could never end."""
+    rows = [r for r in p.requests if r.lockstep]
+    if not rows:
+        return
+    runner = engine.runner
+    need = sum(runner.blocks_for(None, len(r.prompt) + r.stop.max_new) for r in rows)
+    if need > runner.total_blocks():
+        asked = [n for n in ("output_scores", "output_logits") if getattr(p.gc, n, False)]
+        raise ValueError(
+            f"oxygen_torch: this generate() keeps {', '.join(asked)}, so its {len(rows)} rows "
+            f"step together to the end (as stock's batch does), and together they need up to "
+            f"{need} KV blocks; the KV pool holds {runner.total_blocks()}: lower the batch, "
+            f"raise kv.arena_bytes, or leave out {', '.join(asked)}"
+        )
 
 
 def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) -> int:
@@ -377,7 +396,11 @@ def _output(p: Plan, group: Group, runner):
 
 def _cache(p: Plan, reqs: list[Request], runner, length: int):
     """The call's rows' KV as one PagedKVCache of B sequences (stock hands back its cache):
-    each row holds its prompt and its new tokens but the last, as stock's cache does."""
+    each row holds its prompt and its new tokens but the last, as stock's cache does. None
+    when the engine took a finished row's blocks back for rows of the call still waiting (the
+    call's rows did not fit the pool together)."""
+    if any(r.kv is None for r in reqs):
+        return None
     cache = runner.new_kv()
     cores = [r.kv._core for r in reqs]
     for r, core in zip(reqs, cores):

@@ -1,0 +1,75 @@
+"""The engine on the GPU: concurrent generate() calls against stock, decode steps replayed from
+CUDA graphs, the Triton draw's distribution at scale, the GPU figures of a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oxygen_torch.triton_kernels.sampling import sample_rows
+from test_engine import in_threads
+from test_engine_loop import call, engines
+from test_hf_generate import tiny
+
+from oxygen_torch.config import load_config
+from oxygen_torch.engine.sampling import step_seed
+from oxygen_torch.integrations.hf import front
+from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.kv import pool_stats
+
+pytestmark = pytest.mark.cuda
+GRAPHS = load_config(scheduler={"engine": True, "decode_graphs": True}, kv={"debug_checks": False})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+def test_concurrent_calls_on_the_gpu_equal_stock_through_decode_graphs(oxygen, arch):
+    """float32: 12 calls of 1-3 rows with left padding, EOS and min lengths, from threads; each
+    call's tokens agree with stock's (merged and alone runs use other kernel shapes: a rate, as
+    in test_tier_cuda.py), and decode steps replay the engine's graphs."""
+    model = tiny(arch).cuda()
+    kws = []
+    for s in range(12):
+        kw = call(s)
+        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+        kws.append(kw)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, GRAPHS)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    agree = [float((out[i] == r).float().mean()) if out[i].shape == r.shape else 0.0
+             for i, r in enumerate(ref)]  # fmt: skip
+    assert sum(agree) / len(agree) >= 0.98, agree
+    (eng,) = engines(model)
+    st = eng.runner.graphs.stats()
+    assert st["replays"] > 0 and st["failed"] == 0, st
+    snap = eng.snapshot()
+    assert snap["gpu_s"] > 0 and 0 <= snap["gpu_idle_s"] < snap["gpu_s"] * 10
+    assert not front.REASONS, front.REASONS
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
+def _generate(model, kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+def test_the_gpu_draw_follows_the_probabilities_at_scale():
+    """200,000 rows of the same 50-token logits, each its own seed: chi-square against the
+    softmax; a filtered token never drawn; greedy rows the first maximum."""
+    torch.manual_seed(0)
+    vocab, n = 50, 200_000
+    logits = torch.randn(vocab, device="cuda")
+    logits[7] = float("-inf")
+    probs = torch.softmax(logits, -1).double()
+    seeds = torch.tensor([step_seed(s, 3) for s in range(n)], device="cuda")
+    tok = sample_rows(logits.expand(n, vocab).contiguous(), seeds,
+                      torch.zeros(n, dtype=torch.bool, device="cuda"))  # fmt: skip
+    counts = torch.bincount(tok, minlength=vocab).double()
+    assert counts[7] == 0
+    keep = probs > 0
+    stat = float(((counts[keep] - n * probs[keep]) ** 2 / (n * probs[keep])).sum())
+    assert stat < 110, stat  # 48 degrees of freedom: P(> 110) ~ 1e-6
+    tied = torch.randn(4, 1000, device="cuda")
+    tied[:, 10] = tied[:, 500] = 9.0
+    got = sample_rows(tied, seeds[:4], torch.ones(4, dtype=torch.bool, device="cuda"))
+    assert got.tolist() == [10, 10, 10, 10]
