@@ -446,3 +446,45 @@ def test_an_error_in_a_step_reaches_only_the_call_that_fails_alone(oxygen, monke
     assert set(errors) == {9} and isinstance(errors[9], Boom), errors
     assert all(torch.equal(out[i], ref[i]) for i in range(9))
     assert blocks_in_use() == 0
+
+
+SMALL = {"block_tokens": 256, "arena_bytes": 8 << 20}  # 15 blocks
+
+
+def test_a_call_with_more_rows_than_the_pool_holds_runs_them_as_blocks_come_back(oxygen):
+    """20 rows of one block each on 15 blocks, rows ending apart (an EOS): the rows wait for
+    the blocks earlier rows give back; with return_dict_in_generate the call's ended rows give
+    their blocks to its waiting ones, so it returns no cache (it would wait for itself)."""
+    model = tiny("qwen3")
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 128, (20, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(20):
+        mask[r, : r % 6] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        probe = model.generate(**kw)
+    kw["eos_token_id"] = int(probe[3, 9 + 2])  # row 3 ends early, others later or never
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        hf.apply(model, load_config(scheduler={"engine": True}, kv=SMALL))
+        out, errors = in_threads(
+            lambda: model.generate(**kw, return_dict_in_generate=True), [()], timeout=120
+        )
+    assert not errors, errors
+    assert torch.equal(out[0].sequences, ref) and out[0].past_key_values is None
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 256]
+    assert pool["peak_blocks_used"] <= pool["blocks_total"] == 15 and pool["blocks_used"] == 0
+
+
+def test_scores_of_a_call_larger_than_the_pool_are_refused_naming_the_setting(oxygen):
+    model = tiny("llama")
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=SMALL))
+    ids = torch.randint(3, 128, (20, 8))
+    kw = dict(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+              output_scores=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"output_scores.*kv\.arena_bytes"), torch.no_grad():
+        model.generate(**kw)
+    with torch.no_grad():  # what fits runs as asked
+        out = model.generate(**{**kw, "input_ids": ids[:4]})
+    assert len(out.scores) == 3 and out.scores[0].shape == (4, 128)
