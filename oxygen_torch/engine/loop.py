@@ -26,9 +26,10 @@ from typing import Any, Protocol
 import torch
 
 from ..config import SchedulerConfig
-from ..kv import transfer
 from . import policy as policies
+from .deliver import Delivery, Inflight
 from .request import Group, Request
+from .rows import Rows, upload
 from .sampling import RowSample, Sampler
 from .schedule import Budget, StepRow, choose
 from .stats import METRICS
@@ -79,17 +80,7 @@ class EngineStats:
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
-@dataclass
-class _Inflight:
-    rows: list[StepRow]
-    kept: list[StepRow]
-    host: torch.Tensor  # the drawn tokens, on the host once `event` has passed
-    event: Any
-    began: Any = None  # an event recorded before the step's first kernel (CUDA)
-    host_s: float = 0.0  # the host time choosing and launching it
-
-
-class Engine:
+class Engine(Rows, Delivery):
     """The loop of one model and KV pool (see the module docstring)."""
 
     def __init__(
@@ -189,7 +180,7 @@ class Engine:
             self._fail_all(err)
 
     def _loop(self) -> None:
-        inflight: _Inflight | None = None
+        inflight: Inflight | None = None
         idle_since = time.monotonic()
         while True:
             start = time.perf_counter()
@@ -284,131 +275,6 @@ class Engine:
             g.fail(err)
         self._groups.clear()
 
-    # --- what schedule.choose asks --------------------------------------------------------------
-
-    def blocks_for(self, r: Request, n: int) -> int:
-        return self.runner.blocks_for(r.kv, n)
-
-    def decode_blocks(self, reqs: list[Request]) -> list[int]:
-        return self.runner.decode_blocks([r.kv for r in reqs])
-
-    def total_blocks(self) -> int:
-        return self.runner.total_blocks()
-
-    def tokens_fitting(self, r: Request, free: int, n: int) -> int:
-        """The most tokens (≤ n) of r's next chunk that `free` blocks hold."""
-        lo, hi = 0, n
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.runner.blocks_for(r.kv, mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def admit(self, r: Request) -> bool:
-        """A waiting row joins the running ones: a slot, an empty KV (its tokens computed
-        again from the start after a preemption)."""
-        if r.kv is not None:
-            return True
-        r.kv = self.runner.new_kv()
-        r.recompute = len(r.seq()) if r.out else 0
-        # the prefix cache's blocks of its first tokens (kv.prefix_cache): computed already
-        r.computed = self.runner.start(r.kv, r.seq())
-        r.slot = self._take_slot()
-        if r.params.penalised:
-            ids = r.penalty_ids if r.penalty_ids is not None else torch.tensor(r.prompt)
-            held = torch.cat([ids.cpu(), torch.tensor(r.out, dtype=torch.int64)])
-            self.sampler.start_row(r.slot, held)
-        self.waiting.remove(r)
-        self.running.append(r)
-        return True
-
-    def preempt(self, r: Request) -> int:
-        """Frees r's KV blocks: its KV goes to the CPU tier (swapped: it comes back as it
-        was, `resume`) or, when there is none or it lacks room, is dropped (its tokens are
-        computed again when it comes back, from the prefix cache as far as it kept them).
-        Returns the blocks freed."""
-        before = self.runner.free_blocks()
-        low = r.task.level < 1  # (below "normal": the tier may keep it as fp8)
-        if self.runner.swap_out(r.kv, low) is not None:
-            r.swapped = True  # (its slot stays: its next input is the draw in `last`)
-            self.stats.swaps += 1
-        else:
-            self.runner.keep(r.kv, r.seq())
-            self._unbind(r)
-        self.running.remove(r)
-        self.waiting.append(r)
-        self.stats.preemptions += 1
-        METRICS.preempted()
-        return self.runner.free_blocks() - before
-
-    def resume(self, r: Request) -> bool:
-        """A swapped row's KV comes back from the CPU tier (the step's stream waits for the
-        copy); it runs again from its next step. False: not enough free blocks."""
-        if not self.runner.swap_in(r.kv):
-            return False
-        r.swapped = False
-        self.waiting.remove(r)
-        self.running.append(r)
-        return True
-
-    def swapped_blocks(self, r: Request) -> int:
-        return self.runner.swapped_blocks(r.kv)
-
-    def reclaim_kept(self) -> int:
-        """Rows that ended and keep their KV for their call's output cache, while the call's
-        other rows still wait, give the blocks back (the call then returns no cache): else a
-        call larger than the pool would wait for itself. Returns the blocks freed."""
-        before = self.runner.free_blocks()
-        for r in self._kept:
-            if not r.group.done and r.kv is not None:
-                self.runner.release(r.kv)
-                r.kv = None
-        self._kept = []
-        return self.runner.free_blocks() - before
-
-    def fail(self, r: Request, err: BaseException) -> None:
-        self._end(r, "error")
-        r.group.fail(err)
-
-    # --- rows ---------------------------------------------------------------------------------
-
-    def _take_slot(self) -> int:
-        if self._free_slots:
-            return self._free_slots.pop()
-        slot, self._slots = self._slots, self._slots + 1
-        if slot >= self.last.shape[0]:
-            grown = torch.zeros(max(64, 2 * slot), dtype=torch.int64, device=self.runner.device)
-            grown[: self.last.shape[0]] = self.last
-            self.last = grown
-        return slot
-
-    def _unbind(self, r: Request) -> None:
-        if r.kv is not None:
-            self.runner.release(r.kv)
-            r.kv = None
-        if r.slot >= 0:
-            self._free_slots.append(r.slot)
-            r.slot = -1
-
-    def _end(self, r: Request, why: str) -> None:
-        if r.finished is None:
-            r.finished = why
-        if why in ("eos", "length", "stop") and r.kv is not None:
-            self.runner.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
-        if r.keep_kv and why in ("eos", "length", "stop"):
-            r.kv, kept = None, r.kv  # the caller's now (its output's cache)
-            self._unbind(r)
-            r.kv = kept
-            if not r.group.done:
-                self._kept.append(r)  # (taken back if its call's other rows need the blocks)
-        else:
-            self._unbind(r)
-        for lst in (self.running, self.waiting):
-            if r in lst:
-                lst.remove(r)
-
     # --- one step -------------------------------------------------------------------------------
 
     def _inputs(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int]]:
@@ -416,7 +282,7 @@ class Engine:
         positions, every row's tokens one after the other."""
         device = self.runner.device
         if all(row.ids is None for row in rows):  # decode only: one gather
-            slots = _upload([row.req.slot for row in rows], device)
+            slots = upload([row.req.slot for row in rows], device)
             return self.last.index_select(0, slots), [row.start for row in rows]
         ids_host, pos, dec_at, dec_slots = [], [], [], []
         for row in rows:
@@ -427,7 +293,7 @@ class Engine:
             else:
                 ids_host.extend(row.ids)
             pos.extend(range(row.start, row.start + row.n))
-        ids = _upload(ids_host + dec_at + dec_slots, device)
+        ids = upload(ids_host + dec_at + dec_slots, device)
         t, d = len(ids_host), len(dec_at)
         flat = ids[:t]
         if d:
@@ -447,7 +313,7 @@ class Engine:
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
         return self.sampler(logits, samples)
 
-    def _launch(self, rows: list[StepRow]) -> _Inflight:
+    def _launch(self, rows: list[StepRow]) -> Inflight:
         device = self.runner.device
         began = None
         if device.type == "cuda":
@@ -457,11 +323,11 @@ class Engine:
         logits = self.runner.forward(rows, flat, pos)
         kept = [row for row in rows if row.keep]
         tokens, scores = self._draw(logits, kept)
-        slots = _upload([row.req.slot for row in kept], device)
+        slots = upload([row.req.slot for row in kept], device)
         self.last.index_copy_(0, slots, tokens)
         pen = [i for i, row in enumerate(kept) if row.req.params.penalised]
         if pen:
-            at = _upload(pen, device)
+            at = upload(pen, device)
             self.sampler.note(slots.index_select(0, at), tokens.index_select(0, at))
         for i, row in enumerate(kept):
             req = row.req
@@ -485,7 +351,7 @@ class Engine:
         st.forwards += 1
         st.tokens += sum(row.n for row in rows)
         st.rows.append(len(rows))
-        return _Inflight(rows, kept, host, event, began)
+        return Inflight(rows, kept, host, event, began)
 
     def _pinned(self, n: int) -> torch.Tensor:
         """A pinned host buffer for a step's tokens: two in turn (a step's copy is read before
@@ -502,113 +368,3 @@ class Engine:
     def _suppressed(r: Request) -> tuple[int, ...]:
         """EOS ids are not drawn before the row's min_new tokens."""
         return r.stop.eos if r.sampled < r.stop.min_new else ()
-
-    def _complete(self, f: _Inflight) -> None:
-        if self._suspects:  # a call that stepped alone and did not fail is cleared
-            for g in {row.req.group for row in f.rows}:
-                self._suspects.pop(g, None)
-        start = time.perf_counter()
-        if f.event is not None:
-            f.event.synchronize()
-        self.stats.wait_s += time.perf_counter() - start
-        toks = f.host.tolist()
-        now = time.monotonic()
-        self._observe(f, now)
-        touched, padded = set(), []
-        self.stats.drawn += len(toks)
-        for row, tok in zip(f.kept, toks):
-            r = row.req
-            if r.finished is not None:
-                continue  # a row that stopped a step ago: this token is dropped
-            if r.stopped is not None:  # a lockstep row that stopped: pad, as stock does
-                r.out.append(r.pad_id)
-                padded.append(r)
-                if len(r.out) >= r.stop.max_new:
-                    self._end(r, r.stopped)
-                    touched.add(r.group)
-                continue
-            r.out.append(tok)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            stop = r.stop
-            why = (
-                "eos" if tok in stop.eos
-                else "stop" if stop.strings and _stopped(r)
-                else "length" if len(r.out) >= stop.max_new
-                else None
-            )  # fmt: skip
-            if why is not None:
-                if r.lockstep and len(r.out) < r.stop.max_new and self._others_run(r):
-                    r.stopped = why  # the call's other rows go on: this one steps with pad
-                    padded.append(r)
-                else:
-                    self._end(r, why)
-                    if r.lockstep:
-                        self._end_lockstep(r.group)
-                touched.add(r.group)
-            elif r.group.streaming:
-                touched.add(r.group)
-        for pad in {r.pad_id for r in padded if r.slot >= 0}:
-            # their next input is the pad token (the step in flight already read their draw)
-            slots = [r.slot for r in padded if r.pad_id == pad and r.slot >= 0]
-            self.last.index_fill_(0, _upload(slots, self.runner.device), pad)
-        if isinstance(self.policy, policies.WFQ) and self.running:
-            self.policy.reweigh([r.account for r in self.running])
-        for g in touched:  # a caller wakes for its tokens only when it streams them, or at its end
-            if g.done:
-                self._groups.discard(g)
-                self._kept = [r for r in self._kept if r.group is not g]  # (the caller's now)
-            g.notify()
-
-    def _observe(self, f: _Inflight, now: float) -> None:
-        """The step's figures for the metrics: its period (since the step before was read),
-        host time, GPU time and the GPU's idle gap since the step before (CUDA events); per
-        class, first tokens and later ones."""
-        period = now - self._last_done if self._last_done is not None else None
-        self._last_done = now
-        gpu = idle = None
-        if f.began is not None:
-            gpu = f.began.elapsed_time(f.event) / 1e3
-            if self._prev_end is not None:
-                idle = max(0.0, self._prev_end.elapsed_time(f.began) / 1e3)
-            self._prev_end = f.event
-            st = self.stats
-            st.gpu_s += gpu
-            st.gpu_idle_s += idle or 0.0
-        METRICS.engine_step(len(f.rows), sum(r.n for r in f.rows), period, f.host_s, gpu, idle)
-        first, gaps = [], {}
-        for row in f.kept:
-            r = row.req
-            if r.finished is not None or r.stopped is not None:
-                continue
-            label = r.task.priority_class
-            if not r.out:
-                first.append((label, now - r.arrived))
-            else:
-                gaps[label] = gaps.get(label, 0) + 1
-        METRICS.engine_tokens(first, gaps, period)
-
-    @staticmethod
-    def _others_run(r: Request) -> bool:
-        return any(x.finished is None and x.stopped is None for x in r.group.requests if x is not r)
-
-    def _end_lockstep(self, group: Group) -> None:
-        """A row of a lockstep call ended: the rows of it that stopped before end with it when
-        no row of it still runs (rows that run end by their own tokens)."""
-        if any(x.finished is None and x.stopped is None for x in group.requests):
-            return
-        for x in group.requests:
-            if x.finished is None:
-                self._end(x, x.stopped)
-
-
-def _stopped(r: Request) -> bool:
-    """Whether the row's text now ends in one of its stop strings (stock's rule)."""
-    return r.stop.text_of is not None and r.stop.text_of(r.seq())
-
-
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    t = transfer.int64(values)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
