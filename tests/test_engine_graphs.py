@@ -20,6 +20,9 @@ from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import merged_graphs
 
+# the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
+pytestmark = pytest.mark.per_call
+
 ON = dict(scheduler={"decode_graphs": True, "gather_ms": 50})
 
 
