@@ -20,7 +20,7 @@ from .api import (
     memory_stats,
 )
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
-from .engine.task import task
+from .engine.task import Cancelled, task
 from .pool import Arena, VirtualPool
 from .triton_kernels.precision import PrecisionMode
 
@@ -40,6 +40,7 @@ __all__ = [
     "enable",
     "apply",
     "task",
+    "Cancelled",
     "memory_stats",
     "kv_stats",
     "clear_prefix_cache",

@@ -489,3 +489,47 @@ def test_scores_of_a_call_larger_than_the_pool_are_refused_naming_the_setting(ox
     with torch.no_grad():  # what fits runs as asked
         out = model.generate(**{**kw, "input_ids": ids[:4]})
     assert len(out.scores) == 3 and out.scores[0].shape == (4, 128)
+
+
+def test_a_tasks_cancel_event_ends_its_calls_at_the_next_step(oxygen):
+    """oxygen_torch.task(cancel=event): setting the event ends the call (Cancelled) with no
+    streamer to raise from; its blocks come back, the other calls finish with stock's tokens."""
+    model = tiny("llama")
+    kws = [call(s) for s in range(4)]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    stop = threading.Event()
+    long = dict(input_ids=torch.tensor([[5, 9, 11]]), max_new_tokens=200, do_sample=False)
+
+    def run(i):
+        if i < 4:
+            return _generate(model, kws[i])
+        with oxygen_torch.task(cancel=stop):
+            return _generate(model, long)
+
+    def cancel_soon():
+        (eng,) = engines(model)
+        while eng.stats.steps < 10:
+            threading.Event().wait(0.005)
+        stop.set()
+
+    helper = threading.Thread(target=lambda: (threading.Event().wait(0.2), cancel_soon()))
+    helper.start()
+    out, errors = in_threads(run, [(i,) for i in range(5)])
+    helper.join(30)
+    assert set(errors) == {4} and isinstance(errors[4], oxygen_torch.Cancelled), errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(4))
+    for _ in range(100):
+        if blocks_in_use() == 0:
+            break
+        threading.Event().wait(0.02)
+    assert blocks_in_use() == 0
+
+
+def test_metrics_labels_are_three_classes_whatever_the_levels():
+    from oxygen_torch.engine.task import parse
+
+    labels = {parse(priority=p).priority_class
+              for p in (-5, 0, 1, 2, 3, 10**6, "low", "normal", "high")}  # fmt: skip
+    assert labels == {"low", "normal", "high"}

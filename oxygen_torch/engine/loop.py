@@ -33,6 +33,7 @@ from .rows import Rows, upload
 from .sampling import RowSample, Sampler
 from .schedule import Budget, StepRow, choose
 from .stats import METRICS
+from .task import Cancelled
 
 log = logging.getLogger("oxygen_torch")
 
@@ -257,6 +258,10 @@ class Engine(Rows, Delivery):
         self._inbox.clear()
 
     def _drop_cancelled(self) -> None:
+        for g in self._groups:
+            if g.cancel is not None and g.error is None and g.cancel.is_set():
+                g.fail(Cancelled("oxygen_torch: this generate() was cancelled (its task's "
+                                 "cancel event was set)"))  # fmt: skip
         for g in [g for g in self._groups if g.cancelled or g.error is not None]:
             for r in g.requests:
                 if r.finished is None:

@@ -98,8 +98,9 @@ class Group:
     engine thread appends and notifies; the caller waits (and runs its streamer) in its own
     thread."""
 
-    def __init__(self, requests: list[Request], streaming: bool = False):
+    def __init__(self, requests: list[Request], streaming: bool = False, cancel=None):
         self.requests = requests
+        self.cancel = cancel  # an event: set, the call ends at the engine's next step
         self.streaming = streaming  # the caller reads tokens as they come (else: at the end)
         for i, r in enumerate(requests):
             r.group, r.row = self, i

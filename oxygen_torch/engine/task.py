@@ -13,29 +13,36 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 PRIORITIES = {"high": 2, "normal": 1, "low": 0}  # priority name -> level
 QOS_OF_LEVEL = {2: 1.0, 1: 0.5, 0: 0.1}  # the seed's QoS in [0, 1] for each named level
+
+
+class Cancelled(RuntimeError):
+    """A generate() call ended because its task's cancel event was set."""
 
 
 @dataclass(frozen=True)
 class Task:
     """A call's tags: `level` orders preemption (lower goes first), `qos` in [0, 1] enters the
     weight, `slo_ms` is the per-token latency the caller wants (None: none given), `seed` the
-    seed of its sampled tokens (None: drawn from torch's global RNG when the call starts)."""
+    seed of its sampled tokens (None: drawn from torch's global RNG when the call starts),
+    `cancel` an event that ends the calls when set (the engine's next step)."""
 
     name: str = "default"
     level: int = 1
     qos: float = 0.5
     slo_ms: float | None = None
     seed: int | None = None
+    cancel: Any = field(default=None, compare=False)
 
     @property
     def priority_class(self) -> str:
-        """'high', 'normal', 'low' (metrics label), or the level as a string."""
-        names = {v: k for k, v in PRIORITIES.items()}
-        return names.get(self.level, str(self.level))
+        """The metrics label: 'high' (level 2 and above), 'normal' (1) or 'low' (0 and below):
+        a bounded label set, whatever integer levels callers use."""
+        return "high" if self.level >= 2 else "normal" if self.level == 1 else "low"
 
 
 _current: contextvars.ContextVar[Task] = contextvars.ContextVar(
@@ -46,7 +53,7 @@ _ids = itertools.count(1)
 
 
 def parse(priority: str | int = "normal", qos: float | None = None, name: str | None = None,
-          slo_ms: float | None = None, seed: int | None = None) -> Task:  # fmt: skip
+          slo_ms: float | None = None, seed: int | None = None, cancel=None) -> Task:  # fmt: skip
     if isinstance(priority, bool) or not isinstance(priority, (str, int)):
         raise ValueError(
             f"task priority: {priority!r} is not allowed; allowed: high, normal, low, or an "
@@ -73,20 +80,27 @@ def parse(priority: str | int = "normal", qos: float | None = None, name: str | 
         isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63
     ):
         raise ValueError(f"task seed: {seed!r} is not allowed; allowed: an integer in [0, 2**63)")
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ValueError(
+            f"task cancel: {cancel!r} is not allowed; allowed: an event (threading.Event)"
+        )
     label = name if name is not None else f"task-{next(_ids)}"
     if not isinstance(label, str) or not label:
         raise ValueError(f"task name: {name!r} is not allowed; allowed: a non-empty string")
-    return Task(label, int(level), float(qos), None if slo_ms is None else float(slo_ms), seed)
+    slo = None if slo_ms is None else float(slo_ms)
+    return Task(label, int(level), float(qos), slo, seed, cancel)
 
 
 @contextlib.contextmanager
 def task(priority: str | int = "normal", qos: float | None = None, name: str | None = None,
-         slo_ms: float | None = None, seed: int | None = None):  # fmt: skip
+         slo_ms: float | None = None, seed: int | None = None, cancel=None):  # fmt: skip
     """Tags the generate() calls made inside: priority "high" / "normal" / "low" or an integer
     level (higher first), qos in (0, 1] (default from the priority), a name (metrics label),
     slo_ms the per-token latency wanted, seed the seed of the calls' sampled tokens (each call
-    draws the same tokens for the same seed, whatever else runs beside it). Yields the Task."""
-    t = parse(priority, qos, name, slo_ms, seed)
+    draws the same tokens for the same seed, whatever else runs beside it), cancel an event
+    (threading.Event) that, once set, ends the calls at the engine's next step (they raise
+    oxygen_torch.Cancelled; their KV blocks come back). Yields the Task."""
+    t = parse(priority, qos, name, slo_ms, seed, cancel)
     token = _current.set(t)
     try:
         yield t

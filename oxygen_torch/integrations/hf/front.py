@@ -294,7 +294,7 @@ def _call_seed() -> int:
 def run(engine, p: Plan):
     """Submits the call's rows, waits (streaming in this thread), returns stock's output."""
     _check_lockstep(engine, p)
-    group = Group(p.requests, streaming=p.streamer is not None)
+    group = Group(p.requests, streaming=p.streamer is not None, cancel=current_task().cancel)
     streamer = p.streamer
     if streamer is not None:
         streamer.put(p.ids.cpu())
