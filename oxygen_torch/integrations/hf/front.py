@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import Counter
 
 import torch
@@ -268,15 +269,34 @@ def _stop_check(gc, kwargs: dict):
     tok = kwargs.get("tokenizer")
     if not strings or tok is None:
         return None
-    from transformers.generation.stopping_criteria import StopStringCriteria
-
-    crit = StopStringCriteria(stop_strings=strings, tokenizer=tok)
+    crit = _criteria(tok, strings)
     tail = max(int(getattr(crit, "maximum_token_len", 0)) or 0, 1) + max(map(len, strings)) + 1
 
     def check(seq: list[int]) -> bool:
         return bool(crit(torch.tensor([seq[-tail:]]), None)[0])
 
     return check
+
+
+_criteria_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {...}
+_criteria_lock = threading.Lock()
+
+
+def _criteria(tok, strings: tuple[str, ...]):
+    """transformers' StopStringCriteria for these strings, made once per tokenizer (it reads
+    the whole vocabulary: 128k tokens for a Llama-3 tokenizer, every call otherwise)."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    with _criteria_lock:
+        made = _criteria_cache.setdefault(tok, {})
+        crit = made.get(strings)
+    if crit is None:
+        crit = StopStringCriteria(stop_strings=strings, tokenizer=tok)
+        with _criteria_lock:
+            if len(made) >= 64:  # (a bound: a server may see many stop sets)
+                made.clear()
+            made[strings] = crit
+    return crit
 
 
 def _call_seed() -> int:
