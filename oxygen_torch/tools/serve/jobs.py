@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...engine.task import Cancelled
 from .protocol import ApiError
 from .text import ChoiceText
 
@@ -140,13 +141,29 @@ class Job:
             import oxygen_torch
 
             ids, mask = self.call.inputs(pad, model.device)
-            with oxygen_torch.task(priority=self.call.priority, seed=self.call.seed,
-                                   name="serve"), torch.no_grad():  # fmt: skip
-                model.generate(ids, attention_mask=mask, streamer=self, **self.call.gen)
+            # a call nobody reads as it comes (not streamed, no stop string in the text) has no
+            # streamer: the task's cancel event ends it (no wake-up of this thread a step); its
+            # tokens go through put() once it returns
+            live = self.stream or any(r.incremental for r in self.call.rows)
+            with (
+                oxygen_torch.task(
+                    priority=self.call.priority,
+                    seed=self.call.seed,
+                    name="serve",
+                    cancel=self.cancelled,
+                ),
+                torch.no_grad(),
+            ):
+                out = model.generate(ids, attention_mask=mask, streamer=self if live else None,
+                                     **self.call.gen)  # fmt: skip
+            if not live:
+                self.put(ids)
+                for column in out[:, ids.shape[1] :].t():
+                    self.put(column)
             outcome = "ok"
         except AllStopped:
             outcome = "ok"
-        except ClientLeft:
+        except (ClientLeft, Cancelled):
             pass
         except Exception as err:  # noqa: BLE001 - the request's error, told to its client
             self.error, outcome = err, "error"
