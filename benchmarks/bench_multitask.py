@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-from traces import pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
+from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
 
 MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq", "burst")
 SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
@@ -63,23 +63,6 @@ def build_model():
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
-
-
-class Clock:
-    """A streamer that records when each new token of one request arrives."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.prompt = True
-
-    def put(self, value) -> None:
-        if self.prompt:
-            self.prompt = False
-        else:
-            self.times.append(time.monotonic())
-
-    def end(self) -> None:
-        pass
 
 
 def one(model, req: dict, start: float, oom: list) -> dict:

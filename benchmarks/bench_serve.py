@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from traces import pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
+from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
@@ -185,23 +185,6 @@ class ServerProcess:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-class Clock:
-    """A streamer: when each new token of one call arrives."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.prompt = True
-
-    def put(self, value) -> None:
-        if self.prompt:
-            self.prompt = False
-        else:
-            self.times.append(time.monotonic())
-
-    def end(self) -> None:
-        pass
 
 
 def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tuple[list, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 
 def trace(seed: int, n: int, rate: float, cv: float, high: float, vocab: int,
@@ -34,3 +35,20 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
+
+
+class Clock:
+    """A streamer that records when each new token of one request arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt = True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass

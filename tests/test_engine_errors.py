@@ -8,11 +8,12 @@ greedy. Tiny random-weight models in float32 on CPU, after oxygen_torch.enable()
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
 import transformers as T
+from sim_steps import Steps
+from test_engine import in_threads as _in_threads
 from test_hf_generate import COMMON
 
 import oxygen_torch
@@ -55,23 +56,7 @@ def generate(model, kw):
 
 def in_threads(fn, args_list):
     """fn(*args) in one thread each, started together: ({i: result}, {i: exception})."""
-    out, errors = {}, {}
-    barrier = threading.Barrier(len(args_list))
-
-    def work(i, args):
-        barrier.wait()
-        try:
-            out[i] = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - reported to the test
-            errors[i] = err
-
-    threads = [threading.Thread(target=work, args=(i, a)) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(JOIN_S)
-        assert not t.is_alive(), "a generate() thread hung"
-    return out, errors
+    return _in_threads(fn, args_list, timeout=JOIN_S)
 
 
 def merged_steps() -> dict:
@@ -186,14 +171,11 @@ def test_an_exception_in_one_calls_forward_fails_only_that_call(enabled):
 # --- the scheduler alone: a failing request among many --------------------------------------------
 
 
-class Picky:
+class Picky(Steps):
     """A runner whose step raises while it holds a request whose payload is "bad"."""
 
     def __init__(self):
-        self.log: list[list] = []
-
-    def plan(self, req, budget):
-        return sch.Chunk(req, 1, 1, 0, None)
+        super().__init__(step_s=0.0)
 
     def run(self, chunks):
         keys = sorted(ch.request.call.key for ch in chunks)
@@ -203,18 +185,6 @@ class Picky:
         for ch in chunks:
             ch.request.result, ch.request.done = ch.request.call.key, True
         return True
-
-    def free_blocks(self):
-        return 1 << 20
-
-    def total_blocks(self):
-        return 1 << 20
-
-    def preempt(self, call):
-        return 0
-
-    def fetch(self, call):
-        return False, False
 
 
 @pytest.mark.parametrize("calls", [2, 9, 16])
