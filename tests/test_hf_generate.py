@@ -288,10 +288,12 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
         got = run(model)
     # the engine packs every row's real tokens into one row of at most 48 tokens a step: the
     # prompts' 19 + 35 + 40 (a chunk of row 1 in the first step beside row 0, the rest in the
-    # second beside row 0's first decode), then 5 decode tokens a row
+    # second beside row 0's first decode), then 5 decode tokens a row (steps of decodes only
+    # replay a decode graph in the "graphs" runs: not an eager forward)
     assert all(b == 1 and n <= 48 for b, n in shapes), shapes
     assert [n for _, n in shapes[:2]] == [48, 1 + 6 + 40], shapes
-    assert sum(n for _, n in shapes) == 19 + 35 + 40 + 3 * 5, shapes
+    if not hf_graphs.CPU_RERUN:
+        assert sum(n for _, n in shapes) == 19 + 35 + 40 + 3 * 5, shapes
     assert isinstance(got.past_key_values, PagedKVCache)
     assert torch.equal(got.sequences, ref.sequences)
     assert model.generation_config.prefill_chunk_size is None  # the call's own config only
