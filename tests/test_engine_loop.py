@@ -508,13 +508,15 @@ def test_a_tasks_cancel_event_ends_its_calls_at_the_next_step(oxygen):
         with oxygen_torch.task(cancel=stop):
             return _generate(model, long)
 
-    def cancel_soon():
-        (eng,) = engines(model)
-        while eng.stats.steps < 10:
+    def cancel_soon():  # once the engine has stepped 10 times (bounded: 60 s)
+        for _ in range(12_000):
+            eng = engines(model)
+            if eng and eng[0].stats.steps >= 10:
+                break
             threading.Event().wait(0.005)
         stop.set()
 
-    helper = threading.Thread(target=lambda: (threading.Event().wait(0.2), cancel_soon()))
+    helper = threading.Thread(target=cancel_soon)
     helper.start()
     out, errors = in_threads(run, [(i,) for i in range(5)])
     helper.join(30)

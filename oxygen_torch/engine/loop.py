@@ -28,6 +28,7 @@ import torch
 from ..config import SchedulerConfig
 from . import policy as policies
 from .deliver import Delivery, Inflight
+from .kv_rows import RowKV
 from .request import Group, Request
 from .rows import Rows, upload
 from .sampling import RowSample, Sampler
@@ -42,22 +43,15 @@ STOP_AFTER_IDLE_S = 30.0  # an engine idle this long lets its thread end (a subm
 
 
 class Runner(Protocol):
+    """What the engine asks of a model: rows' empty KV cores, their accounting, a forward."""
+
     device: torch.device
     vocab: int
+    kv_rows: RowKV  # the rows' KV accounting (engine/kv_rows.py)
 
-    def new_kv(self) -> Any: ...
-    def start(self, kv: Any, tokens: list[int]) -> int: ...  # prefix-cache hit: tokens held
-    def keep(self, kv: Any, tokens: list[int]) -> None: ...  # its blocks to the prefix cache
-    def swap_out(self, kv: Any, low: bool) -> int | None: ...  # to the CPU tier: blocks freed
-    def swap_in(self, kv: Any) -> bool: ...  # back (False: not enough free blocks)
-    def swapped_blocks(self, kv: Any) -> int: ...  # blocks swap_in takes
-    def blocks_for(self, kv: Any, n: int) -> int: ...
-    def decode_blocks(self, kvs: list) -> list[int]: ...  # blocks_for(kv, 1) of each
-    def free_blocks(self) -> int: ...
-    def total_blocks(self) -> int: ...
-    def release(self, kv: Any) -> None: ...
-    # the logits [K, V] of the rows that keep one, in order; ids [T] int64 and pos [T] on the
-    # device, every row's tokens one after another
+    def new_kv(self) -> Any: ...  # an empty PagedKVCore of one sequence
+    # the logits [K, V] of the rows that keep one, in order; ids [T] int64 on the device, every
+    # row's tokens one after another, their positions `pos`
     def forward(self, rows: list[StepRow], ids: torch.Tensor, pos: list[int]) -> torch.Tensor: ...
 
 
@@ -88,6 +82,7 @@ class Engine(Rows, Delivery):
         self, runner: Runner, cfg: SchedulerConfig, name: str = "engine", step_tokens: int = 0
     ):
         self.runner, self.cfg, self.name = runner, cfg, name
+        self.kvs = runner.kv_rows
         # tokens a step computes at most (prefill chunks beside the decodes)
         self.step_tokens = min(step_tokens or cfg.max_step_tokens, cfg.max_step_tokens)
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
@@ -191,7 +186,7 @@ class Engine(Rows, Delivery):
                 self._take_inbox()
             self._drop_cancelled()
             rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
-                                       self.runner.free_blocks()))  # fmt: skip
+                                       self.kvs.free_blocks()))  # fmt: skip
             chosen = time.perf_counter()
             try:
                 launched = self._launch(rows) if rows else None

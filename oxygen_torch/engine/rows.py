@@ -1,7 +1,7 @@
 """The engine's rows and their KV: admission, preemption (swap or recompute), slots, ends.
 
 Part of Engine (loop.py): what schedule.choose asks of it, and what a row's life does to its
-KV through the runner. Runs on the engine thread only."""
+KV (through its accounting, kv_rows.py). Runs on the engine thread only."""
 
 from __future__ import annotations
 
@@ -18,20 +18,20 @@ class Rows:
     # --- what schedule.choose asks --------------------------------------------------------------
 
     def blocks_for(self, r: Request, n: int) -> int:
-        return self.runner.blocks_for(r.kv, n)
+        return self.kvs.blocks_for(r.kv, n)
 
     def decode_blocks(self, reqs: list[Request]) -> list[int]:
-        return self.runner.decode_blocks([r.kv for r in reqs])
+        return self.kvs.decode_blocks([r.kv for r in reqs])
 
     def total_blocks(self) -> int:
-        return self.runner.total_blocks()
+        return self.kvs.total_blocks()
 
     def tokens_fitting(self, r: Request, free: int, n: int) -> int:
         """The most tokens (≤ n) of r's next chunk that `free` blocks hold."""
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.runner.blocks_for(r.kv, mid) <= free:
+            if self.kvs.blocks_for(r.kv, mid) <= free:
                 lo = mid
             else:
                 hi = mid - 1
@@ -45,7 +45,7 @@ class Rows:
         r.kv = self.runner.new_kv()
         r.recompute = len(r.seq()) if r.out else 0
         # the prefix cache's blocks of its first tokens (kv.prefix_cache): computed already
-        r.computed = self.runner.start(r.kv, r.seq())
+        r.computed = self.kvs.start(r.kv, r.seq())
         r.slot = self._take_slot()
         if r.params.penalised:
             ids = r.penalty_ids if r.penalty_ids is not None else torch.tensor(r.prompt)
@@ -60,24 +60,24 @@ class Rows:
         was, `resume`) or, when there is none or it lacks room, is dropped (its tokens are
         computed again when it comes back, from the prefix cache as far as it kept them).
         Returns the blocks freed."""
-        before = self.runner.free_blocks()
+        before = self.kvs.free_blocks()
         low = r.task.level < 1  # (below "normal": the tier may keep it as fp8)
-        if self.runner.swap_out(r.kv, low) is not None:
+        if self.kvs.swap_out(r.kv, low) is not None:
             r.swapped = True  # (its slot stays: its next input is the draw in `last`)
             self.stats.swaps += 1
         else:
-            self.runner.keep(r.kv, r.seq())
+            self.kvs.keep(r.kv, r.seq())
             self._unbind(r)
         self.running.remove(r)
         self.waiting.append(r)
         self.stats.preemptions += 1
         METRICS.preempted()
-        return self.runner.free_blocks() - before
+        return self.kvs.free_blocks() - before
 
     def resume(self, r: Request) -> bool:
         """A swapped row's KV comes back from the CPU tier (the step's stream waits for the
         copy); it runs again from its next step. False: not enough free blocks."""
-        if not self.runner.swap_in(r.kv):
+        if not self.kvs.swap_in(r.kv):
             return False
         r.swapped = False
         self.waiting.remove(r)
@@ -85,19 +85,19 @@ class Rows:
         return True
 
     def swapped_blocks(self, r: Request) -> int:
-        return self.runner.swapped_blocks(r.kv)
+        return self.kvs.swapped_blocks(r.kv)
 
     def reclaim_kept(self) -> int:
         """Rows that ended and keep their KV for their call's output cache, while the call's
         other rows still wait, give the blocks back (the call then returns no cache): else a
         call larger than the pool would wait for itself. Returns the blocks freed."""
-        before = self.runner.free_blocks()
+        before = self.kvs.free_blocks()
         for r in self._kept:
             if not r.group.done and r.kv is not None:
-                self.runner.release(r.kv)
+                self.kvs.release(r.kv)
                 r.kv = None
         self._kept = []
-        return self.runner.free_blocks() - before
+        return self.kvs.free_blocks() - before
 
     def fail(self, r: Request, err: BaseException) -> None:
         self._end(r, "error")
@@ -117,7 +117,7 @@ class Rows:
 
     def _unbind(self, r: Request) -> None:
         if r.kv is not None:
-            self.runner.release(r.kv)
+            self.kvs.release(r.kv)
             r.kv = None
         if r.slot >= 0:
             self._free_slots.append(r.slot)
@@ -127,7 +127,7 @@ class Rows:
         if r.finished is None:
             r.finished = why
         if why in ("eos", "length", "stop") and r.kv is not None:
-            self.runner.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
+            self.kvs.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
         if r.keep_kv and why in ("eos", "length", "stop"):
             r.kv, kept = None, r.kv  # the caller's now (its output's cache)
             self._unbind(r)

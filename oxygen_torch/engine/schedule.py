@@ -140,7 +140,7 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
     """A prefill chunk of `r` within the budget, preempting lower rows when KV is short. A
     waiting row is admitted first (its KV, and what the prefix cache holds of its tokens)."""
     if r.kv is None:
-        whole = engine.runner.blocks_for(None, len(r.prompt) + r.stop.max_new)
+        whole = engine.kvs.blocks_for(None, len(r.prompt) + r.stop.max_new)
         if whole > engine.total_blocks():  # it could never hold its tokens, whoever else left
             engine.fail(
                 r,
@@ -153,9 +153,9 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
             )
             return None
         first = min(len(r.seq()), budget.tokens)
-        if engine.runner.blocks_for(None, first) > budget.free and not _victims(engine, r):
+        if engine.kvs.blocks_for(None, first) > budget.free and not _victims(engine, r):
             budget.free += engine.reclaim_kept()  # (ended rows kept for an output cache)
-            if engine.runner.blocks_for(None, first) > budget.free:
+            if engine.kvs.blocks_for(None, first) > budget.free:
                 return None  # no room and no one to make it: it waits (not admitted)
         engine.admit(r)
     left = r.target - r.computed

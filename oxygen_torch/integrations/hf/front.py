@@ -348,7 +348,7 @@ def _release(group: Group) -> None:
     """KV rows the engine handed over and no cache took give their blocks back."""
     for r in group.requests:
         if r.keep_kv and r.kv is not None and r.finished in ("eos", "length", "stop"):
-            r.kv._core.release()
+            r.kv.release()
             r.kv = None
 
 
@@ -358,14 +358,14 @@ def _check_lockstep(engine, p: Plan) -> None:
     rows = [r for r in p.requests if r.lockstep]
     if not rows:
         return
-    runner = engine.runner
-    need = sum(runner.blocks_for(None, len(r.prompt) + r.stop.max_new) for r in rows)
-    if need > runner.total_blocks():
+    kvs = engine.kvs
+    need = sum(kvs.blocks_for(None, len(r.prompt) + r.stop.max_new) for r in rows)
+    if need > kvs.total_blocks():
         asked = [n for n in ("output_scores", "output_logits") if getattr(p.gc, n, False)]
         raise ValueError(
             f"oxygen_torch: this generate() keeps {', '.join(asked)}, so its {len(rows)} rows "
             f"step together to the end (as stock's batch does), and together they need up to "
-            f"{need} KV blocks; the KV pool holds {runner.total_blocks()}: lower the batch, "
+            f"{need} KV blocks; the KV pool holds {kvs.total_blocks()}: lower the batch, "
             f"raise kv.arena_bytes, or leave out {', '.join(asked)}"
         )
 
@@ -421,8 +421,8 @@ def _cache(p: Plan, reqs: list[Request], runner, length: int):
     call's rows did not fit the pool together)."""
     if any(r.kv is None for r in reqs):
         return None
-    cache = runner.new_kv()
-    cores = [r.kv._core for r in reqs]
+    cache = runner.new_cache()
+    cores = [r.kv for r in reqs]
     for r, core in zip(reqs, cores):
         with core.pool.lock:
             core.seqs.truncate(0, len(r.prompt) + len(r.out) - 1)
