@@ -304,11 +304,7 @@ class Engine(Rows, Delivery):
         """(tokens [K], processed scores or None) for the kept rows: a plain argmax when every
         row is greedy with nothing to process, else the sampler."""
         reqs = [row.req for row in kept]
-        plain = all(
-            r.params.plain and not r.keep_scores and (r.sampled >= r.stop.min_new or not r.stop.eos)
-            for r in reqs
-        )  # fmt: skip
-        if plain:
+        if all(r.plain or (r.plain is None and r.sampled >= r.stop.min_new) for r in reqs):
             return logits.argmax(-1), None
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
         return self.sampler(logits, samples)

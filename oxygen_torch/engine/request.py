@@ -69,6 +69,15 @@ class Request:
     recompute: int = 0  # tokens to compute again after a preemption (prompt + delivered)
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    # its draws are the logits' argmax with nothing to process: True always, None once it has
+    # its min_new tokens (EOS is suppressed before), False never (sampling, a penalty, scores)
+    plain: bool | None = field(init=False)
+
+    def __post_init__(self):
+        simple = self.params.plain and not self.keep_scores
+        self.plain = (simple and (not self.stop.eos or not self.stop.min_new)) or (
+            None if simple else False
+        )
 
     def seq(self) -> list[int]:
         return self.prompt + self.out
