@@ -535,3 +535,20 @@ def test_metrics_labels_are_three_classes_whatever_the_levels():
     labels = {parse(priority=p).priority_class
               for p in (-5, 0, 1, 2, 3, 10**6, "low", "normal", "high")}  # fmt: skip
     assert labels == {"low", "normal", "high"}
+
+
+def test_a_row_larger_than_the_whole_pool_fails_clearly_and_alone(oxygen):
+    """A call whose prompt and new tokens could never fit the whole KV pool gets a
+    KVBudgetError naming kv.arena_bytes; a call beside it ends with stock's tokens."""
+    from oxygen_torch.engine import KVBudgetError
+
+    model = tiny("llama")
+    good = call(4)
+    with torch.no_grad():
+        ref = model.generate(**good)
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=SMALL))  # 15 blocks of 256
+    huge = dict(input_ids=torch.randint(3, 128, (1, 100)), max_new_tokens=4000, do_sample=False)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(huge,), (good,)])
+    assert set(errors) == {0} and isinstance(errors[0], KVBudgetError), errors
+    assert "kv.arena_bytes" in str(errors[0]) and "15" in str(errors[0])
+    assert torch.equal(out[1], ref)

@@ -1,8 +1,11 @@
-"""The multi-task engine: concurrent generate() calls on one model merged step by step, a
-weighted-fair scheduler with priorities, and admission instead of out-of-memory. Framework-
-agnostic: the transformers side (what a step's forward is) lives in integrations/hf/batched.py."""
+"""The multi-task engine: one thread per model and KV pool owns the loop of every generate()
+call it takes (loop.py), a weighted-fair policy with priorities, admission and preemption
+instead of out-of-memory; and the per-call path's step scheduler (scheduler.py) for the calls it
+does not take. Framework-agnostic: the transformers side lives in integrations/hf/
+(engine_runner.py, front.py; batched.py for the per-call path)."""
 
+from .loop import Engine
 from .scheduler import KVBudgetError, StepScheduler
-from .task import Task, current, task
+from .task import Cancelled, Task, current, task
 
-__all__ = ["KVBudgetError", "StepScheduler", "Task", "current", "task"]
+__all__ = ["Cancelled", "Engine", "KVBudgetError", "StepScheduler", "Task", "current", "task"]

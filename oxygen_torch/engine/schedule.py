@@ -20,10 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .request import Request
-
-
-class KVBudgetError(RuntimeError):
-    """A request needs more KV blocks than the whole pool holds."""
+from .scheduler import KVBudgetError  # (one class: the per-call path raises it too)
 
 
 @dataclass
