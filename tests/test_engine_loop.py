@@ -575,3 +575,36 @@ def test_bursts_on_window_models_never_reach_a_caller_as_kv_full(oxygen, arch):
     assert blocks_in_use() == 0
     (eng,) = engines(model)
     assert eng.snapshot()["preemptions"] > 0 or arch == "mistral"  # (Mistral's window frees)
+
+
+def test_disable_while_engine_calls_run_ends_them_clearly(oxygen):
+    """disable() while calls wait on the engine: each call finishes with stock's tokens or
+    raises one RuntimeError naming disable(); no call hangs, no block stays used."""
+    model = tiny("llama")
+    kws = [dict(input_ids=torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(s)),
+                max_new_tokens=60, do_sample=False) for s in range(6)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    _generate(model, call(0))  # the engine exists
+    (eng,) = engines(model)
+    base = eng.stats.steps
+
+    def disable_soon():
+        for _ in range(12_000):  # once the calls have stepped a little (bounded: 60 s)
+            if eng.stats.steps >= base + 8 and eng.running:
+                break
+            threading.Event().wait(0.005)
+        hf.disable_hf()  # (what oxygen_torch.disable() runs for transformers)
+
+    helper = threading.Thread(target=disable_soon)
+    helper.start()
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws], timeout=120)
+    helper.join(60)
+    for i in range(len(kws)):
+        if i in errors:
+            assert isinstance(errors[i], RuntimeError) and "disable()" in str(errors[i])
+        else:
+            assert torch.equal(out[i], ref[i])
+    assert errors  # (60 tokens each: the disable came while they ran)
+    assert blocks_in_use() == 0

@@ -8,9 +8,10 @@ building, launching) runs while the GPU computes step n: step n's tokens are rea
 and tokens delivered only after step n+1 is launched. A row that stopped at step n (an EOS) has
 one more token computed at n+1, which is dropped.
 
-The engine knows nothing of transformers: the runner (integrations/hf/engine_runner.py) binds a
-row's KV, counts blocks and runs a step's forward. Callers meet the engine through Groups
-(request.py): `submit` queues a call's rows, the caller's thread waits on its group.
+The engine knows nothing of transformers: it counts its rows' KV blocks itself (kv_rows.py), and
+the runner (integrations/hf/engine_runner.py) makes a row's empty KV and runs a step's forward.
+Callers meet the engine through Groups (request.py): `submit` queues a call's rows, the caller's
+thread waits on its group.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ class EngineStats:
     choose_s: float = 0.0  # of which choosing the rows
     complete_s: float = 0.0  # host time reading steps' tokens, stops, delivery (waits included)
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
-    wall_s: float = 0.0  # time with work in the engine
     rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
     # the last steps' (start, rows, tokens, choose s, launch s, complete s): where time goes
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -148,16 +148,18 @@ class Engine(Rows, Delivery):
             self._cond.notify_all()
 
     def close(self, err: BaseException | None = None) -> None:
-        """Ends the thread after the step in flight; calls still waiting get `err`."""
+        """Ends the thread after the step in flight; calls still waiting get `err` (default: a
+        RuntimeError saying oxygen was disabled under them) and their rows' blocks come back."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=60)
-        failure = err or RuntimeError("oxygen_torch: oxygen was disabled while this call ran")
-        for g in list(self._groups) + self._inbox:
-            g.fail(failure)
+        self._fail_all(err or RuntimeError(
+            "oxygen_torch: oxygen_torch.disable() ran while this generate() call waited for the "
+            "engine; it did not finish"
+        ))  # fmt: skip
 
     def live(self) -> int:
         with self._cond:
