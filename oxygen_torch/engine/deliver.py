@@ -132,5 +132,12 @@ class Delivery:
 
 
 def _stopped(r: Request) -> bool:
-    """Whether the row's text now ends in one of its stop strings (stock's rule)."""
-    return r.stop.text_of is not None and r.stop.text_of(r.seq())
+    """Whether the row's text now ends in one of its stop strings (stock's rule). A check that
+    raises (the call's tokenizer) fails that call alone: its error is its call's."""
+    if r.stop.text_of is None:
+        return False
+    try:
+        return bool(r.stop.text_of(r.seq()))
+    except Exception as err:  # noqa: BLE001 - given to the row's call
+        r.group.fail(err)
+        return True
