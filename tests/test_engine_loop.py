@@ -608,3 +608,24 @@ def test_disable_while_engine_calls_run_ends_them_clearly(oxygen):
             assert torch.equal(out[i], ref[i])
     assert errors  # (60 tokens each: the disable came while they ran)
     assert blocks_in_use() == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(do_sample=True, temperature=0.0),
+        dict(repetition_penalty=0.0),
+        dict(do_sample=True, top_p=1.5),
+    ],  # fmt: skip
+)
+def test_settings_stock_refuses_get_stocks_error(oxygen, bad):
+    """Values transformers refuses (temperature 0 with sampling, a penalty of 0, top_k < 0)
+    raise stock's own error after enable(), never run with a value taken for another."""
+    model = tiny("llama")
+    kw = dict(input_ids=torch.randint(3, 128, (1, 5)), max_new_tokens=3, **bad)
+    with pytest.raises(ValueError) as stock, torch.no_grad():
+        model.generate(**kw)
+    hf.apply(model, ENGINE)
+    with pytest.raises(ValueError) as ours, torch.no_grad():
+        model.generate(**kw)
+    assert str(ours.value) == str(stock.value)

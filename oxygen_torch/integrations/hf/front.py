@@ -227,15 +227,14 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
     task = current_task()
     base = _call_seed()
     requests = []
+    settings = _sampling(gc)
+    if isinstance(settings, str):
+        return settings
     for b in range(ids.shape[0]):
         prompt = host_ids[b][host_mask[b]].tolist()
         for k in range(n):
-            params = SamplingParams(
-                do_sample=bool(gc.do_sample), temperature=float(gc.temperature or 1.0),
-                top_k=int(gc.top_k or 0), top_p=float(gc.top_p if gc.top_p is not None else 1.0),
-                min_p=gc.min_p, repetition_penalty=float(gc.repetition_penalty or 1.0),
-                seed=(base + 0x9E3779B9 * (b * n + k)) & ((1 << 63) - 1),
-            )  # fmt: skip
+            seed = (base + 0x9E3779B9 * (b * n + k)) & ((1 << 63) - 1)
+            params = SamplingParams(**settings, seed=seed)
             requests.append(
                 Request(
                     prompt,
@@ -254,6 +253,27 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
     p = Plan(rows, gc, requests, pad, kwargs.get("streamer"))
     p.padded = not bool(host_mask.all())
     return p
+
+
+def _sampling(gc) -> dict | str:
+    """The call's sampling settings (None in the config: the processor is off), or, for values
+    transformers refuses (temperature 0 with sampling, a penalty <= 0...), the reason: the
+    per-call path gives stock's own error."""
+
+    def given(name, off):
+        value = getattr(gc, name, None)
+        return off if value is None else value
+
+    settings = dict(
+        do_sample=bool(gc.do_sample), temperature=float(given("temperature", 1.0)),
+        top_k=int(given("top_k", 0)), top_p=float(given("top_p", 1.0)), min_p=gc.min_p,
+        repetition_penalty=float(given("repetition_penalty", 1.0)),
+    )  # fmt: skip
+    try:
+        SamplingParams(**settings)
+    except ValueError as err:  # (the field only: a bounded set of reasons)
+        return f"a {str(err).split(':')[0]} transformers refuses"
+    return settings
 
 
 def _stop_strings(gc) -> tuple[str, ...]:
