@@ -225,11 +225,11 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
     penalised = [host_ids[b][host_mask[b]] if compat.penalty_skips_padding() else host_ids[b]
                  for b in range(ids.shape[0])]  # fmt: skip
     task = current_task()
-    base = _call_seed()
-    requests = []
     settings = _sampling(gc)
     if isinstance(settings, str):
         return settings
+    base = _call_seed()  # (last: a call sent to the per-call path draws nothing from the RNG)
+    requests = []
     for b in range(ids.shape[0]):
         prompt = host_ids[b][host_mask[b]].tolist()
         for k in range(n):
