@@ -123,12 +123,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
 
     oxygen = mode.startswith("oxygen") or mode == "burst"
     if oxygen:
-        from oxygen_torch.engine import scheduler
-
         policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
         oxygen_torch.enable(scheduler={"policy": policy})
-        # BENCH_GATHER_STEP_MATES=0: the gather deadline of the rule before (to compare)
-        scheduler.GATHER_STEP_MATES = os.environ.get("BENCH_GATHER_STEP_MATES", "1") != "0"
     model = build_model()
     rate = 4.0 if SMOKE else 8.0
     cap_p, cap_n = (40, 24) if SMOKE else (2048, 1024)
@@ -147,12 +143,13 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
-    if oxygen:  # the merged steps: how many, how full
-        from oxygen_torch.integrations.hf import batched
-
-        stats = [m.scheduler.stats for m in batched._mergers.get(model, {}).values()]
-        out["steps"] = sum(s.steps for s in stats)
-        out["tokens_per_step"] = round(sum(s.tokens for s in stats) / max(1, out["steps"]), 1)
+    if oxygen:  # the engine's steps: how many, how full, the GPU's idle share between them
+        st = oxygen_torch.engine_stats(model)
+        out["steps"] = st.get("steps", 0)
+        out["tokens_per_step"] = round(st.get("tokens", 0) / max(1, out["steps"]), 1)
+        busy, idle = st.get("gpu_s", 0.0), st.get("gpu_idle_s", 0.0)
+        out["gpu_idle"] = round(idle / (busy + idle), 3) if busy + idle else None
+        out["per_call"] = st.get("per_call", {})
     return out
 
 

@@ -38,8 +38,7 @@ Environment: BENCH_TIER_TPOT_ROUNDS (migration: rounds of TPOT beside each churn
 BENCH_TIER_WAYS (migration: the ways a move goes, "copies:pace:MiB[:programs],...", default
 "auto::16,gather:gather:16,mapped::16:2": transfer.COPIES, transfer.PACE_DOWN, piece MiB, the
 mapped kernel's grid); BENCH_TIER_SWAP_SEEDS (swap: seeds, default "1,2");
-BENCH_GATHER_STEP_MATES=0 (swap: the step scheduler's gather rule before the fifteenth
-session); BENCH_TIER_WINDOW and BENCH_TIER_HYBRID_EVERY (long: the window, default 4,096, and
+BENCH_TIER_WINDOW and BENCH_TIER_HYBRID_EVERY (long: the window, default 4,096, and
 every how many layers a hybrid model's layer is full, default 6).
 
     python benchmarks/bench_tier.py                  # every part but profile
@@ -1070,11 +1069,8 @@ def swap(mode: str) -> dict:
     anyway) and tagged when a swap-in ran during it: inside it (waited for) or beside it (ahead,
     the call sitting out)."""
     import oxygen_torch
-    from oxygen_torch.engine import scheduler
     from oxygen_torch.integrations.hf import batched
 
-    # BENCH_GATHER_STEP_MATES=0: the gather deadline of the rule before (to compare)
-    scheduler.GATHER_STEP_MATES = os.environ.get("BENCH_GATHER_STEP_MATES", "1") != "0"
     rows, lows, lp, ln, highs, hp, hn = SWAP
     arena = kv_arena_bytes(SWAP_FIT * rows, lp + lp // 2 + ln)
     kv = {"arena_bytes": arena, "prefetch_distance": 4}

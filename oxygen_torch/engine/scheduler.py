@@ -45,9 +45,6 @@ FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls ran
 # gather deadline; this is only the longest it sleeps between two looks (no wake-up is lost by
 # design: 64 threads polling every gather_ms / 4 cost the host more than their steps did)
 IDLE_WAIT_S = 0.05
-# The gather deadline (_step_due) counts from the last step's end and waits while submits keep
-# coming, up to a step's time; False: from the oldest request's arrival alone
-GATHER_STEP_MATES = True
 
 
 class KVBudgetError(RuntimeError):
@@ -252,12 +249,9 @@ class StepScheduler:
         if not awaited:
             return 0.0
         gather = self.cfg.gather_ms / 1000
-        if GATHER_STEP_MATES:
-            arrived = [max(c.queued.arrived, self._ended) for c in queued]
-            longest = min(arrived) + max(gather, self._step_s)
-            left = min(max(arrived) + gather, longest) - time.monotonic()
-        else:  # (the rule before: the oldest request's gather_ms; benchmarks compare the two)
-            left = min(c.queued.arrived for c in queued) + gather - time.monotonic()
+        arrived = [max(c.queued.arrived, self._ended) for c in queued]
+        longest = min(arrived) + max(gather, self._step_s)
+        left = min(max(arrived) + gather, longest) - time.monotonic()
         if left <= 0:
             for c in awaited:  # steps go on without them until they submit again
                 c.late = True
