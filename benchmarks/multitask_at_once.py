@@ -132,6 +132,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = _engine(model)
+    compiles = _compile_log()
+    captured = _graphs(model).get("captures", 0)
     t0 = time.perf_counter()
     tokens = go(reqs)
     if device == "cuda":
@@ -141,7 +143,14 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
                tok_per_s=round(tokens / took, 1), tokens=tokens, seconds=round(took, 2),
                peak_GiB=round(_held() / 2**30, 2))  # fmt: skip
     after = _engine(model)
+    if compiles is not None:  # Triton kernels built during the timed run (each ~0.2-2 s)
+        out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name)
+                           for t, d, name in compiles]  # fmt: skip
+        _compile_log(stop=True)
     timeline = _timeline(model)
+    graphs = _graphs(model)
+    if graphs:
+        out["graph_captures"] = graphs["captures"] - captured
     if timeline:
         out["timeline"] = timeline[-400:]
     if after:
@@ -159,6 +168,31 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     return out
 
 
+def _compile_log(stop: bool = False):
+    """Triton compiles from now on, as (start, seconds, kernel and specialization) (None where
+    Triton has no compile hooks)."""
+    try:
+        from triton import knobs
+    except Exception:  # noqa: BLE001 - an older Triton: no hooks
+        return None
+    if stop:
+        knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
+        return None
+    log, open_ = [], {}
+
+    def pre(*, key, repr, fn, **_):
+        open_[id(fn.jit_function), str(key)] = time.perf_counter()
+        return False
+
+    def post(*, key, repr, fn, **_):
+        t = open_.pop((id(fn.jit_function), str(key)), None)
+        if t is not None:
+            log.append((t, time.perf_counter() - t, repr[:400]))
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = pre, post
+    return log
+
+
 def _timeline(model) -> list:
     try:
         from oxygen_torch.integrations.hf import engine_runner
@@ -171,6 +205,15 @@ def _timeline(model) -> list:
     t0 = t[0][0] if t else 0
     return [(round(1e3 * (a - t0), 2), r, n, round(1e3 * c, 3), round(1e3 * la, 3),
              round(1e3 * co, 3)) for a, r, n, c, la, co in t]  # fmt: skip
+
+
+def _graphs(model) -> dict:
+    try:
+        from oxygen_torch.integrations.hf import engine_runner
+    except Exception:  # noqa: BLE001 - transformers' own mode
+        return {}
+    engines = [e for g in engine_runner._engines.values() for e in g.values()]
+    return engines[0].runner.graphs.stats() if engines else {}
 
 
 def _engine(model) -> dict:

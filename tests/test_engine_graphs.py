@@ -66,6 +66,26 @@ def test_merged_decode_steps_replay_graphs_and_give_the_logits_of_each_call_alon
     assert max(schedulers(model)[0].stats.batch_sizes) > 3
 
 
+@pytest.mark.parametrize("after", [0, 10_000])
+def test_a_bucket_not_captured_replays_a_larger_graph_with_padding(rerun, monkeypatch, after):
+    """Calls of 1-3 rows finishing one after the other pass through smaller rows buckets: with
+    CAPTURE_AFTER large they replay the captured larger graph (padding rows and a wider table
+    kept out of every call), with 0 each bucket gets its own; the logits are each call's alone
+    either way."""
+    monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", after)
+    model = hf.apply(llama(seed=7), load_config(**ON))
+    calls = [call_kw(s) for s in (0, 1, 2, 5)]
+    for kw, n in zip(calls, (3, 9, 15, 21)):
+        kw["max_new_tokens"] = kw["min_new_tokens"] = n  # ends apart: the rows fall by steps
+    logits_as_alone(model, calls)
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
+    assert st["replays"] >= 1 and st["failed"] == 0, st
+    if after:
+        assert st["padded"] >= 1 and st["captures"] < len(merged_graphs.BUCKETS), st
+    else:
+        assert st["padded"] == 0, st
+
+
 def test_sliding_window_calls_replay_merged_graphs(rerun):
     model = hf.apply(tiny("mistral"), load_config(**ON))
     kws = []

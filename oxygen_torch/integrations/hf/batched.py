@@ -497,7 +497,7 @@ def merged_graph_stats(model) -> dict:
     """The merged decode graphs of `model`'s mergers, summed."""
     with _mergers_lock:
         mergers = list(_mergers.get(model, {}).values())
-    total = {"graphs": 0, "captures": 0, "replays": 0, "failed": 0}
+    total = {"graphs": 0, "captures": 0, "replays": 0, "padded": 0, "failed": 0}
     for m in mergers:
         for k, v in m.graphs.stats().items():
             total[k] += v

@@ -38,6 +38,11 @@ from . import graphs
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 8
+# A signature not captured yet replays the smallest captured graph that holds it (more rows,
+# a wider table: padding) until it has been asked for this many times, then gets its own: a
+# capture costs 60-100 ms on the H200 (1B shape), a padded replay a fraction of a step, and the
+# rows buckets a batch passes through as its calls finish are each asked for a few steps only.
+CAPTURE_AFTER = 16
 
 
 def bucket(rows: int) -> int:
@@ -150,6 +155,8 @@ class MergedGraphs:
         self.failed: set[tuple] = set()
         self.fingerprint: tuple = ()
         self.captures = 0
+        self.padded = 0  # replays of a larger graph for a signature not captured yet
+        self._asked: dict[tuple, int] = {}
         self.out_type = None  # the model's output class (what a replay's logits are given in)
         self._checked: list = []  # the cores (weakly) the fingerprint was last checked for
         self._lock = threading.Lock()
@@ -177,6 +184,13 @@ class MergedGraphs:
             if g is not None and g.core._pool() is not step.pool:  # a new pool at the same id
                 g = None
             if g is None:
+                asked = self._asked[key] = self._asked.get(key, 0) + 1
+                g = self._larger(rows, width, step.pool) if asked <= CAPTURE_AFTER else None
+                if g is not None:
+                    self.padded += 1
+                    key = (g.rows, g.width, id(step.pool))
+            if g is None:
+                self._asked.pop(key, None)
                 g = self.graphs[key] = MergedDecodeGraph(rows, width, step, step.pool.key.device)
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
@@ -199,8 +213,18 @@ class MergedGraphs:
             self.out_type = g.out_type
             return logits[:r]
 
+    def _larger(self, rows: int, width: int, pool):
+        """The smallest captured graph of at least `rows` rows and `width` blocks on `pool`."""
+        best = None
+        for (r, w, _), g in self.graphs.items():
+            if r >= rows and w >= width and g.runner is not None and g.core._pool() is pool:
+                if best is None or (r * w, r) < (best.rows * best.width, best.rows):
+                    best = g
+        return best
+
     def clear(self) -> None:
         with self._lock:
+            self._asked.clear()
             self.graphs.clear()
             self.failed.clear()
             self._checked = []
@@ -211,5 +235,6 @@ class MergedGraphs:
             "graphs": len(held),
             "captures": self.captures,
             "replays": sum(g.replays for g in held),
+            "padded": self.padded,
             "failed": len(self.failed),
         }
