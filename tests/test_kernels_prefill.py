@@ -18,12 +18,17 @@ from oxygen_torch.triton_kernels import (
 )
 from test_kernels_helpers import assert_close_rel, make_paged, poisoned_like, randn
 
+ROWS70 = [3 + (7 * i) % 20 for i in range(70)]
+NEW70 = [0 if i == 64 else (n if i in (5, 66) else 1) for i, n in enumerate(ROWS70)]
 CASES = [
     # (seq_lens, new tokens per sequence, q_heads, kv_heads, head_dim, block_tokens, window)
     pytest.param([40, 23], [40, 23], 4, 2, 64, 16, None, id="dense-gqa2"),
     pytest.param([70, 12, 33], [9, 12, 0], 4, 4, 64, 16, None, id="prefix-ragged-empty"),
     pytest.param([50, 66], [17, 30], 7, 1, 80, 32, None, id="gqa7-d80-bt32"),
     pytest.param([64, 45], [20, 45], 6, 2, 64, 16, 13, id="window13"),
+    # an engine step: 70 rows (past one 64-row scan chunk), most decoding one token, two
+    # prefill chunks, an empty row at the chunk boundary
+    pytest.param(ROWS70, NEW70, 2, 1, 64, 16, None, id="70-rows"),
 ]
 
 

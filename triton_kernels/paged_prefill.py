@@ -25,16 +25,26 @@ from .tiling import LaunchConfig, TileQuery, check_overrides, launch_config, nex
 
 
 @triton.jit
-def _find_tile(cu_ptr, batch, tile, BLOCK_M: tl.constexpr, BATCH_PAD: tl.constexpr):
-    """(sequence, query tile within it) of flat tile `tile`; sequence == batch: past the end."""
-    idx = tl.arange(0, BATCH_PAD)
-    starts = tl.load(cu_ptr + idx, mask=idx < batch, other=0)
-    ends = tl.load(cu_ptr + idx + 1, mask=idx < batch, other=0)
-    ntiles = tl.cdiv(ends - starts, BLOCK_M)
-    cum = tl.cumsum(ntiles, 0)  # inclusive
-    seq = tl.sum((cum <= tile).to(tl.int32), 0)
-    first = tl.sum(tl.where(idx < seq, ntiles, 0), 0)
-    count = tl.sum(tl.where(idx == seq, ntiles, 0), 0)
+def _find_tile(cu_ptr, batch, tile, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """(sequence, query tile within it) of flat tile `tile`; sequence == batch: past the end.
+    The sequences are scanned CHUNK at a time (a runtime loop: one build for any batch)."""
+    idx = tl.arange(0, CHUNK)
+    seq = 0
+    first = 0  # tiles of the sequences before `seq`
+    count = 0  # tiles of `seq`
+    seen = 0  # tiles of the chunks scanned
+    for c0 in range(0, batch, CHUNK):
+        i = c0 + idx
+        m = i < batch
+        starts = tl.load(cu_ptr + i, mask=m, other=0)
+        ends = tl.load(cu_ptr + i + 1, mask=m, other=0)
+        ntiles = tl.cdiv(ends - starts, BLOCK_M)
+        cum = seen + tl.cumsum(ntiles, 0)  # inclusive
+        before = m & (cum <= tile)
+        seq += tl.sum(before.to(tl.int32), 0)
+        first += tl.sum(tl.where(before, ntiles, 0), 0)
+        count += tl.sum(tl.where(m & (cum > tile) & (cum - ntiles <= tile), ntiles, 0), 0)
+        seen += tl.sum(ntiles, 0)
     return seq, count - 1 - (tile - first)  # last tiles first
 
 
@@ -132,7 +142,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
-    BATCH_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     FP8: tl.constexpr,
@@ -140,7 +150,7 @@ def _prefill_kernel(
     HALF_ACC: tl.constexpr,
 ):
     head = tl.program_id(0)
-    seq, m_tile = _find_tile(cu_ptr, batch, tl.program_id(1), BLOCK_M, BATCH_PAD)
+    seq, m_tile = _find_tile(cu_ptr, batch, tl.program_id(1), BLOCK_M, CHUNK)
     if seq >= batch:
         return
     q_start = tl.load(cu_ptr + seq)
@@ -366,7 +376,7 @@ def paged_prefill(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_TOKENS=bt,
-        BATCH_PAD=max(16, next_pow2(batch)),  # (a compile per power of two past 16 rows)
+        CHUNK=64,
         CAUSAL=causal,
         HAS_WINDOW=window > 0,
         FP8=fp8,

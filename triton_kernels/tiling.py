@@ -15,7 +15,10 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
   FP32_SAFE compute), and lets fp8 decode stream 128-token tiles.
 - FP32_SAFE: block_n <= 32 (and block_m <= 64 in prefill) with 8 warps: its ieee dots run on
   FMA units out of registers.
-- seq_len: no tile is larger than the next power of two of the sequence (>= 16).
+- seq_len: no decode tile is larger than the next power of two of the sequence (>= 16). Prefill
+  tiles are not capped by the query's length: each cap is a compile of its own (0.5-1.3 s on
+  the H200), paid mid-run whenever a step's new tokens fall under a new power of two, for less
+  masked work than that costs.
 - overrides block_m / block_n are used as given (they must be powers of two >= 16); their
   launch takes fewer pipeline stages where the tiles would not fit the shared-memory budget.
 
@@ -220,10 +223,8 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
         # kilobytes per thread (ptxas), so the safe mode takes small tiles
         block_n = min(block_n, 32)
         block_m = block_m if q.phase == "decode" else min(block_m, 64)
-    cap = max(16, next_pow2(q.seq_len))
-    block_n = min(block_n, cap)
-    if q.phase == "prefill":
-        block_m = min(block_m, cap)
+    if q.phase == "decode":
+        block_n = min(block_n, max(16, next_pow2(q.seq_len)))
     return (q.block_m or block_m, q.block_n or block_n)
 
 
