@@ -7,16 +7,19 @@ hotter: hundreds of one-sequence cores each adding one token. This step keeps Me
 attention path (write / attend over the step's table, lengths and slots, or a decode graph's
 copies of them) and plans it in one loop: a row whose last block has room and is its own only
 counts the token (15 steps in 16 at 16-token blocks); the others, and rows behind a sliding
-window or coming back from the CPU tier, take the core's own path.
+window or coming back from the CPU tier, take the core's own path. The step's table is built
+with numpy from each core's block ids, kept as an int32 array beside the list they copy until
+the list changes (a new block every block_tokens steps, a copy-on-write, a swap-in): 3.3 ms of
+Python a step at 256 rows before, on the CPU machine.
 """
 
 from __future__ import annotations
 
-from array import array
-
+import numpy as np
 import torch
 
-from .merged import MergedStep, _pad
+from .merged import MergedStep
+from .storage import GUARD_BLOCK
 from .swap import resident
 from .window import narrowed_window
 
@@ -72,17 +75,21 @@ class DecodeStep(MergedStep):
 
     def host_plan(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
         bt = self.pool.key.block_tokens
-        lists = [c.seqs.blocks[0] for c in self.cores]
-        width = max(map(len, lists))
-        table = torch.frombuffer(
-            array("i", [b for blocks in lists for b in (*blocks, *_pad(width - len(blocks)))]),
-            dtype=torch.int32,
-        ).view(len(lists), width)  # [R, W]
-        starts = self._starts
-        slots = [blocks[n // bt] * bt + n % bt for blocks, n in zip(lists, starts)]
+        arrs = [_blocks(c) for c in self.cores]
+        r = len(arrs)
+        counts = np.fromiter(map(len, arrs), dtype=np.int64, count=r)
+        width = int(counts.max())
+        flat = np.concatenate(arrs)
+        first = np.cumsum(counts) - counts  # each row's first entry in `flat`
+        grid = np.full((r, width), GUARD_BLOCK, dtype=np.int32)
+        at = np.repeat(np.arange(r, dtype=np.int64) * width - first, counts)
+        grid.reshape(-1)[at + np.arange(flat.shape[0])] = flat
+        starts = np.asarray(self._starts, dtype=np.int64)
+        slots = flat[first + starts // bt].astype(np.int64) * bt + starts % bt
+        table = torch.from_numpy(grid)  # [R, W]
         if self.pool.heat is not None:  # the step's attention reads every block in the table
             self.pool.heat.touch(table)
-        return table, slots, [n + 1 for n in starts], [1] * len(starts)
+        return table, slots.tolist(), (starts + 1).tolist(), [1] * r
 
     def commit(self) -> None:
         for c in self.cores:
@@ -95,3 +102,14 @@ class DecodeStep(MergedStep):
                 c.seqs.truncate(0, n)
         for c in self.cores:
             c._lent = True
+
+
+def _blocks(core) -> np.ndarray:
+    """The block ids of `core`'s sequence as int32, rebuilt only when its list changed."""
+    blocks = core.seqs.blocks[0]
+    kept = core.__dict__.get("_blocks_np")
+    if kept is not None and kept[0] == blocks:
+        return kept[1]
+    arr = np.array(blocks, dtype=np.int32)
+    core._blocks_np = (list(blocks), arr)
+    return arr
