@@ -209,16 +209,20 @@ def at_once(args) -> None:
     for seed in args.seeds:
         for k in args.at_once:
             for mode in args.at_once_modes:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--once",
-                    f"{mode},{k},{seed}",
-                    "--shape",
-                    args.shape,
-                    "--new",
-                    args.new,
-                ] + (["--sample"] if args.sample else [])
+                cmd = (
+                    [
+                        sys.executable,
+                        __file__,
+                        "--once",
+                        f"{mode},{k},{seed}",
+                        "--shape",
+                        args.shape,
+                        "--new",
+                        args.new,
+                    ]
+                    + (["--sample"] if args.sample else [])
+                    + (["--host-only"] if args.host_only else [])
+                )
                 env = dict(os.environ, PYTHONPATH=str(HERE.parent))
                 t = time.time()
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3000)
@@ -232,8 +236,8 @@ def at_once(args) -> None:
                 print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
-        "rows/step | host ms/step | wait ms/step |",
-        "|" + "---|" * 11,
+        "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms |",
+        "|" + "---|" * 13,
     ]
     for r in rows:
         if "error" in r:
@@ -255,7 +259,8 @@ def at_once(args) -> None:
             f"| {r['k']} | {r['seed']} | {r['mode']} | {r['tok_per_s']} | {ratio[0]} | "
             f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
             f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
-            f"{r.get('wait_ms_per_step', '-')} |"
+            f"{r.get('wait_ms_per_step', '-')} | {r.get('decode_step_ms', '-')} | "
+            f"{r.get('decode_launch_ms', '-')} |"
         )
     md = "\n".join(lines)
     print("\n" + md)
@@ -302,6 +307,12 @@ def main() -> None:
     )
     ap.add_argument("--new", default="256", help="--at-once new tokens: a number or chat")
     ap.add_argument("--sample", action="store_true", help="--at-once: temperature 0.8, top_p 0.95")
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="--at-once threads/one_call: decode graph replays stubbed (zeros logits), so a "
+        "step's time is the engine's host work alone (on CPU: the tiny shape)",
+    )
     ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.once:
@@ -309,6 +320,7 @@ def main() -> None:
 
         mode, k, seed = args.once.split(",")
         dev = "cpu" if args.shape == "tiny" else "cuda"
+        mo.HOST_ONLY = args.host_only
         try:
             r = mo.run(mode, args.shape, int(k), int(seed), args.new, args.sample, dev)
         except Exception:  # noqa: BLE001 - reported in the table

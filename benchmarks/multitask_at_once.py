@@ -59,6 +59,29 @@ def build(shape: str, device: str):
     return model
 
 
+HOST_ONLY = False  # --host-only: decode graph replays stubbed (the engine's host work alone)
+
+
+def _stub_replays() -> None:
+    """Decode steps replay nothing: a graph 'replay' hands back zeros logits (the staging and
+    every other part of the step still run), so the step timeline is the host's work."""
+    from oxygen_torch.integrations.hf import graphs, merged_graphs
+
+    graphs.CPU_RERUN = True  # (on CPU: the graph path at all)
+    zeros: dict = {}
+
+    def run(self, model, forward):
+        key = (self.rows, self.ids.device)
+        if key not in zeros:
+            zeros[key] = torch.zeros(self.rows, model.get_output_embeddings().weight.shape[0],
+                                     device=self.ids.device)  # fmt: skip
+        self.runner = self.runner or object()
+        self.replays += 1
+        return zeros[key]
+
+    merged_graphs.MergedDecodeGraph.run = run
+
+
 def sampling_kw(sample: bool) -> dict:
     return (
         dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0)
@@ -72,6 +95,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
 
     if mode != "generate_batch":
         oxygen_torch.enable(scheduler={"engine": True, "decode_graphs": True})
+        if HOST_ONLY:
+            _stub_replays()
     model = build(shape, device)
     reqs = workload(seed, k, model.config.vocab_size, new)
     kw = sampling_kw(sample)
@@ -153,6 +178,11 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         out["graph_captures"] = graphs["captures"] - captured
     if timeline:
         out["timeline"] = timeline[-400:]
+        full = [x for x in timeline if x[1] == x[2] == k]  # decode steps of every row
+        if len(full) > 1:
+            gaps = sorted(b[0] - a[0] for a, b in zip(full, full[1:]) if b[0] - a[0] < 1e3)
+            out["decode_step_ms"] = round(gaps[len(gaps) // 2], 3) if gaps else None
+            out["decode_launch_ms"] = round(sorted(x[4] for x in full)[len(full) // 2], 3)
     if after:
         steps = after["steps"] - before.get("steps", 0)
         out["steps"] = steps
