@@ -73,7 +73,7 @@ def prefill_case(fp8, causal, window):
     kv = kv_types(fp8)
     ptrs = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32",
                 bt_ptr="*i32", lens_ptr="*i32", cu_ptr="*i32", out_ptr="*bf16")  # fmt: skip
-    consts = dict(D, BLOCK_M=64, BLOCK_N=64, BLOCK_TOKENS=16, BATCH_PAD=4, CAUSAL=causal,
+    consts = dict(D, BLOCK_M=64, BLOCK_N=64, BLOCK_TOKENS=16, CHUNK=64, CAUSAL=causal,
                   HAS_WINDOW=window, FP8=fp8, PRECISION=1, HALF_ACC=False)  # fmt: skip
     return compile_sm90(kernel("paged_prefill", "_prefill_kernel"), ptrs, consts, num_warps=4)
 
