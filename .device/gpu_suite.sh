@@ -1,0 +1,21 @@
+#!/bin/bash
+# The whole `cuda` suite on a device machine, longer than one call: started in the background in
+# a copy of the tree (so later syncs of the tree do not change it mid-run), in its own process
+# session (it survives the call), then waited for by later calls made within the machine's idle
+# release (30 s): keep the calls back to back.
+#   bash .device/gpu_suite.sh start fwd|rev      # rev: pytest --reverse (tests/conftest.py)
+#   bash .device/gpu_suite.sh wait fwd|rev SECS  # log copied to $OUT/suite_<order>.log
+set -u
+cmd=$1 o=$2
+case $cmd in
+start)
+    extra=""; [ "$o" = rev ] && extra="--reverse"
+    rm -rf "/root/st_$o" "/root/suite_$o.rc"; cp -a . "/root/st_$o"; cd "/root/st_$o" || exit 1
+    setsid nohup bash -c "timeout 1500 python3 -m pytest -m cuda -p no:cacheprovider -q -rs --durations=30 $extra tests > /root/suite_$o.log 2>&1; echo \$? > /root/suite_$o.rc" >/dev/null 2>&1 < /dev/null &
+    echo "started $o" ;;
+wait)
+    t=0
+    while [ ! -f "/root/suite_$o.rc" ] && [ "$t" -lt "$3" ]; do sleep 5; t=$((t + 5)); done
+    cp "/root/suite_$o.log" "$OUT/suite_$o.log" 2>/dev/null
+    echo "rc: $(cat "/root/suite_$o.rc" 2>/dev/null || echo running)"; tail -c 6000 "/root/suite_$o.log" ;;
+esac
