@@ -12,6 +12,7 @@ import torch
 from oxygen_torch.kv.core import PagedKVCore
 from oxygen_torch.kv.decode_step import DecodeStep
 from oxygen_torch.kv.merged import MergedStep, Part
+from oxygen_torch.kv.pool import pool_stats, release_pools
 from oxygen_torch.kv.storage import GUARD_BLOCK
 
 BT = 16
@@ -70,3 +71,5 @@ def test_the_step_plan_equals_the_block_lists_through_changes(seed):
     finally:
         for c in held:
             c.release()
+        release_pools()  # (no pool left open for later tests)
+        assert pool_stats() == []
