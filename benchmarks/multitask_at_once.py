@@ -223,27 +223,29 @@ def _compile_log(stop: bool = False):
     return log
 
 
-def _timeline(model) -> list:
+def _model_engine(model):
+    """The engine serving `model` (None in transformers' own mode or before its first call)."""
     try:
         from oxygen_torch.integrations.hf import engine_runner
     except Exception:  # noqa: BLE001 - transformers' own mode
+        return None
+    group = engine_runner._engines.get(model) or {}
+    return next(iter(group.values()), None)
+
+
+def _timeline(model) -> list:
+    eng = _model_engine(model)
+    if eng is None:
         return []
-    engines = [e for g in engine_runner._engines.values() for e in g.values()]
-    if not engines:
-        return []
-    t = list(engines[0].stats.timeline)
+    t = list(eng.stats.timeline)
     t0 = t[0][0] if t else 0
     return [(round(1e3 * (a - t0), 2), r, n, round(1e3 * c, 3), round(1e3 * la, 3),
              round(1e3 * co, 3)) for a, r, n, c, la, co in t]  # fmt: skip
 
 
 def _graphs(model) -> dict:
-    try:
-        from oxygen_torch.integrations.hf import engine_runner
-    except Exception:  # noqa: BLE001 - transformers' own mode
-        return {}
-    engines = [e for g in engine_runner._engines.values() for e in g.values()]
-    return engines[0].runner.graphs.stats() if engines else {}
+    eng = _model_engine(model)
+    return eng.runner.graphs.stats() if eng is not None else {}
 
 
 def _engine(model) -> dict:
