@@ -308,15 +308,19 @@ def test_merged_calls_on_sliding_window_architectures(oxygen, arch):
 
 
 class Started(T.LogitsProcessor):
-    """Sets an event once its call has produced `after` tokens."""
+    """Sets an event once its call has produced `after` tokens; then, given `until`, holds its
+    call (at most 60 s) until `until()` is true."""
 
-    def __init__(self, event, after):
-        self.event, self.after, self.n = event, after, 0
+    def __init__(self, event, after, until=None):
+        self.event, self.after, self.n, self.until = event, after, 0, until
 
     def __call__(self, input_ids, scores):
         self.n += 1
         if self.n == self.after:
             self.event.set()
+            deadline = time.monotonic() + 60
+            while self.until is not None and not self.until() and time.monotonic() < deadline:
+                time.sleep(0.002)
         return scores
 
 
@@ -330,8 +334,11 @@ def test_a_low_priority_call_running_alone_is_preempted_for_a_high_one(oxygen):
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     hf.apply(model, load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20}))  # 31 blocks
+    # low: 4 rows of 300 + 150 (12 blocks when the chat call comes, 16 at most); high: 4 rows of
+    # 420 + 150 (16, then 20): the two no longer fit once the high call is past 92 tokens, long
+    # before the low one ends, however their steps interleave
     low_ids, low_mask = prompt(50, rows=4, length=300)
-    high_ids, high_mask = prompt(51, rows=4, length=300)
+    high_ids, high_mask = prompt(51, rows=4, length=420)
     low_kw = dict(input_ids=low_ids, attention_mask=low_mask, max_new_tokens=150, do_sample=False)
     high_kw = dict(input_ids=high_ids, attention_mask=high_mask, max_new_tokens=150,
                    do_sample=False)  # fmt: skip
@@ -339,8 +346,12 @@ def test_a_low_priority_call_running_alone_is_preempted_for_a_high_one(oxygen):
     started, preempted = threading.Event(), []
     sched_seen = []
 
+    def chat_arrived():  # the low call waits for it after 5 tokens (a slow thread start)
+        return any(c.account.task.name == "chat" for s in schedulers(model) for c in s._calls)
+
     def low():
-        kw = dict(low_kw, logits_processor=T.LogitsProcessorList([Started(started, 5)]))
+        held = Started(started, 5, until=chat_arrived)
+        kw = dict(low_kw, logits_processor=T.LogitsProcessorList([held]))
         with oxygen_torch.task(priority="low", name="batch"):
             return generate(model, kw)
 

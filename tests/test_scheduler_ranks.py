@@ -176,7 +176,8 @@ def test_the_follower_runs_the_leaders_steps_and_preemptions(seed):
 
 
 def test_a_follower_that_lacks_a_call_fails_naming_it(monkeypatch):
-    monkeypatch.setattr(sched, "FOLLOW_TIMEOUT_S", 0.3)
+    # longer than a loaded CI machine takes to start a thread, well short of the join below
+    monkeypatch.setattr(sched, "FOLLOW_TIMEOUT_S", 1.0)
     link = Link()
     runners = [FakeRunner(64), FakeRunner(64)]
     cfg = SchedulerConfig(gather_ms=1.0)
@@ -188,4 +189,4 @@ def test_a_follower_that_lacks_a_call_fails_naming_it(monkeypatch):
     threads += rank(follower, runners[1], both, 1, outs[1], errs)
     for t in threads:
         t.join(20)
-    assert any("t9" in e and "has not made within 0.3 s" in e for e in errs), errs
+    assert any("t9" in e and "has not made within 1 s" in e for e in errs), errs
