@@ -43,11 +43,14 @@ class DecodeStep(MergedStep):
         return sum(c.seqs.blocks_needed(0, 1) for c in self.cores)
 
     def reserve(self, *, build: bool = True) -> None:
-        """Counts each row's token, taking a block where one is due (hold the pool's lock)."""
+        """Counts each row's token, taking a block where one is due (hold the pool's lock). The
+        rows whose last block is full take their new blocks in one allocation (a row in 16 at
+        16-token blocks: one call of the pool's page accounting instead of one each)."""
         bt = self.pool.key.block_tokens
         refcount = self.pool.manager.refcount
         starts = self._starts = []
         windows = False
+        full = []  # (core, length) of rows whose blocks are all full: a fresh block each
         for c in self.cores:
             if c._swapped is not None or c._ready is not None:
                 resident(c)  # back from the CPU tier first (kv/swap.py)
@@ -58,16 +61,21 @@ class DecodeStep(MergedStep):
                 c._reserve([1])  # (gives back or narrows the blocks behind the window first)
             elif n % bt and refcount(s.blocks[0][-1]) == 1:
                 s.lens[0] = n + 1
-            else:  # a new block (or a copy of a shared last one): the host table follows
+            elif not n % bt and len(s.blocks[0]) * bt == n:
+                full.append((c, n))
+            else:  # a copy of a shared last block (or blocks not as counted): the core's way
                 new, cow = s.reserve(0, 1)
                 if cow is not None:
                     c._copy_blocks([cow])
-                c._lent = True  # (the device table is reloaded whole before an eager step)
-                for col, blk in new:
-                    if col >= c._table_host.shape[1]:
-                        c._grow_table(col + 1)
-                    c._table_host[0, col] = blk
+                _note_blocks(c, new)
             starts.append(n)
+        if full:
+            fresh = self.pool.manager.allocate(len(full))
+            for (c, n), blk in zip(full, fresh):
+                s = c.seqs
+                s.blocks[0].append(blk)
+                s.lens[0] = n + 1
+                _note_blocks(c, [(len(s.blocks[0]) - 1, blk)])
         if windows:
             self._narrowed = narrowed_window(self.cores)
         if build:
@@ -102,6 +110,16 @@ class DecodeStep(MergedStep):
                 c.seqs.truncate(0, n)
         for c in self.cores:
             c._lent = True
+
+
+def _note_blocks(core, new: list[tuple[int, int]]) -> None:
+    """A core's new (column, block) entries in its host table (the device table is reloaded
+    whole before an eager step)."""
+    core._lent = True
+    for col, blk in new:
+        if col >= core._table_host.shape[1]:
+            core._grow_table(col + 1)
+        core._table_host[0, col] = blk
 
 
 def _blocks(core) -> np.ndarray:
