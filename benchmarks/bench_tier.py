@@ -35,9 +35,9 @@ mode's memory cap is its own):
   ops and CUDA kernels by self time.
 
 Environment: BENCH_TIER_TPOT_ROUNDS (migration: rounds of TPOT beside each churn, default 3);
-BENCH_TIER_WAYS (migration: the ways a move goes, "copies:pace:MiB[:programs],...", default
-"auto::16,gather:gather:16,mapped::16:2": transfer.COPIES, transfer.PACE_DOWN, piece MiB, the
-mapped kernel's grid); BENCH_TIER_SWAP_SEEDS (swap: seeds, default "1,2");
+BENCH_TIER_WAYS (migration: the ways a move goes, "moves:MiB[:programs],...", default
+"auto:16,gather:16,mapped:16:2": pool.tier_moves, piece MiB (transfer.COPY_BYTES), the mapped
+kernel's grid); BENCH_TIER_SWAP_SEEDS (swap: seeds, default "1,2");
 BENCH_TIER_WINDOW and BENCH_TIER_HYBRID_EVERY (long: the window, default 4,096, and
 every how many layers a hybrid model's layer is full, default 6).
 
@@ -278,56 +278,54 @@ def migration() -> dict:
 
 
 def _ways(spec: str) -> tuple:
-    """(name, transfer.COPIES, transfer.PACE_DOWN, piece MiB, programs alone, programs beside
-    steps) of each "copies:pace:MiB[:programs]": "mapped" with programs takes that grid alone
-    and beside steps; "auto" (the default way: moves down beside steps by the mapped kernel, the
-    rest by the gathers) transfer's grids."""
+    """(name, pool.tier_moves, piece MiB, programs alone, programs beside steps) of each
+    "moves:MiB[:programs]": "mapped" with programs takes that grid alone and beside steps;
+    "auto" (the default way: moves down beside steps by the mapped kernel, the rest by the
+    gathers) transfer's grids."""
     from oxygen_torch.kv import transfer
 
     out = []
     for w in spec.split(","):
-        copies, paced, mib, *grid = w.split(":")
+        moves, mib, *grid = w.split(":")
         alone, beside = transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS
-        if copies == "auto":
+        if moves == "auto":
             name = f"default (down beside steps by the mapped kernel of {beside}, else gathers)"
-        elif copies == "mapped":  # (neither paced nor in pieces: one kernel a move)
+        elif moves == "mapped":  # (neither paced nor in pieces: one kernel a move)
             alone = beside = int(grid[0]) if grid else alone
             name = f"mapped kernel, {alone} programs"
         else:
-            kind = "gathers" if copies == "gather" else "copies"
-            name = f"{kind}, {f'paced by {paced}' if paced else 'not paced'}, {mib} MiB pieces"
-        out.append((name, copies, "" if copies in ("auto", "mapped") else paced, int(mib),
-                    alone, beside))  # fmt: skip
+            name = f"gathers, paced, {mib} MiB pieces"
+        out.append((name, moves, int(mib), alone, beside))
     return tuple(out)
 
 
-# the ways a move can go, the default first: BENCH_TIER_WAYS "copies:pace:MiB[:programs],..."
-# (COPIES "auto", "mapped", "gather" or "engine", PACE_DOWN "gather", "kernel" or "",
-# transfer.COPY_BYTES in MiB, the mapped kernel's grid)
-WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto::16,gather:gather:16,mapped::16:2"))
+# the ways a move can go, the default first: BENCH_TIER_WAYS "moves:MiB[:programs],..."
+# (pool.tier_moves "auto", "mapped" or "gather", transfer.COPY_BYTES in MiB, the mapped kernel's
+# grid)
+WAYS = _ways(os.environ.get("BENCH_TIER_WAYS", "auto:16,gather:16,mapped:16:2"))
+RUN = 16  # blocks: the "runs" order's runs of consecutive blocks
 
 
-def _use(way: tuple) -> None:
-    """Sets transfer's knobs to a WAYS entry's."""
+def _use(way: tuple, tier) -> None:
+    """Sets the tier's way and transfer's knobs to a WAYS entry's."""
     from oxygen_torch.kv import transfer
 
-    _, transfer.COPIES, transfer.PACE_DOWN, mib, alone, beside = way
+    _, tier.moves, mib, alone, beside = way
     transfer.COPY_BYTES = mib * MIB
     transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS = alone, beside
 
 
-def _saved() -> tuple:
-    """transfer's knobs as a WAYS entry, to _use again after."""
+def _saved(tier) -> tuple:
+    """The tier's way and transfer's knobs as a WAYS entry, to _use again after."""
     from oxygen_torch.kv import transfer
 
-    return ("", transfer.COPIES, transfer.PACE_DOWN, transfer.COPY_BYTES // MIB,
-            transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS)  # fmt: skip
+    return ("", tier.moves, transfer.COPY_BYTES // MIB, transfer.MAPPED_PROGRAMS,
+            transfer.MAPPED_PROGRAMS_BESIDE_STEPS)  # fmt: skip
 
 
 def scattered(blocks: list[int], seed: int = 0) -> list[int]:
     """Every other block of `blocks` (consecutive ids), in a random order: no two of them are
-    consecutive, so a move by copies finds no run (transfer.MIN_RUN) and gathers every one (a
-    tier gives rows in the blocks' order, so the order alone would not break runs)."""
+    consecutive."""
     every = blocks[::2]
     order = torch.randperm(len(every), generator=torch.Generator().manual_seed(seed)).tolist()
     return [every[i] for i in order]
@@ -335,8 +333,7 @@ def scattered(blocks: list[int], seed: int = 0) -> list[int]:
 
 def in_runs(blocks: list[int], run: int, seed: int = 0) -> list[int]:
     """Runs of `run` consecutive blocks of `blocks` (consecutive ids), `run` blocks apart, the
-    runs in a random order: a move by copies finds runs of exactly `run` (the shortest it copies
-    at transfer.MIN_RUN)."""
+    runs in a random order."""
     runs = [blocks[a : a + run] for a in range(0, len(blocks) - run + 1, 2 * run)]
     order = torch.randperm(len(runs), generator=torch.Generator().manual_seed(seed)).tolist()
     return [b for i in order for b in runs[i]]
@@ -344,28 +341,23 @@ def in_runs(blocks: list[int], run: int, seed: int = 0) -> list[int]:
 
 def ordered(blocks: list[int], order: str) -> list[int]:
     """256 of `blocks` (512 or more consecutive ids) as a move of that order takes them."""
-    from oxygen_torch.kv import transfer
-
     if order == "consecutive":
         return blocks[:256]
     if order == "scattered":
         return scattered(blocks[:512])
-    return in_runs(blocks[:512], transfer.MIN_RUN)  # "runs"
+    return in_runs(blocks[:512], RUN)  # "runs"
 
 
 def _pieces(tier, mine: list[int], bb: int) -> list:
-    """down / up GB/s of one move by the way it goes (WAYS: copy-engine 2D copies, or gathers
-    into the staging buffer), the size of its pieces (transfer.COPY_BYTES) and the order of its
+    """down / up GB/s of one move by the way it goes (WAYS: the mapped kernel, or gathers into
+    the staging buffer), the size of its pieces (transfer.COPY_BYTES) and the order of its
     blocks (consecutive, or scattered: a copy a block)."""
-    from oxygen_torch.kv import transfer
-
-    saved, rows = _saved(), []
-    orders = {"engine": ("consecutive", "runs", "scattered"),
-              "mapped": ("consecutive", "scattered")}  # gathers: any order alike  # fmt: skip
+    saved, rows = _saved(tier), []
+    orders = {"mapped": ("consecutive", "scattered")}  # gathers: any order alike
     ways = [(w, order) for w in WAYS for order in orders.get(w[1], ("consecutive",))]
     for way_, order in ways:
-        name, copies, paced, mib, _, _ = way_
-        _use(way_)
+        name, moves, mib, _, _ = way_
+        _use(way_, tier)
         blocks = ordered(mine, order)
         slots: list = []
 
@@ -376,27 +368,26 @@ def _pieces(tier, mine: list[int], bb: int) -> list:
         t_up = _bench(lambda slots=slots, blocks=blocks: tier.up(slots, blocks))
         tier.release(slots)
         n = len(blocks) * bb
-        counted = "blocks_mapped" if copies in ("auto", "mapped") else "blocks_copied"
-        copied = tier.stats()[counted]
+        mapped = tier.stats()["blocks_mapped"]
         tier.release(tier.down(blocks))
-        share = (tier.stats()[counted] - copied) / len(blocks)  # copied or mapped, not gathered
-        label = {"runs": f"blocks in runs of {transfer.MIN_RUN}"}.get(order, f"{order} blocks")
-        way = f"{name}, {label} ({100 * share:.0f} % copied)"
-        rows.append(dict(blocks=len(blocks), copied_share=share, down=way, copy_MiB=mib,
-                         paced=paced, copies=copies, order=order, down_GBps=n / t_down / 1e9,
+        share = (tier.stats()["blocks_mapped"] - mapped) / len(blocks)  # mapped, not gathered
+        label = {"runs": f"blocks in runs of {RUN}"}.get(order, f"{order} blocks")
+        way = f"{name}, {label} ({100 * share:.0f} % mapped)"
+        rows.append(dict(blocks=len(blocks), mapped_share=share, down=way, copy_MiB=mib,
+                         moves=moves, order=order, down_GBps=n / t_down / 1e9,
                          up_GBps=n / t_up / 1e9))  # fmt: skip
         say(f"{len(blocks)} blocks by {way}: down {n / t_down / 1e9:.1f} GB/s, up "
             f"{n / t_up / 1e9:.1f} GB/s")  # fmt: skip
-    _use(saved)
+    _use(saved, tier)
     return rows
 
 
 def _tpot_while_migrating(pool, tier, blocks) -> dict:
     """generate()'s time per output token alone, then with a thread moving 256 blocks (in runs
-    of transfer.MIN_RUN, the shortest a move by copies takes) down and up without pause, on its
+    of RUN) down and up without pause, on its
     own stream (another pool on the same GPU: the copy engines and HBM are shared). Churns: the
-    tier's moves each way of WAYS (by default: the default way, transfer.COPIES "auto"; the
-    gathers paced by the gathers in 16 MiB pieces; the mapped kernel of 2 programs both ways),
+    tier's moves each way of WAYS (by default: the default way, pool.tier_moves "auto"; the
+    paced gathers in 16 MiB pieces; the mapped kernel of 2 programs both ways),
     in TPOT_ROUNDS rounds, each against its own TPOT
     alone measured just before, the order turned by one each round; and the same bytes as bare
     pinned copies in one piece each way (no Python between them: the copy engines' share alone).
@@ -434,7 +425,7 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
         return statistics.median(per)
 
     alone = tpot()
-    mine = ordered(blocks, "runs")  # the shortest runs moves copy
+    mine = ordered(blocks, "runs")
     nbytes = len(mine) * tier.block_bytes
     dense = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
@@ -488,14 +479,14 @@ def _tpot_while_migrating(pool, tier, blocks) -> dict:
             alone_ms=alone * 1e3,
         )
 
-    churns, saved = {}, _saved()
+    churns, saved = {}, _saved(tier)
     for k in range(TPOT_ROUNDS):  # a call's noise against the differences: rounds, turned
         alone_k = alone if k == 0 else tpot()
         turn = k % len(WAYS)
         for way in WAYS[turn:] + WAYS[:turn]:
-            _use(way)
+            _use(way, tier)
             churns[f"tier, {way[0]}, round {k + 1}"] = busy(tier_cycle, alone_k)
-    _use(saved)
+    _use(saved, tier)
     churns[f"bare copies, {nbytes // MIB} MiB"] = busy(lambda s: raw_cycle(s, nbytes), alone_k)
     # where the rise comes from: a tier cycle's two parts apart, at the tier churns' pace (no
     # bytes reach the host in either: their "GB/s moved" is the pace)

@@ -36,21 +36,6 @@ OXY_API int oxygen_cuda_device_info(int device, char* name, size_t name_len, siz
   });
 }
 
-// kv/transfer.py's block copies (copy_blocks in vmm_backend.h); views: n_views x 6 uint64.
-OXY_API int oxygen_copy_blocks(int up, const std::uint64_t* views, int n_views,
-                               const std::int64_t* blocks, const std::int64_t* rows, std::int64_t n,
-                               std::uint64_t host, std::uint64_t host_pitch, void* stream,
-                               int on_device, std::int64_t min_run, std::uint64_t grain,
-                               std::int64_t* copies_out, std::int64_t* left, std::int64_t* n_left) {
-  return guarded("copy_blocks", [&]() -> int {
-    if (!views || !copies_out || !n_left) return invalid_handle("copy_blocks", "views");
-    static_assert(sizeof(BlockView) == 6 * sizeof(std::uint64_t), "BlockView is 6 words");
-    return copy_blocks(up, reinterpret_cast<const BlockView*>(views), n_views, blocks, rows, n,
-                       host, host_pitch, stream, on_device, min_run, grain, copies_out, left,
-                       n_left);
-  });
-}
-
 namespace {
 
 Status selftest(const char* kind, int device, size_t page_size, size_t* granularity_out) {

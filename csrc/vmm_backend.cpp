@@ -377,7 +377,6 @@ struct Driver {
   // count pointer as register garbage and crashed on the H200.
   CUresult (*cuStreamGetCaptureInfo)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*,
                                      const CUgraphNode**, const void**, size_t*) = nullptr;
-  CUresult (*cuMemcpy2DAsync)(const CUDA_MEMCPY2D*, CUstream) = nullptr;  // block copies
   bool ok = false;
 };
 
@@ -435,8 +434,7 @@ Driver& driver() {
               resolve(d.lib, "cuEventDestroy", &d.cuEventDestroy) &&
               resolve(d.lib, "cuEventRecord", &d.cuEventRecord) &&
               resolve(d.lib, "cuEventQuery", &d.cuEventQuery) &&
-              resolve(d.lib, "cuStreamGetCaptureInfo", &d.cuStreamGetCaptureInfo) &&
-              resolve(d.lib, "cuMemcpy2DAsync", &d.cuMemcpy2DAsync);
+              resolve(d.lib, "cuStreamGetCaptureInfo", &d.cuStreamGetCaptureInfo);
     d.ok = ok && d.cuInit(0) == CUDA_SUCCESS;
   });
   return d;
@@ -676,148 +674,6 @@ Status cuda_device_info(int device, char* name, std::size_t name_len, std::size_
   *free_bytes = *total_bytes = 0;
   if (be) return be->mem_info(free_bytes, total_bytes);
   return OK;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Whole KV blocks between an arena's block views and host rows (oxygen_torch/kv/transfer.py,
-// COPIES = "engine"): a run of consecutive blocks bound for consecutive rows goes one 2D copy a
-// region (the run's bytes in that region, contiguous, to their place in each row), so no kernel
-// gathers them. Measured on the H200 (benchmarks/diag_block_copies.py): such copies move 44-46
-// GB/s each way; a 2D copy a block (its regions as rows, a region apart) is refused
-// (CUDA_ERROR_INVALID_VALUE) when the arena's pages between its regions are not all mapped, and
-// moved 20-38 GB/s when they were; a copy a (block, region) through cuMemcpyBatchAsync moved 3-8.
-// So blocks outside runs of min_run are left to the caller (its gather kernels).
-
-namespace {
-
-struct Copy2D {
-  std::uint64_t dev, dev_pitch, host, host_pitch, width, height;
-};
-
-Status check_views(const BlockView* views, int n_views, std::uint64_t row_bytes) {
-  std::uint64_t need = 0;
-  for (int v = 0; v < n_views; ++v) {
-    const BlockView& w = views[v];
-    if (!w.base || !w.regions || !w.width || w.block_stride < w.width ||
-        (w.regions > 1 && w.region_stride < w.width) || w.offset != need) {
-      set_last_error("copy_blocks: view " + std::to_string(v) + " is not a block view (base " +
-                     std::to_string(w.base) + ", block stride " +
-                     std::to_string(w.block_stride) + ", region stride " +
-                     std::to_string(w.region_stride) + ", regions " +
-                     std::to_string(w.regions) + ", width " + std::to_string(w.width) +
-                     ", offset " + std::to_string(w.offset) + ")");
-      return ERR_INVALID;
-    }
-    need += w.regions * w.width;
-  }
-  if (need > row_bytes) {
-    set_last_error("copy_blocks: a block is " + std::to_string(need) + " bytes, a host row " +
-                   std::to_string(row_bytes));
-    return ERR_INVALID;
-  }
-  return OK;
-}
-
-// Calls emit(copy) for each copy of the runs of at least min_run pairs (in the order given: the
-// caller sorts), each region's part of a run cut where it would cross a multiple of `grain` on
-// the device; the positions of pairs outside such runs go to left[*n_left].
-template <typename F>
-Status plan_copies(const BlockView* views, int n_views, const std::int64_t* blocks,
-                   const std::int64_t* rows, std::int64_t n, std::uint64_t host,
-                   std::uint64_t host_pitch, std::int64_t min_run, std::uint64_t grain,
-                   std::int64_t* left, std::int64_t* n_left, F&& emit) {
-  for (std::int64_t i = 0; i < n;) {
-    std::int64_t m = 1;  // the run: consecutive blocks to consecutive rows
-    while (i + m < n && blocks[i + m] == blocks[i] + m && rows[i + m] == rows[i] + m) ++m;
-    if (m < min_run) {
-      for (std::int64_t k = 0; k < m; ++k) left[(*n_left)++] = i + k;
-      i += m;
-      continue;
-    }
-    for (int v = 0; v < n_views; ++v) {
-      const BlockView& w = views[v];
-      const std::uint64_t row0 = host + static_cast<std::uint64_t>(rows[i]) * host_pitch + w.offset;
-      for (std::uint64_t r = 0; r < w.regions; ++r) {
-        const std::uint64_t at =
-            w.base + r * w.region_stride + static_cast<std::uint64_t>(blocks[i]) * w.block_stride;
-        for (std::uint64_t k = 0; k < static_cast<std::uint64_t>(m);) {
-          const std::uint64_t a = at + k * w.block_stride;
-          const std::uint64_t end = (a / grain + 1) * grain;  // the grain this row starts in
-          std::uint64_t h = 1;  // rows that end inside it (a row that straddles goes alone)
-          while (k + h < static_cast<std::uint64_t>(m) && a + h * w.block_stride + w.width <= end)
-            ++h;
-          Status s = emit(Copy2D{a, w.block_stride, row0 + k * host_pitch + r * w.width,
-                                 host_pitch, w.width, h});
-          if (s != OK) return s;
-          k += h;
-        }
-      }
-    }
-    i += m;
-  }
-  return OK;
-}
-
-}  // namespace
-
-Status copy_blocks(int up, const BlockView* views, int n_views, const std::int64_t* blocks,
-                   const std::int64_t* rows, std::int64_t n, std::uint64_t host,
-                   std::uint64_t host_pitch, void* stream, int on_device, std::int64_t min_run,
-                   std::uint64_t grain, std::int64_t* copies_out, std::int64_t* left,
-                   std::int64_t* n_left) {
-  *copies_out = *n_left = 0;
-  if (n < 0 || n_views <= 0 || min_run < 1 || grain == 0 ||
-      (n && (!blocks || !rows || !host || !left))) {
-    set_last_error("copy_blocks: bad arguments (n " + std::to_string(n) + ", views " +
-                   std::to_string(n_views) + ", min_run " + std::to_string(min_run) +
-                   ", grain " + std::to_string(grain) + ")");
-    return ERR_INVALID;
-  }
-  Status s = check_views(views, n_views, host_pitch);
-  if (s != OK) return s;
-  if (!on_device) {  // host arena: plain copies, row by row
-    return plan_copies(views, n_views, blocks, rows, n, host, host_pitch, min_run, grain, left,
-                       n_left, [&](const Copy2D& c) {
-                         for (std::uint64_t y = 0; y < c.height; ++y) {
-                           auto* d = reinterpret_cast<unsigned char*>(c.dev + y * c.dev_pitch);
-                           auto* h = reinterpret_cast<unsigned char*>(c.host + y * c.host_pitch);
-                           if (up)
-                             std::memcpy(d, h, c.width);
-                           else
-                             std::memcpy(h, d, c.width);
-                         }
-                         ++*copies_out;
-                         return OK;
-                       });
-  }
-  if ((s = open_driver()) != OK) return s;
-  Driver& d = driver();
-  CUcontext ctx = nullptr;
-  OXY_CU(d.cuCtxGetCurrent(&ctx));
-  if (!ctx) {
-    set_last_error("copy_blocks: no CUDA context is current on this thread");
-    return ERR_INVALID;
-  }
-  return plan_copies(views, n_views, blocks, rows, n, host, host_pitch, min_run, grain, left,
-                     n_left, [&](const Copy2D& c) {
-                       CUDA_MEMCPY2D p;
-                       std::memset(&p, 0, sizeof p);
-                       p.WidthInBytes = c.width;
-                       p.Height = c.height;
-                       // unified addressing: the pinned rows and the arena are plain pointers
-                       p.srcMemoryType = p.dstMemoryType = CU_MEMORYTYPE_UNIFIED;
-                       if (up) {
-                         p.srcDevice = c.host, p.srcPitch = c.host_pitch;
-                         p.dstDevice = c.dev, p.dstPitch = c.dev_pitch;
-                       } else {
-                         p.srcDevice = c.dev, p.srcPitch = c.dev_pitch;
-                         p.dstDevice = c.host, p.dstPitch = c.host_pitch;
-                       }
-                       CUresult r = d.cuMemcpy2DAsync(&p, static_cast<CUstream>(stream));
-                       if (r != CUDA_SUCCESS) return driver_error("cuMemcpy2DAsync", r);
-                       ++*copies_out;
-                       return OK;
-                     });
 }
 
 }  // namespace oxygen

@@ -89,21 +89,4 @@ Status cuda_driver_probe(int* driver_version, int* device_count);
 Status cuda_device_info(int device, char* name, std::size_t name_len, std::size_t* granularity,
                         std::size_t* free_bytes, std::size_t* total_bytes, int* vmm_supported);
 
-// Whole KV blocks between an arena's block views and host rows (kv/transfer.py): pair i is
-// block blocks[i] of every view (view v: `regions` regions of `width` bytes, `region_stride`
-// apart, block b at base + b * block_stride in each) and host row rows[i] (at host + row *
-// host_pitch, view v's bytes at its `offset`); `up` copies rows to blocks. Runs of at least
-// min_run pairs consecutive in both go a copy a region (cut at multiples of `grain` on the
-// device): on the device 2D copies queued on `stream` (the copy engine; not waited for), on the
-// host arena (on_device 0) memcpy. The positions of the other pairs go to left[*n_left] (room
-// for n); *copies_out: copies made.
-struct BlockView {
-  std::uint64_t base, block_stride, region_stride, regions, width, offset;
-};
-Status copy_blocks(int up, const BlockView* views, int n_views, const std::int64_t* blocks,
-                   const std::int64_t* rows, std::int64_t n, std::uint64_t host,
-                   std::uint64_t host_pitch, void* stream, int on_device, std::int64_t min_run,
-                   std::uint64_t grain, std::int64_t* copies_out, std::int64_t* left,
-                   std::int64_t* n_left);
-
 }  // namespace oxygen

@@ -14,7 +14,6 @@ from test_engine import in_threads, llama, prompt, schedulers, together_as_alone
 
 import oxygen_torch
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.attention import gather_blocks
@@ -111,35 +110,33 @@ def test_migration_down_and_up_preserves_every_byte(host_pool):
         pool.manager.decref(again)
 
 
-@pytest.mark.parametrize("name,value", [("PACE_DOWN", "fast"), ("COPIES", "dma")])
-def test_an_unknown_pacing_or_copy_way_is_named_and_moves_nothing(
-    host_pool, monkeypatch, name, value
-):
-    from oxygen_torch.kv import transfer
-
+def test_an_unknown_way_of_moves_is_named_and_moves_nothing(host_pool):
+    """pool.tier_moves is checked where the configuration loads, and a tier given an unknown way
+    (set on it later) names it on its next move, having moved nothing."""
+    with pytest.raises(ValueError, match="pool.tier_moves: 'dma' is not allowed"):
+        load_config(pool={"tier_moves": "dma"})
     tier = host_pool.cpu_tier(2 * MiB)
     with host_pool.lock:
         blocks = host_pool.manager.allocate(2)
-    monkeypatch.setattr(transfer, name, value)
-    with pytest.raises(ValueError, match=f"{name} '{value}' is not one of"):
+    tier.moves = "dma"
+    with pytest.raises(ValueError, match="pool.tier_moves: 'dma' is not one of"):
         tier.down(blocks)
     assert tier.stats()["bytes_down"] == tier.stats()["slots_used"] == 0
+    tier.moves = "auto"
     with host_pool.lock:
         host_pool.manager.decref(blocks)
 
 
-def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypatch):
-    """The tier's moves both ways, by block copies (COPIES "engine", opt-in: rows given in the
-    blocks' order, so consecutive blocks go as runs), by the mapped kernel (COPIES "mapped",
-    in Triton's interpreter here) and by gathers and scatters alone (the default), leave the
-    same rows and blocks."""
+def test_tier_moves_by_the_mapped_kernel_or_gathers_give_the_same_rows(host_pool):
+    """The tier's moves both ways, by the mapped kernel (pool.tier_moves "mapped", in Triton's
+    interpreter here) and by gathers and scatters alone ("gather", what "auto" takes on the
+    host), leave the same rows and blocks."""
     from oxygen_torch.kv import transfer
 
-    monkeypatch.setattr(transfer, "MIN_RUN", 2)
     st, tier, got = host_pool.storage, host_pool.cpu_tier(2 * MiB), {}
-    for way in ("engine", "mapped", "gather"):
-        monkeypatch.setattr(transfer, "COPIES", way)
-        copied, mapped = tier.stats()["blocks_copied"], tier.stats()["blocks_mapped"]
+    for way in ("mapped", "gather"):
+        tier.moves = way
+        mapped = tier.stats()["blocks_mapped"]
         with host_pool.lock:
             blocks = host_pool.manager.allocate(9)
         for c in (*st.k, *st.v):  # the same bytes for both ways
@@ -154,26 +151,23 @@ def test_tier_moves_by_copies_or_gathers_give_the_same_rows(host_pool, monkeypat
         tier.up(slots, blocks)  # and come up into `blocks` in that order
         got[way] = transfer.gather([st.block_view()], torch.tensor(blocks))
         assert torch.equal(got[way], want)
-        # engine: down one run of 9 (rows in block order), up two (5 and 4)
-        assert tier.stats()["blocks_copied"] - copied == (18 if way == "engine" else 0)
         assert tier.stats()["blocks_mapped"] - mapped == (18 if way == "mapped" else 0)
         tier.release(slots)
         with host_pool.lock:
             host_pool.manager.decref(blocks)
-    assert torch.equal(got["engine"], got["gather"])
+    tier.moves = "auto"
     assert torch.equal(got["mapped"], got["gather"])
 
 
 def test_the_mapped_way_on_the_host_without_the_interpreter_gathers_and_says_why(
     host_pool, monkeypatch, caplog
 ):
-    """COPIES "mapped" on the host backend outside Triton's interpreter: the moves gather
-    (every byte arrives) and one warning names why."""
+    """pool.tier_moves "mapped" on the host backend outside Triton's interpreter: the moves
+    gather (every byte arrives) and one warning names why."""
     from oxygen_torch.kv import transfer
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(transfer, "COPIES", "mapped")
-    st, tier = host_pool.storage, host_pool.cpu_tier(2 * MiB)
+    st, tier = host_pool.storage, host_pool.cpu_tier(2 * MiB, moves="mapped")
     with host_pool.lock:
         blocks = host_pool.manager.allocate(5)
     want = transfer.gather([st.block_view()], torch.tensor(blocks))
@@ -192,14 +186,19 @@ def test_the_mapped_way_on_the_host_without_the_interpreter_gathers_and_says_why
         host_pool.manager.decref(blocks)
 
 
-def _burst(tier_bytes: int, graphs: bool = False, prefetch: int = 4):
+def _burst(tier_bytes: int, graphs: bool = False, prefetch: int = 4, moves: str = "auto"):
     """31 KV blocks of 128 tokens; six calls of six rows start at one block a row (prompts of
     about 100 tokens: five calls admitted at once) and cross into a second during decode, so
     any three of them at once need 36: younger calls are preempted even when the calls
     overlap only partly (a loaded machine). `graphs`: merged decode steps through graphs too."""
     cfg = load_config(
-        kv={"block_tokens": 128, "arena_bytes": 8 << 20, "prefetch_distance": prefetch},
-        pool={"cpu_tier_bytes": tier_bytes},
+        kv={
+            "block_tokens": 128,
+            "arena_bytes": 8 << 20,
+            "prefetch_distance": prefetch,
+            "cpu_decode_graphs": "rerun" if graphs else "off",
+        },
+        pool={"cpu_tier_bytes": tier_bytes, "tier_moves": moves},
         scheduler={"decode_graphs": graphs},
     )
     model = hf.apply(llama(), cfg)
@@ -217,11 +216,8 @@ def test_swap_preemption_gives_the_tokens_of_no_preemption(oxygen, monkeypatch, 
     the moves go by the mapped kernel (Triton's interpreter), beside the steps."""
     from oxygen_torch.kv import transfer
 
-    if graphs:
-        monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
-    monkeypatch.setattr(transfer, "COPIES", copies)
     monkeypatch.setattr(transfer, "_last_step", {})
-    model, kws = _burst(64 * MiB, graphs)
+    model, kws = _burst(64 * MiB, graphs, moves=copies)
     together_as_alone(model, kws)
     monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
     assert transfer.beside_steps(torch.device("cpu"))  # the cache's steps were noted

@@ -123,98 +123,6 @@ def _scattered_and_runs(g, num_blocks: int, n: int) -> tuple[list[int], list[int
     return blocks + rest, rows
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("grain", ["whole", "small"])
-@pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
-    (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
-    (2, 2, 8, torch.float8_e4m3fn, True),
-])  # fmt: skip
-def test_block_copies_move_runs_as_a_gather_does_and_leave_the_rest(
-    seed, grain, layers, heads, dim, dtype, scales, monkeypatch
-):
-    """The native layer's block copies (COPIES "engine"; memcpy on the host arena, the same
-    addressing as the device's 2D copies): a run of MIN_RUN or more goes a copy a region
-    (cut at GRAIN on the device side: "small" cuts it every few blocks, straddling rows alone)
-    and its rows equal the gathered blocks; the scattered pairs are left out, untouched."""
-    monkeypatch.setattr(transfer, "MIN_RUN", 4)
-    g = torch.Generator().manual_seed(seed)
-    sts = [storage(layers, heads, dim, dtype)]
-    if scales:  # an fp8 pool's second storage: a row is the block's bytes, then its scales'
-        sts.append(storage(layers, heads, 1, torch.float32, bt=1))
-    for st in sts:
-        fill(st, g)
-    views = [st.block_view() for st in sts]
-    widths = [transfer._width(v) // v.shape[1] for v in views]
-    monkeypatch.setattr(transfer, "GRAIN", 1 << 62 if grain == "whole" else 3 * widths[0] + 5)
-    copies = transfer.BlockCopies(views)
-    assert copies.usable and copies.block_bytes == sum(transfer._width(v) for v in views)
-    n = 21
-    blocks, rows = _scattered_and_runs(g, sts[0].num_blocks, n)
-    host = torch.randint(0, 256, (64, copies.block_bytes + 7), dtype=torch.uint8, generator=g)
-    before = host.clone()
-    made, left = copies.copy(False, blocks, host[:, : copies.block_bytes], rows, None)
-    regions = views[0].shape[1]
-    assert left == list(range(13, n))  # the scattered pairs
-    if grain == "whole":
-        assert made == len(views) * regions  # the run: a copy a region of each view
-    else:
-        assert made > len(views) * regions
-    want = gather(views, torch.tensor(blocks[:13]))
-    assert torch.equal(host[rows[:13], : copies.block_bytes], want)
-    untouched = [r for r in range(64) if r not in rows[:13]]
-    assert torch.equal(host[untouched], before[untouched])  # left-out rows and the rest
-    assert torch.equal(host[:, copies.block_bytes :], before[:, copies.block_bytes :])
-    for st in sts:
-        fill(st, g)  # overwritten meanwhile
-    others = gather(views, torch.tensor(blocks[13:]))
-    made, left = copies.copy(True, blocks, host, rows, None)
-    assert left == list(range(13, n))
-    assert torch.equal(gather(views, torch.tensor(blocks[:13])), want)
-    assert torch.equal(gather(views, torch.tensor(blocks[13:])), others)  # left out: untouched
-
-
-def test_moves_by_copies_gather_what_is_left_and_every_byte_arrives(monkeypatch):
-    """down_blocks / up_blocks: pairs sorted by block, runs by copies, the rest by gathers and
-    scatters; every pair's bytes arrive whatever the order given."""
-    monkeypatch.setattr(transfer, "MIN_RUN", 3)
-    g = torch.Generator().manual_seed(4)
-    st = storage(3, 2, 8, torch.bfloat16)
-    fill(st, g)
-    views = [st.block_view()]
-    copies = transfer.BlockCopies(views)
-    bb = copies.block_bytes
-    blocks, rows = _scattered_and_runs(g, st.num_blocks, 21)
-    order = torch.randperm(21, generator=g).tolist()  # given in any order
-    blocks, rows = [blocks[i] for i in order], [rows[i] for i in order]
-    host = torch.zeros(64, bb, dtype=torch.uint8)
-    stage = Staging(bb, torch.device("cpu"), 4 * bb)
-    assert transfer.down_blocks(copies, views, blocks, host, rows, stage, None,
-                                torch.tensor) == 13  # fmt: skip
-    assert torch.equal(host[rows], gather(views, torch.tensor(blocks)))
-    want = host[rows].clone()
-    fill(st, g)
-    assert transfer.up_blocks(copies, views, host, rows, blocks, stage, None,
-                              torch.tensor) == 13  # fmt: skip
-    assert torch.equal(gather(views, torch.tensor(blocks)), want)
-
-
-def test_block_copies_refuse_ids_and_rows_out_of_range_naming_them():
-    st = storage(2, 2, 8, torch.float16)
-    copies = transfer.BlockCopies([st.block_view()])
-    host = torch.zeros(4, copies.block_bytes, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=rf"block ids 1\.\.{st.num_blocks} outside"):
-        copies.copy(False, [1, st.num_blocks], host, [0, 1], None)
-    with pytest.raises(ValueError, match=r"rows 0\.\.4 outside the 4 host rows"):
-        copies.copy(False, [1, 2], host, [0, 4], None)
-    with pytest.raises(ValueError, match="2 blocks for 1 rows"):
-        copies.copy(True, [1, 2], host, [0], None)
-    with pytest.raises(ValueError, match="hold no block"):
-        copies.copy(True, [1], host[:, :-1], [0], None)
-    with pytest.raises(ValueError, match=r"uint8 \[rows, bytes\]"):
-        copies.copy(True, [1], host.view(torch.int16), [0], None)
-    assert copies.copy(False, [], host, [], None) == (0, [])
-
-
 @pytest.mark.parametrize("programs,spare", [(1, 7), (3, 8), (64, 7)])
 @pytest.mark.parametrize("layers,heads,dim,dtype,scales", [
     (3, 2, 8, torch.bfloat16, False), (2, 3, 5, torch.float32, False),
@@ -327,20 +235,21 @@ def test_a_mapped_move_takes_the_small_grid_while_steps_run_and_the_bucket_of_it
 
 
 def test_auto_moves_down_by_the_kernel_beside_steps_on_a_gpu_and_gathers_otherwise(monkeypatch):
-    """COPIES "auto": a move down on a GPU while its steps run goes by the mapped kernel; a
-    move up (a step waits for it), a move with no step running and any move on the host
-    backend gather; a way named is taken as named."""
+    """pool.tier_moves "auto": a move down on a GPU while its steps run goes by the mapped
+    kernel; a move up (a step waits for it), a move with no step running and any move on the
+    host backend gather; a way named is taken as named, an unknown one is refused."""
     monkeypatch.setattr(transfer, "_last_step", {})
     monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
     gpu, other, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
-    monkeypatch.setattr(transfer, "COPIES", "auto")
     assert transfer.way_of(gpu, up=False) == "gather"  # no step yet
     transfer.note_step(gpu)
     transfer.note_step(cpu)
     assert transfer.way_of(gpu, up=False) == "mapped"
     assert transfer.way_of(gpu, up=True) == "gather"
     assert transfer.way_of(other, up=False) == "gather"  # another GPU's steps
-    assert transfer.way_of(cpu, up=False) == "gather"
-    for way in ("mapped", "gather", "engine"):
-        monkeypatch.setattr(transfer, "COPIES", way)
-        assert transfer.way_of(cpu, up=True) == transfer.way_of(gpu, up=False) == way
+    assert transfer.way_of(cpu, up=False, moves="auto") == "gather"
+    for way in ("mapped", "gather"):
+        assert transfer.way_of(cpu, up=True, moves=way) == way
+        assert transfer.way_of(gpu, up=False, moves=way) == way
+    with pytest.raises(ValueError, match="pool.tier_moves: 'engine' is not one of"):
+        transfer.way_of(gpu, up=False, moves="engine")

@@ -37,18 +37,13 @@ def _agreement(out: dict, ref: list) -> float:
 
 
 # 5 and 2: a move of 37 blocks goes in 8 chunks of up to 3 pieces, copies beside gathers, the
-# pieces down paced (a kernel on a third stream, or the gather, between two copies) or not;
-# "engine": down the 37 blocks are one run (2D copies a region, in pieces of a run), up they
-# come reversed (no run: gathered)
+# pieces down paced (each gather after the last piece's copy)
 @pytest.mark.parametrize("staging_blocks,copy_blocks", [(5, 2), (None, None)])
-@pytest.mark.parametrize("paced", ["kernel", "gather", ""])
-@pytest.mark.parametrize("copies", ["engine", "gather", "mapped", "auto", "auto beside steps"])
+@pytest.mark.parametrize("copies", ["gather", "mapped", "auto", "auto beside steps"])
 def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
-    oxygen, monkeypatch, staging_blocks, copy_blocks, paced, copies
+    oxygen, monkeypatch, staging_blocks, copy_blocks, copies
 ):
     dev = torch.device("cuda")
-    monkeypatch.setattr(transfer, "PACE_DOWN", paced)
-    monkeypatch.setattr(transfer, "COPIES", copies.split()[0])
     monkeypatch.setattr(transfer, "_last_step", {})
     if copies == "auto beside steps":  # a step runs on the device: the kernel moves down
         monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
@@ -59,7 +54,7 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     if staging_blocks:
         monkeypatch.setattr(transfer, "STAGING_BYTES", staging_blocks * pool.block_bytes())
         monkeypatch.setattr(transfer, "COPY_BYTES", copy_blocks * pool.block_bytes())
-    tier = pool.cpu_tier(64 * MiB)
+    tier = pool.cpu_tier(64 * MiB, moves=copies.split()[0])
     st = pool.storage
     with pool.lock:
         blocks = pool.manager.allocate(37)
@@ -92,10 +87,6 @@ def test_cuda_tier_migration_is_byte_exact_while_the_stream_is_busy(
     s = tier.stats()
     assert s["bytes_down"] == s["bytes_up"] == 37 * tier.block_bytes
     chunk = staging_blocks or transfer.STAGING_BYTES // tier.block_bytes
-    if copies == "engine":  # down one run (rows in block order), up none (reversed): gathered
-        assert s["blocks_copied"] == 37
-    else:
-        assert s["blocks_copied"] == 0
     assert s["blocks_mapped"] == mapped
     # each move by the kernel: one replay of its bucket's graph, captured at its first move
     moves = (mapped == 2 * 37) + (mapped > 0)
@@ -179,11 +170,10 @@ def test_mapped_moves_replay_one_graph_a_bucket_byte_exact(oxygen, monkeypatch):
     queued work on the current stream; a graph replayed for a smaller move of its bucket moves
     only that move's blocks."""
     dev = torch.device("cuda")
-    monkeypatch.setattr(transfer, "COPIES", "mapped")
     monkeypatch.setattr(transfer, "_last_step", {})  # no steps: one grid throughout
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
-    tier = pool.cpu_tier(64 * MiB)
+    tier = pool.cpu_tier(64 * MiB, moves="mapped")
     st = pool.storage
     big = torch.randn(4096, 4096, device=dev)
     g = torch.Generator(device=dev).manual_seed(3)

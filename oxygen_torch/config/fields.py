@@ -152,6 +152,13 @@ class PoolConfig:
     # stored as fp8 e4m3 with per-head scales (16-bit pools): half the bytes, but the tokens
     # may change, so off by default
     tier_fp8_lowering: bool = False
+    # how the CPU tier's moves reach the host rows: "gather" (kernels gather the blocks into a
+    # staging buffer, the copy engine copies it across, paced a piece at a time), "mapped" (one
+    # kernel of a few programs reads the blocks and stores them into the pinned rows through
+    # their device address: no copy engine, a smaller share of PCIe), "auto" (on a GPU, moves down
+    # while decode steps run there mapped, every other move gather; on the host backend gather).
+    # Measured on the H200: kv/transfer.py's docstring
+    tier_moves: str = "auto"
     reserve_fraction: float = 0.9  # share of device memory reserved as one virtual range
     # auto: cuda when a driver and device exist, else host; cuda asked for on a machine without a
     # usable GPU is an error at enable(), never a quiet switch to host
@@ -193,6 +200,7 @@ class PoolConfig:
             f"0 to this machine's memory, {ram} bytes ({ram / GiB:.1f} GiB)",
         )
         _check_choice("pool", "backend", self.backend, ("auto", "cuda", "host"))
+        _check_choice("pool", "tier_moves", self.tier_moves, ("auto", "gather", "mapped"))
         _check_disk_tier(self)
 
 
@@ -252,6 +260,12 @@ class KVConfig:
     decode_graph_fusion: bool = True
     # ... the whole forward compiled by backend "oxygen" (False: RMSNorm / MLP / rotary only)
     decode_graph_compile: bool = True
+    # on a CPU, where there is no CUDA graph: "off", decode graphs on a GPU only; "rerun", the
+    # decode-graph path runs all its host bookkeeping and a "replay" runs the captured forward
+    # again (the tests of that path, and benchmarks/bench_multitask.py --host-only, which times
+    # the engine's host side); "fuse", as "rerun" with the forward fused (compiled whole by
+    # backend "oxygen" unless decode_graph_compile is off) as on a GPU. A GPU ignores it
+    cpu_decode_graphs: str = "off"
     # generate() keeps the KV blocks of finished prompts (and of the tokens it generated, without
     # beams), found again by token content, so a later call with the same prefix (a system
     # prompt, a chat's earlier turns) skips that part of its prefill
@@ -277,6 +291,7 @@ class KVConfig:
             )
         _check_choice("kv", "kv_dtype", self.kv_dtype, tuple(KV_DTYPES))
         _check_choice("kv", "fresh_prefill", self.fresh_prefill, FRESH_PREFILL)
+        _check_choice("kv", "cpu_decode_graphs", self.cpu_decode_graphs, ("off", "rerun", "fuse"))
         _check_int("kv.prefetch_distance", self.prefetch_distance, 0, 1024, "0 to 1024")
         if self.arena_bytes < 0:
             raise ValueError(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..triton_kernels._checks import is_fp8
+from . import transfer
 from .block_manager import BlockManager
 from .heat import Heat
 from .prefix import PrefixCache
@@ -94,17 +95,22 @@ class KVPool:
             weakref.finalize(self, torch.cuda.synchronize, key.device).atexit = False
 
     def cpu_tier(
-        self, nbytes: int, disk_path: str = "", disk_bytes: int = 0, fp8_lowering: bool = False
+        self,
+        nbytes: int,
+        disk_path: str = "",
+        disk_bytes: int = 0,
+        fp8_lowering: bool = False,
+        moves: str = "auto",
     ) -> CPUTier | None:
         """The pool's CPU tier, made on first use with `nbytes` of host memory, a disk tier of
-        `disk_bytes` in directory `disk_path` behind it ("": none) and fp8 lowering or not
-        (later arguments are ignored: the slots are allocated once); None when that holds no
-        block."""
+        `disk_bytes` in directory `disk_path` behind it ("": none), fp8 lowering or not (later
+        arguments are ignored: the slots are allocated once) and its moves' way (pool.tier_moves:
+        the last caller's stands); None when that holds no block."""
         with self.lock:
             if self.tier is None and nbytes > 0:
                 storages = [self.storage] + ([self.scales] if self.scales is not None else [])
                 tier = CPUTier(
-                    storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering
+                    storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering, moves
                 )
                 if tier.num_slots > 0:
                     self.tier, self.heat = tier, Heat(self.storage.num_blocks)
@@ -112,12 +118,21 @@ class KVPool:
                         self.prefix.attach(self.tier, self.heat)
                 else:
                     tier.close()
+            elif self.tier is not None:
+                if moves not in transfer.MOVES:
+                    raise ValueError(f"pool.tier_moves: {moves!r} is not one of {transfer.MOVES}")
+                self.tier.moves = moves
             return self.tier
 
     def cpu_tier_of(self, cfg) -> CPUTier | None:
-        """cpu_tier() sized by a PoolConfig (pool.cpu_tier_bytes, the disk tier, lowering)."""
+        """cpu_tier() set by a PoolConfig (pool.cpu_tier_bytes, the disk tier, lowering, the
+        moves' way)."""
         return self.cpu_tier(
-            cfg.cpu_tier_bytes, cfg.disk_tier_path, cfg.disk_tier_bytes, cfg.tier_fp8_lowering
+            cfg.cpu_tier_bytes,
+            cfg.disk_tier_path,
+            cfg.disk_tier_bytes,
+            cfg.tier_fp8_lowering,
+            cfg.tier_moves,
         )
 
     def prefix_cache(self, budget_bytes: int) -> PrefixCache | None:

@@ -10,23 +10,20 @@ is 2 when lowering is possible, else 1), and a slot stays valid wherever its row
 one sequential write, and `up` reads a row on disk back with one read per run of records.
 
 Migration moves many blocks at once (kv/transfer.py): the blocks are gathered into the tier's
-device staging buffer (one index_select over the whole block view; lowered: quantized first),
-which goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the
-way back copies the rows up the same way and scatters them into the blocks (one index_copy_;
-lowered: dequantized on the device first). A full-precision move down beside decode steps
-goes by the mapped kernel instead (transfer.COPIES "auto"; "mapped" both ways always): no
-staging, the kernel stores into the pinned rows through their device address, taking less of
-PCIe than the copy engine. With "engine" (opt-in; slower on the H200) runs of consecutive
-full-precision blocks go by copy-engine 2D copies instead, a move's rows given in its blocks'
-order so consecutive blocks meet consecutive rows. On a GPU the
-copies run on a side stream after the current stream's work, and everything that stream reads
-is made on it. The host does not wait for a move: `up` orders the current stream after it (the
-step that reads the blocks), and a `down`'s blocks are freed behind its event (`fence()`,
-BlockManager's fenced frees), so neither their reuse nor their pages' unmapping can overtake
-the copy; host-side reads and writes of the rows (the disk tier, lowering) wait first (run on
-the H200: tests/test_tier_cuda.py, benchmarks/bench_tier.py). Only kernels driven by block
-tables read the arena, and a block table only ever names device blocks: a block in this tier
-is brought back before a step uses it.
+device staging buffer (one index_select over the whole block view; lowered: quantized first), which
+goes over in one copy per run of consecutive CPU rows, straight into the pinned rows; the way back
+copies the rows up the same way and scatters them into the blocks (one index_copy_; lowered:
+dequantized on the device first). A full-precision move down beside decode steps goes by the mapped
+kernel instead (pool.tier_moves "auto"; "mapped" both ways always, "gather" never): no staging, the
+kernel stores into the pinned rows through their device address, taking less of PCIe than the copy
+engine. On a GPU the copies run on a side stream after the current stream's work, and everything
+that stream reads is made on it. The host does not wait for a move: `up` orders the current stream
+after it (the step that reads the blocks), and a `down`'s blocks are freed behind its event
+(`fence()`, BlockManager's fenced frees), so neither their reuse nor their pages' unmapping can
+overtake the copy; host-side reads and writes of the rows (the disk tier, lowering) wait first (run
+on the H200: tests/test_tier_cuda.py, benchmarks/bench_tier.py). Only kernels driven by block
+tables read the arena, and a block table only ever names device blocks: a block in this tier is
+brought back before a step uses it.
 """
 
 from __future__ import annotations
@@ -64,7 +61,11 @@ class CPUTier:
         disk_path: str = "",
         disk_bytes: int = 0,
         fp8_lowering: bool = False,
+        moves: str = "auto",
     ):
+        if moves not in transfer.MOVES:
+            raise ValueError(f"pool.tier_moves: {moves!r} is not one of {transfer.MOVES}")
+        self.moves = moves  # pool.tier_moves: how full-precision moves reach the rows
         self._views = [st.block_view() for st in storages]  # [num_blocks, regions, width] each
         self.block_bytes = sum(2 * st.num_layers * st.block_bytes for st in storages)
         st = storages[0]
@@ -98,14 +99,12 @@ class CPUTier:
         self._copy = torch.cuda.Stream(device) if cuda else None  # its copies, beside the side's
         self._stage = Staging(self.block_bytes, device, transfer.STAGING_BYTES if cuda else 4 << 20)
         self._fence = None  # the event of the last down: its blocks are free once it passed
-        self._copies: transfer.BlockCopies | None = None  # made on the first move by copies
-        # the moves through the rows' device alias (COPIES mapped); False: none to be had
+        # the moves through the rows' device alias (tier_moves "mapped"); False: none to be had
         self._alias: transfer.MappedMoves | None | bool = None
         self.counts = dict(
             migrations_down=0, migrations_up=0, bytes_down=0, bytes_up=0,
             bytes_to_disk=0, bytes_from_disk=0, lowered_blocks=0,
-            blocks_copied=0,  # moved by copies alone (transfer.BlockCopies), not gathered
-            blocks_mapped=0,  # moved by the mapped kernel (transfer.COPIES "mapped")
+            blocks_mapped=0,  # moved by the mapped kernel (pool.tier_moves "mapped")
         )  # fmt: skip
 
     @property
@@ -125,23 +124,13 @@ class CPUTier:
         used = sum(1 for w in self._where if w is not None and w < 0)
         return used * self.row_bytes
 
-    def _by_copies(self) -> transfer.BlockCopies | None:
-        """The views' block copies when full-precision moves go by copies alone
-        (transfer.COPIES "engine", and the views allow it), else None (gathers and scatters)."""
-        if transfer.COPIES != "engine":
-            return None
-        if self._copies is None:
-            self._copies = transfer.BlockCopies(self._views)
-        return self._copies if self._copies.usable else None
-
     def _by_kernel(self, up: bool) -> transfer.MappedMoves | None:
         """The moves over the host rows' device alias when this move goes by the mapped kernel
-        (transfer.COPIES "mapped", or "auto" for a move down on a GPU while steps run there),
-        else None. On the
-        host backend the kernel runs when asked for by name, in Triton's interpreter only
-        (there is no PCIe to cross: "auto" gathers there, a memcpy); on a GPU whose pinned rows
-        have no device alias it warns once and gathers."""
-        if transfer.way_of(self.device, up) != "mapped":
+        (pool.tier_moves "mapped", or "auto" for a move down on a GPU while steps run there),
+        else None. On the host backend the kernel runs when asked for by name, in Triton's
+        interpreter only (there is no PCIe to cross: "auto" gathers there, a memcpy); on a GPU
+        whose pinned rows have no device alias it warns once and gathers."""
+        if transfer.way_of(self.device, up, self.moves) != "mapped":
             return None
         if self._alias is None:
             self._alias = False
@@ -156,7 +145,7 @@ class CPUTier:
                 why = "on the host backend the kernel runs only in Triton's interpreter"
             if why:
                 warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, "
-                          f"not the mapped kernel (transfer.COPIES \"mapped\"): {why}")  # fmt: skip
+                          f"not the mapped kernel (pool.tier_moves \"mapped\"): {why}")  # fmt: skip
         return self._alias if self._alias is not False else None
 
     def _pressed(self, n: int) -> bool:
@@ -168,7 +157,6 @@ class CPUTier:
         lowers and the tier is under pressure). TierFull: nothing changed."""
         if not blocks:
             return []
-        transfer.check_pace()
         n, lowered = len(blocks), low_priority and self.lowering and self._pressed(len(blocks))
         opened = sorted(self._open)[:n] if lowered else []
         need = -(-(n - len(opened)) // 2) if lowered else n  # fresh rows
@@ -198,12 +186,12 @@ class CPUTier:
     def _down(self, blocks: list[int], lowered: bool, opened: list[int], need: int) -> list[int]:
         n = len(blocks)
         # lowered: uint8 [n, codes + scales] on the host; else the blocks' ids (a list when the
-        # copies alone move them, else on their device)
+        # mapped kernel moves them, else on their device)
         kernel = None if lowered else self._by_kernel(up=False)  # (decided once a move)
         if lowered:
             staged = self._lowered(blocks)
         else:
-            staged = blocks if kernel is not None or self._by_copies() else self._ids(blocks)
+            staged = blocks if kernel is not None else self._ids(blocks)
         self._clock += 1
         rows, mask, last, clock = self._rows, self._mask, self._last, self._clock
         fresh = rows.take(need)
@@ -263,8 +251,8 @@ class CPUTier:
 
     def _put(self, pos: list[int], places: list, staged, lowered: bool, kernel) -> None:
         """Writes blocks into CPU rows `pos`: `staged` holds the ids of full-precision blocks
-        (copied down on the side stream; a list: by `kernel`, the mapped moves, or else by
-        block copies), or lowered blocks, put at their halves (places[i][1])."""
+        (copied down on the side stream; a list: by `kernel`, the mapped moves), or lowered
+        blocks, put at their halves (places[i][1])."""
         if not pos:
             return
         if not lowered:
@@ -273,17 +261,6 @@ class CPUTier:
                 if kernel is not None:  # (staged: the blocks' ids as a list)
                     kernel.move(staged, pos, up=False)
                     self.counts["blocks_mapped"] += len(pos)
-                elif isinstance(staged, list):
-                    self.counts["blocks_copied"] += transfer.down_blocks(
-                        self._copies,
-                        self._views,
-                        staged,
-                        host,
-                        pos,
-                        self._stage,
-                        self._copy,
-                        self._ids,
-                    )
                 else:
                     transfer.down(self._views, staged, host, pos, self._stage, self._copy)
             return
@@ -443,23 +420,11 @@ class CPUTier:
                 host = self._rows_of(of)[:, : self.block_bytes]
                 at_cpu = list(range(len(slots)))
             kernel = self._by_kernel(up=True) if on_cpu else None
-            copies = None if kernel is not None else self._by_copies()
-            idx = None if copies or kernel is not None else self._ids(blocks)
+            idx = None if kernel is not None else self._ids(blocks)
             with self._on_side():
                 if kernel is not None:  # (rows read from disk are in a fresh tensor: gathered)
                     kernel.move(blocks, at_cpu, up=True)
                     self.counts["blocks_mapped"] += len(blocks)
-                elif copies:
-                    self.counts["blocks_copied"] += transfer.up_blocks(
-                        copies,
-                        self._views,
-                        host,
-                        at_cpu,
-                        blocks,
-                        self._stage,
-                        self._copy,
-                        self._ids,
-                    )
                 else:
                     transfer.up(self._views, host, at_cpu, idx, self._stage, self._copy)
             self.counts["bytes_up"] += len(slots) * self.block_bytes

@@ -17,25 +17,18 @@ the pool would map and unmap its pages on every move (46 us a 2 MiB page on the 
 A device-to-host copy queued on a copy engine holds back every later one of the process,
 whatever its stream: on the H200 a decode step's one-element read (generate()'s stopping check)
 waited 2.3 ms behind 128 MiB of queued copies (55-65 us idle), and TPOT rose 35-117 % beside
-them. So a move down is paced (`PACE_DOWN`): each piece's copy waits for the last piece's copy
-through other work, so the copy engine sees one piece at a time and serves other streams'
-copies between two. "kernel": a one-element kernel on a third stream comes between two copies
-(the gathers stay ahead); bare copies paced so, the read waited 0.2 ms and TPOT rose 2 % beside
-48 GB/s (benchmarks/diag_copy_engines.py). "gather" (the default): each piece's gather waits
-for the last copy. Beside the tier's own moves (bench_tier.py: a decode loop's TPOT beside a
-thread moving 38-43 GB/s, 11 runs of each in 5 device calls), "gather" raised TPOT by 18.5 % at
-the median (worst 39 %), "kernel" by 24 % (worst 44 %), not paced by 33 % (10 runs, worst 57 %);
-timed per step (twelfth session, 4 rounds) "gather" raised it 21-29 %, in 4 MiB pieces 21-30 %.
-Moves up are not paced: host-to-device copies beside a decode step did not slow it.
+them. So a move down is paced: each piece's gather waits for the last piece's copy, so the copy
+engine sees one piece at a time and serves other streams' copies between two. Beside the tier's
+own moves (bench_tier.py: a decode loop's TPOT beside a thread moving 38-43 GB/s, 11 runs of each
+in 5 device calls) this raised TPOT by 18.5 % at the median (worst 39 %); a one-element kernel on
+a third stream between two copies instead raised it 24 % (worst 44 %), no pacing 33 % (worst
+57 %), so those ways went; timed per step (twelfth session, 4 rounds) the paced gathers raised it
+21-29 %, in 4 MiB pieces 21-30 %. Moves up are not paced: host-to-device copies beside a decode
+step did not slow it. (Runs of consecutive blocks as 2D copies on the copy engine, queued by one
+native call with no kernel, were slower than the gathers on the H200, 40.5 / 43.7 GB/s against
+43.9 / 49.4, with TPOT beside them rising as much: that way went too; benchmarks/history.md.)
 
-`down_blocks` / `up_blocks` (COPIES = "engine", opt-in) take the copy engine's way instead:
-runs of MIN_RUN consecutive blocks bound for consecutive rows go one 2D copy a region from the
-native layer (BlockCopies), the rest through `down` / `up`. On the H200 that way was slower
-than the gathers (40.5 / 43.7 GB/s on consecutive blocks, 30.3 / 33.8 in runs of 16, against
-43.9 / 49.4) and TPOT beside it rose as much (+22 % median over 4 rounds, the gathers +26 %), so
-it stays opt-in.
-
-`MappedMoves` (COPIES "mapped", and "auto" beside steps, the default on a GPU) takes neither the
+`MappedMoves` (pool.tier_moves "mapped", and "auto" beside steps, the default on a GPU) takes no
 staging buffer nor the copy engine: one kernel a view (triton_kernels/block_rows.py) reads the
 blocks from the arena and stores them into the pinned rows through their device address, or
 back, its grid the number of SMs it takes; a move is one upload of its ids and one replay of a
@@ -58,7 +51,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import gc
 import time
 
@@ -70,18 +62,7 @@ STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
 COPY_BYTES = 16 << 20
-PACE_DOWN = "gather"  # how a move down's pieces go to the copy engine one at a time (see above):
-# "kernel", "gather", or "" (not paced)
-_PACES = ("kernel", "gather", "")
-COPIES = "auto"  # how a move reaches the rows: "mapped" (one kernel reads the blocks and
-# writes the pinned rows across PCIe itself, and back: `mapped`), "gather" (kernels gather into
-# the staging buffer, copies to the rows: down / up), "engine" (runs of blocks by 2D copies, no
-# kernel: down_blocks; slower on the H200, see BlockCopies); "auto": on a GPU, moves down
-# beside steps mapped (its few programs leave the link room for the steps' own small copies
-# back to the host), every other move gather (the copy engine's full speed: copies up did not
-# slow decode, and a step waits for the move up that brings its blocks back); on the host
-# backend, gather (no PCIe to cross; the kernel would run in Triton's interpreter)
-_COPIES = ("auto", "engine", "gather", "mapped")
+MOVES = ("auto", "gather", "mapped")  # pool.tier_moves: how a tier's moves reach the host rows
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
 # BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
 # programs 36-44 GB/s down and 17-18 up, 1 program 20-22 down and 9-10 up. Beside generate()
@@ -105,11 +86,17 @@ def _device_key(device: torch.device) -> tuple[str, int]:
     return device.type, index
 
 
-def way_of(device: torch.device, up: bool) -> str:
-    """The way a move (`up`: host rows to blocks) on `device` goes: COPIES, "auto" resolved
-    ("mapped" for a move down beside steps on a GPU, else "gather")."""
-    if COPIES != "auto":
-        return COPIES
+def way_of(device: torch.device, up: bool, moves: str = "auto") -> str:
+    """The way a move (`up`: host rows to blocks) on `device` goes under pool.tier_moves `moves`:
+    "auto" resolved to "mapped" for a move down beside steps on a GPU, else "gather" (its
+    few programs leave the link room for the steps' own small copies back to the host; every
+    other move takes the copy engine's full speed: copies up did not slow decode, and a step
+    waits for the move up that brings its blocks back; on the host backend there is no PCIe to
+    cross and the kernel would run in Triton's interpreter)."""
+    if moves not in MOVES:
+        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {MOVES}")
+    if moves != "auto":
+        return moves
     down_beside = device.type == "cuda" and not up and beside_steps(device)
     return "mapped" if down_beside else "gather"
 
@@ -221,8 +208,6 @@ class Staging:
         self.block_bytes, self.device = block_bytes, device
         self.blocks = max(1, nbytes // block_bytes)  # blocks a chunk holds
         self._buf: torch.Tensor | None = None
-        self._gap: torch.cuda.Stream | None = None  # pace()'s stream and its kernel's tensor
-        self._tick: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None  # order()'s, recorded again each call
 
     @property
@@ -238,19 +223,6 @@ class Staging:
             self._event = torch.cuda.Event()
         self._event.record(stream)
         waiter.wait_event(self._event)
-
-    def pace(self, copy: torch.cuda.Stream) -> None:
-        """The next copy queued on `copy` starts once its copies so far are done, through a
-        kernel on a stream of its own: the copy engine serves other streams in that gap. Leaves
-        `copy` the current stream (the caller queues that copy next)."""
-        if self._gap is None:
-            self._gap = torch.cuda.Stream(self.device)
-            self._tick = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.order(self._gap, copy)
-        torch.cuda.set_stream(self._gap)
-        self._tick.add_(1)
-        torch.cuda.set_stream(copy)
-        self.order(copy, self._gap)
 
     def chunks(self, n: int):
         """(lo, hi, buffer [hi - lo, block bytes]) covering n blocks, a buffer's worth at a time."""
@@ -279,7 +251,7 @@ MAPPED_BUCKET = 64  # the smallest move a mapped move's CUDA graph is captured f
 
 
 class MappedMoves:
-    """A tier's moves by the mapped kernel (COPIES "mapped", and "auto" beside steps): each move
+    """A tier's moves by the mapped kernel (pool.tier_moves "mapped", and "auto" beside steps): each
     is one upload of its int64 buffer [n, ids, rows] (triton_kernels.block_rows.meta) and one
     replay of a CUDA graph of the kernel's launches over that buffer (seed 3.1: a move's copy
     sequence captured per size bucket). A graph per (direction, grid, bucket): moves of up to
@@ -360,14 +332,6 @@ class MappedMoves:
         return graph, static
 
 
-def check_pace() -> None:
-    """PACE_DOWN and COPIES name known ways (ValueError otherwise); a tier checks before a move."""
-    if PACE_DOWN not in _PACES:
-        raise ValueError(f"transfer.PACE_DOWN {PACE_DOWN!r} is not one of {_PACES}")
-    if COPIES not in _COPIES:
-        raise ValueError(f"transfer.COPIES {COPIES!r} is not one of {_COPIES}")
-
-
 @contextlib.contextmanager
 def _streams_set(device: torch.device):
     """Yields `device`'s current stream, `device` made current: inside, a move sets the current
@@ -411,7 +375,8 @@ def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=N
     """host[rows[i]] = the bytes of block idx[i] (idx on the device), through the staging buffer,
     a piece (COPY_BYTES) at a time. `copy`: a second stream for the copies, so that each piece's
     copy overlaps the next one's gather (on the current stream, which comes after them all);
-    paced (PACE_DOWN), each copy after a gap the copy engine may serve other streams in."""
+    paced: each piece's gather waits for the last piece's copy, so the copy engine serves other
+    streams' copies between two pieces."""
     if copy is None:
         for lo, hi, buf in stage.chunks(len(rows)):
             typed = _typed(views, buf)
@@ -424,14 +389,11 @@ def down(views, idx, host: torch.Tensor, rows: list[int], stage: Staging, copy=N
             typed = _typed(views, buf)
             stage.order(cur, copy)  # the last chunk's copies have read the buffer
             for a, b in _pieces_of(hi - lo, stage.block_bytes):
-                if PACE_DOWN == "gather" and a:
-                    stage.order(cur, copy)
+                if a:
+                    stage.order(cur, copy)  # (the pace: after the last piece's copy)
                 _gather(views, idx[lo + a : lo + b], buf, typed, a, b)
                 stage.order(copy, cur)  # after this piece's gather
-                if PACE_DOWN == "kernel" and a:  # (a chunk's first copy comes after a gather that
-                    stage.pace(copy)  # waited for the last copy); leaves `copy` current
-                else:
-                    torch.cuda.set_stream(copy)
+                torch.cuda.set_stream(copy)
                 rows_to(host, rows[lo + a : lo + b], buf[a:b])
                 torch.cuda.set_stream(cur)
         stage.order(cur, copy)
@@ -457,145 +419,3 @@ def up(views, host: torch.Tensor, rows: list[int], idx, stage: Staging, copy=Non
                 torch.cuda.set_stream(cur)
                 stage.order(cur, copy)
                 _scatter(views, idx[lo + a : lo + b], buf, typed, a, b)
-
-
-# --- copies with no kernel (COPIES = "engine") --------------------------------------------------
-
-MIN_RUN = 16  # blocks: a shorter run of consecutive blocks to consecutive rows is gathered
-GRAIN = 2 << 20  # a copy's device side stays inside one such aligned span (the arena's pages)
-
-
-class BlockCopies:
-    """A tier's block views described for the native layer's block copies (csrc/vmm_backend.h
-    copy_blocks): a run of at least MIN_RUN consecutive blocks bound for consecutive host rows
-    goes one 2D copy a region (the run's bytes in that region, contiguous on the device, to
-    their place in each row), queued on the copy engine by one native call a piece with the
-    interpreter lock let go; no kernel runs beside the steps and nothing is staged. Measured on
-    the H200 (benchmarks/diag_block_copies.py, 256 blocks of Llama-1.1B's and bench_tier's
-    shapes): 43.9-45.6 GB/s each way. Blocks outside such runs are gathered (down / up): a 2D
-    copy a block (its regions as the copy's rows) was refused by the driver where the arena's
-    pages between its regions were not all mapped, and moved 20-38 GB/s where they were; a copy
-    a (block, region) through cuMemcpyBatchAsync moved 3-8 GB/s.
-
-    `usable` is False (with one warning, naming why) when the native library is missing; the
-    tier gathers every block then."""
-
-    def __init__(self, views: list[torch.Tensor]):
-        words, off, why = [], 0, ""
-        for v in views:
-            es = v.element_size()
-            if v.dim() != 3 or v.stride(2) != 1:
-                raise ValueError(f"oxygen KV block copies: {tuple(v.shape)} {v.stride()} is "
-                                 "not a block view [blocks, regions, width]")  # fmt: skip
-            width = v.shape[2] * es
-            words += [v.data_ptr(), v.stride(0) * es, v.stride(1) * es, v.shape[1], width, off]
-            off += v.shape[1] * width
-        self.block_bytes, self.num_blocks = off, views[0].shape[0]
-        self.on_device = views[0].device.type == "cuda"
-        self._desc = (ctypes.c_uint64 * len(words))(*words)
-        self._lib = None
-        try:
-            from ..pool import native
-
-            self._lib, self._native = native.lib(), native
-        except Exception as exc:  # NativeLibraryError: an unbuilt tree
-            why = f"the native library is not loaded ({exc})"
-        self.usable = not why
-        if why:
-            warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, not "
-                      f"copy-engine copies: {why}")  # fmt: skip
-
-    def copy(self, up: bool, blocks: list[int], host: torch.Tensor, rows: list[int],
-             stream: torch.cuda.Stream | None) -> tuple[int, list[int]]:  # fmt: skip
-        """The runs (MIN_RUN) of pairs (blocks[i], rows[i]) copied, block to host row (`up`:
-        back), in the order given; queued on `stream` on a GPU (not waited for; host pinned),
-        done on return on the host. Returns the copies made and the positions of the pairs
-        left out (outside runs)."""
-        n = len(blocks)
-        if n != len(rows):
-            raise ValueError(f"oxygen KV block copies: {n} blocks for {len(rows)} rows")
-        if not n:
-            return 0, []
-        if min(blocks) < 0 or max(blocks) >= self.num_blocks:
-            raise ValueError(f"oxygen KV block copies: block ids {min(blocks)}..{max(blocks)} "
-                             f"outside the pool's {self.num_blocks}")  # fmt: skip
-        if min(rows) < 0 or max(rows) >= host.shape[0]:
-            raise ValueError(f"oxygen KV block copies: rows {min(rows)}..{max(rows)} outside "
-                             f"the {host.shape[0]} host rows")  # fmt: skip
-        if host.dtype != torch.uint8 or host.dim() != 2 or host.stride(1) != 1:
-            raise ValueError("oxygen KV block copies: host rows must be uint8 [rows, bytes]")
-        if host.shape[1] < self.block_bytes:
-            raise ValueError(f"oxygen KV block copies: rows of {host.shape[1]} bytes hold no "
-                             f"block of {self.block_bytes}")  # fmt: skip
-        b, r = array.array("q", blocks), array.array("q", rows)
-        made, left, n_left = ctypes.c_int64(), (ctypes.c_int64 * n)(), ctypes.c_int64()
-        handle = ctypes.c_void_p(stream.cuda_stream if stream is not None else 0)
-        status = self._lib.oxygen_copy_blocks(
-            int(up), self._desc, len(self._desc) // 6,
-            (ctypes.c_int64 * n).from_buffer(b), (ctypes.c_int64 * n).from_buffer(r), n,
-            host.data_ptr(), host.stride(0), handle, int(self.on_device), MIN_RUN, GRAIN,
-            ctypes.byref(made), left, ctypes.byref(n_left),
-        )  # fmt: skip
-        self._native.check(status, "oxygen KV block copies")
-        return made.value, left[: n_left.value]
-
-
-def by_block(blocks: list[int], rows: list[int]) -> tuple[list[int], list[int]]:
-    """The pairs (blocks[i], rows[i]) in the order of their blocks: where a tier gave blocks
-    rows in that order, each run of consecutive blocks meets consecutive rows."""
-    order = sorted(range(len(blocks)), key=blocks.__getitem__)
-    return [blocks[i] for i in order], [rows[i] for i in order]
-
-
-def _run_end(bs: list[int], rs: list[int], b: int) -> int:
-    """b moved past the run that holds position b - 1 (a piece does not cut a run in two)."""
-    n = len(bs)
-    while 0 < b < n and bs[b] == bs[b - 1] + 1 and rs[b] == rs[b - 1] + 1:
-        b += 1
-    return b
-
-
-def down_blocks(copies: BlockCopies, views, blocks: list[int], host: torch.Tensor,
-                rows: list[int], stage: Staging, copy, ids) -> int:  # fmt: skip
-    """host[rows[i]] = the bytes of block blocks[i] (COPIES "engine"): runs by copies, on a GPU
-    on `copy` after the current stream's work so far and the current stream after them, in
-    pieces of about COPY_BYTES (a piece ends with a run), each after a gap kernel
-    (Staging.pace) unless PACE_DOWN is ""; the other blocks by `down` (`ids(blocks)`: their
-    ids on the device). Returns the blocks that went by copies."""
-    bs, rs = by_block(blocks, rows)
-    left: list[int] = []
-    if copy is None:
-        left = copies.copy(False, bs, host, rs, None)[1]
-    else:
-        most = max(1, COPY_BYTES // stage.block_bytes)
-        with _streams_set(copy.device) as cur:
-            stage.order(copy, cur)  # after the blocks' last writes
-            a, made = 0, 0
-            while a < len(bs):
-                b = _run_end(bs, rs, min(len(bs), a + most))
-                if made and PACE_DOWN:
-                    stage.pace(copy)
-                made, lp = copies.copy(False, bs[a:b], host, rs[a:b], copy)
-                left += [a + i for i in lp]
-                a = b
-            stage.order(cur, copy)
-    if left:
-        down(views, ids([bs[i] for i in left]), host, [rs[i] for i in left], stage, copy)
-    return len(bs) - len(left)
-
-
-def up_blocks(copies: BlockCopies, views, host: torch.Tensor, rows: list[int],
-              blocks: list[int], stage: Staging, copy, ids) -> int:  # fmt: skip
-    """The bytes of block blocks[i] = host[rows[i]] (the inverse of down_blocks; the copies not
-    paced). Returns the blocks that went by copies."""
-    bs, rs = by_block(blocks, rows)
-    if copy is None:
-        left = copies.copy(True, bs, host, rs, None)[1]
-    else:
-        with _streams_set(copy.device) as cur:
-            stage.order(copy, cur)  # after the work so far (the blocks' last readers)
-            left = copies.copy(True, bs, host, rs, copy)[1]
-            stage.order(cur, copy)
-    if left:
-        up(views, host, [rs[i] for i in left], ids([bs[i] for i in left]), stage, copy)
-    return len(bs) - len(left)

@@ -100,7 +100,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
     """The pool's functions (csrc/pool_capi.cpp, csrc/arena.cpp)."""
     c = ctypes
     vp, sz, u64, i64 = c.c_void_p, c.c_size_t, c.c_uint64, c.c_int64
-    u64p, i64p = c.POINTER(c.c_uint64), c.POINTER(c.c_int64)
+    u64p = c.POINTER(c.c_uint64)
     sig = {
         "oxygen_configure": (c.c_int, [c.c_char_p, sz, c.c_double, sz, sz, sz, u64, c.c_int]),
         "oxygen_malloc": (vp, [c.c_ssize_t, c.c_int, vp]),
@@ -146,13 +146,6 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_arena_mapped_pages": (sz, [vp]),
         "oxygen_arena_stats": (c.c_int, [vp, u64p, c.c_int]),
         "oxygen_arena_latency_hist": (c.c_int, [vp, u64p, c.c_int]),
-        "oxygen_copy_blocks": (
-            c.c_int,
-            # up, views, n_views, blocks, rows, n, host, host pitch, stream, on device,
-            # min run, grain, copies out, left out, n left
-            [c.c_int, u64p, c.c_int, i64p, i64p, i64, u64, u64]
-            + [vp, c.c_int, i64, u64, i64p, i64p, i64p],
-        ),
     }
     for name, (restype, argtypes) in sig.items():
         fn = getattr(so, name)
