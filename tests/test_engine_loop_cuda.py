@@ -45,6 +45,10 @@ def test_concurrent_calls_on_the_gpu_equal_stock_through_decode_graphs(oxygen, a
     assert st["replays"] > 0 and st["failed"] == 0, st
     snap = eng.snapshot()
     assert snap["gpu_s"] > 0 and 0 <= snap["gpu_idle_s"] < snap["gpu_s"] * 10
+    # every step read has its GPU time (and the gap before it) in the timeline, summing to gpu_s
+    read = [e for e in eng.stats.timeline if e[6] is not None]
+    assert len(read) >= len(eng.stats.timeline) - 1 and all(e[6] > 0 for e in read)
+    assert abs(sum(e[6] for e in read) - eng.stats.gpu_s) < 1e-6 * len(read) + 1e-9
     assert not front.REASONS, front.REASONS
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
 

@@ -27,6 +27,7 @@ class Inflight:
     event: Any
     began: Any = None  # an event recorded before the step's first kernel (CUDA)
     host_s: float = 0.0  # the host time choosing and launching it
+    entry: list | None = None  # its line of EngineStats.timeline (GPU figures filled when read)
 
 
 class Delivery:
@@ -104,6 +105,8 @@ class Delivery:
             st = self.stats
             st.gpu_s += gpu
             st.gpu_idle_s += idle or 0.0
+            if f.entry is not None:
+                f.entry[6:8] = gpu, idle
         METRICS.engine_step(len(f.rows), sum(r.n for r in f.rows), period, f.host_s, gpu, idle)
         first, gaps = [], {}
         for row in f.kept:

@@ -71,7 +71,9 @@ class EngineStats:
     complete_s: float = 0.0  # host time reading steps' tokens, stops, delivery (waits included)
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
     rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
-    # the last steps' (start, rows, tokens, choose s, launch s, complete s): where time goes
+    # the last steps' [start, rows, tokens, choose s, launch s, complete s (of the step
+    # before), GPU s, the GPU's idle s before it] (the last two once the step is read, on a
+    # GPU; else None): where time goes, the host's launch told apart from the GPU's own time
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -204,8 +206,11 @@ class Engine(Rows, Delivery):
                 st.complete_s += time.perf_counter() - done
             if launched is not None:
                 launched.host_s = done - start
-                st.timeline.append((start, len(rows), sum(r.n for r in rows), chosen - start,
-                                    done - chosen, time.perf_counter() - done))  # fmt: skip
+                tokens = sum(r.n for r in rows)
+                took = time.perf_counter() - done
+                launched.entry = [start, len(rows), tokens, chosen - start, done - chosen, took,
+                                  None, None]  # fmt: skip
+                st.timeline.append(launched.entry)
             inflight = launched
             if launched is not None:
                 idle_since = time.monotonic()
