@@ -53,11 +53,11 @@ test: $(STAMP) $(STAMP_NEWEST)
 
 test-oldest: $(STAMP)
 	@echo "== whole suite, oldest supported: $$($(PY) -c '$(VERSIONS)')"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-newest: $(STAMP_NEWEST)
 	@echo "== kernel and transformers tests, newest: $$($(PY_NEWEST) -c '$(VERSIONS)')"
-	$(PY_NEWEST) -m pytest -q $(RANGE_TESTS)
+	$(PY_NEWEST) -m pytest -q --durations=30 $(RANGE_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
