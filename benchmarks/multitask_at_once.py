@@ -64,10 +64,10 @@ HOST_ONLY = False  # --host-only: decode graph replays stubbed (the engine's hos
 
 def _stub_replays() -> None:
     """Decode steps replay nothing: a graph 'replay' hands back zeros logits (the staging and
-    every other part of the step still run), so the step timeline is the host's work."""
-    from oxygen_torch.integrations.hf import graphs, merged_graphs
+    every other part of the step still run), so the step timeline is the host's work. On a CPU
+    the graph path runs at all only with kv.cpu_decode_graphs, which run() sets for this."""
+    from oxygen_torch.integrations.hf import merged_graphs
 
-    graphs.CPU_RERUN = True  # (on CPU: the graph path at all)
     zeros: dict = {}
 
     def run(self, model, forward):
@@ -94,7 +94,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     import oxygen_torch
 
     if mode != "generate_batch":
-        oxygen_torch.enable(scheduler={"engine": True, "decode_graphs": True})
+        kv = {"cpu_decode_graphs": "rerun"} if HOST_ONLY else {}
+        oxygen_torch.enable(kv=kv, scheduler={"engine": True, "decode_graphs": True})
         if HOST_ONLY:
             _stub_replays()
     model = build(shape, device)

@@ -37,6 +37,7 @@ def test_documented_defaults():
     assert cfg.pool.backend == "auto"
     assert cfg.kv.prefetch_distance == 0  # swap-ins ahead: opt-in
     assert cfg.kv.kv_dtype == "auto"
+    assert cfg.kv.cpu_decode_graphs == "off"  # decode graphs on a GPU only
     assert cfg.kernel.precision is oxygen_torch.PrecisionMode.AUTO_MIXED
     assert cfg.kernel.attention_type == "dense"
     assert (cfg.scheduler.alpha, cfg.scheduler.beta) == (0.7, 0.3)
@@ -95,6 +96,7 @@ def test_env_parsing_types_and_sizes():
         ("block_tokens:24", "kv.block_tokens: 24 is not allowed"),
         ("kv_dtype:int4", "kv.kv_dtype: 'int4' is not allowed"),
         ("backend:rocm", "pool.backend: 'rocm' is not allowed"),
+        ("cpu_decode_graphs:on", "kv.cpu_decode_graphs: 'on' is not allowed; allowed: off, rerun"),
         ("block_n:96", "kernel.block_n: 96 is not allowed"),
         ("precision:fast", "precision: 'fast' is not a precision mode"),
         ("alpha:2", "scheduler.alpha: 2.0 is out of range"),

@@ -1,7 +1,7 @@
 """The multi-task engine's merged decode steps through graphs by batch-size bucket, on CPU.
 
-There is no CUDA graph on CPU: with hf_graphs.CPU_RERUN the runner's stand-in "replays" by
-running the captured forward again on the graph's static buffers, so what these tests check is
+There is no CUDA graph on CPU: with kv.cpu_decode_graphs=rerun the runner's stand-in "replays"
+by running the captured forward again on the graph's static buffers, so what these tests check is
 the bookkeeping a replay depends on: the packed step copied into the buffers (tables, lengths,
 slots, positions, ids), the padding rows of a bucket kept out of every call's KV, the logits
 handed back row by row, and each core left as its eager step leaves it."""
@@ -16,20 +16,21 @@ from test_hf_generate import tiny
 import oxygen_torch
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import merged_graphs
 
 # the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
 pytestmark = pytest.mark.per_call
 
-ON = dict(scheduler={"decode_graphs": True, "gather_ms": 50})
+RERUN = {"cpu_decode_graphs": "rerun"}  # decode steps on CPU through the graph path's stand-in
+ON = dict(kv=RERUN, scheduler={"decode_graphs": True, "gather_ms": 50})
 
 
 @pytest.fixture
-def rerun(monkeypatch):
+def rerun():
+    """A test whose configurations take the decode-graph path on CPU (RERUN, ON): warnings said
+    once are said again for it, and its models get stock attention back afterwards."""
     _patching.forget_warnings()
-    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
     yield
     hf.disable_hf()
 
@@ -97,7 +98,7 @@ def test_sliding_window_calls_replay_merged_graphs(rerun):
 
 
 def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun, monkeypatch):
-    model = hf.apply(llama(seed=5))
+    model = hf.apply(llama(seed=5), load_config(kv=RERUN))
     together_as_alone(model, [call_kw(s) for s in range(3)])
     assert (
         oxygen_torch.decode_graph_stats(model)["merged"]["captures"] == 0

@@ -1,9 +1,9 @@
 """The decode-graph bookkeeping of generate() on the paged cache, on CPU.
 
-There is no CUDA graph on CPU: with hf_graphs.CPU_RERUN the stand-in "replays" by running the
-forward again on the graph's buffers, so what is checked here is the planning, the buffers, the
-keys and the life cycle. tests/test_hf_cuda.py checks real graphs against eager steps on the GPU,
-and every test of test_hf_generate.py runs with the stand-in too.
+There is no CUDA graph on CPU: with kv.cpu_decode_graphs=rerun the stand-in "replays" by running
+the forward again on the graph's buffers, so what is checked here is the planning, the buffers,
+the keys and the life cycle. tests/test_hf_cuda.py checks real graphs against eager steps on the
+GPU, and every test of test_hf_generate.py runs with the stand-in too.
 """
 
 import contextlib
@@ -30,11 +30,18 @@ from oxygen_torch.kv.core import PagedKVCore
 pytestmark = pytest.mark.per_call
 
 
+def on_cpu(mode: str = "rerun", **kv):
+    """A configuration whose decode steps on CPU take the graph path as `mode` says
+    (kv.cpu_decode_graphs: "rerun", "fuse", or "off" for eager steps), with `kv` besides."""
+    return load_config(kv={"cpu_decode_graphs": mode, **kv})
+
+
 @pytest.fixture
-def graphs(monkeypatch):
-    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
+def graphs():
+    """The configuration of a test of the decode-graph path on CPU (built for each test, so it
+    has the per_call marker's OXYGEN_CONF too)."""
     _patching.forget_warnings()  # each test sees its own warnings
-    yield
+    yield on_cpu("rerun")
     hf.disable_hf()
 
 
@@ -46,7 +53,7 @@ def _generate(model, n=8, **kw):
 
 def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
     monkeypatch.setattr(hf_graphs, "WIDTH_STEP", 1)  # the width is exactly max_length's blocks
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     # prompt 13 + 19 new = 32 tokens: the last step fills the second 16-token block exactly
     first = _generate(model, n=19)
     st = hf_graphs.stats(model)
@@ -59,7 +66,7 @@ def test_one_graph_to_max_length_and_across_calls(graphs, monkeypatch):
 
 
 def test_generate_keeps_no_cache_alive(graphs):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     caches = []
     original = hf_graphs.DecodeGraph.run
 
@@ -79,7 +86,7 @@ def test_generate_keeps_no_cache_alive(graphs):
 
 
 def test_moved_weights_are_captured_again(graphs):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     ref = _generate(model)
     head = model.lm_head.weight
     head.data = head.data.clone()  # same values, new address: the old graph would read freed memory
@@ -88,7 +95,7 @@ def test_moved_weights_are_captured_again(graphs):
 
 
 def test_outputs_the_graph_cannot_give_run_eagerly_with_a_warning(graphs, caplog):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     ids, mask = batch()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="oxygen_torch"):
         out = model.generate(
@@ -107,10 +114,10 @@ def test_outputs_the_graph_cannot_give_run_eagerly_with_a_warning(graphs, caplog
 
 
 def test_decode_graphs_off_and_disable(graphs):
-    model = hf.apply(tiny(), load_config(kv={"decode_graphs": False}))
+    model = hf.apply(tiny(), on_cpu(decode_graphs=False))
     _generate(model)
     assert hf_graphs.stats(model)["captures"] == 0
-    hf.apply(model, load_config(kv={"decode_graphs": True}))
+    hf.apply(model, on_cpu(decode_graphs=True))
     _generate(model)
     assert hf_graphs.stats(model)["graphs"] == 1
     hf.disable_hf()
@@ -169,7 +176,7 @@ def test_fusion_compiles_norms_mlp_and_rotary_for_the_capture_only():
 
 
 def test_a_forward_wrapped_on_the_instance_keeps_it_and_warns(graphs, caplog):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     inner = model.forward
     calls = []
 
@@ -190,10 +197,11 @@ def test_a_forward_wrapped_on_the_instance_keeps_it_and_warns(graphs, caplog):
 
 @pytest.fixture
 def compiled(graphs, monkeypatch, fresh_compile):
-    """Decode graphs fused on CPU too; the oxygen backend's rewritten graph runs as traced
-    (Inductor's C++ build would cost CI minutes; the GPU tests run Inductor)."""
-    monkeypatch.setattr(hf_graphs, "CPU_FUSE", True)
+    """The configuration of decode graphs fused on CPU too (kv.cpu_decode_graphs=fuse); the
+    oxygen backend's rewritten graph runs as traced (Inductor's C++ build would cost CI minutes;
+    the GPU tests run Inductor)."""
     monkeypatch.setattr(backend_mod, "final_compiler", lambda gm, example, patches: gm)
+    return on_cpu("fuse")
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3"])
@@ -202,10 +210,10 @@ def test_compiled_decode_step_equals_eager(compiled, arch):
     ids, mask = batch()
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
     with torch.no_grad():
-        ref = hf.apply(model).generate(
+        ref = hf.apply(model, compiled).generate(
             ids, **kw, use_cache=True, output_logits=True, return_dict_in_generate=True
         )
-        hf_graphs.CPU_RERUN = False
+        hf.apply(model, on_cpu("off"))  # eager decode steps from here
         eager = model.generate(ids, **kw, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(ref.sequences, eager.sequences)
     for a, b in zip(ref.logits, eager.logits):
@@ -221,12 +229,12 @@ def test_compiled_decode_step_equals_eager(compiled, arch):
 def test_compiled_decode_does_not_recompile_as_the_cache_grows(compiled):
     # the stand-in replays by calling the compiled forward again, so every one of the 64 steps
     # runs through Dynamo's guards: a guard on the cache's length would recompile each step
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     ids, mask = batch()
     with torch.no_grad():
         got = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
         again = model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=64, do_sample=False)
-        hf_graphs.CPU_RERUN = False
+        hf.apply(model, on_cpu("off"))
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False)
     assert torch.equal(got, ref)
     assert again.shape == (2, 13 + 64)
@@ -244,13 +252,13 @@ def test_a_failed_whole_compile_falls_back_to_module_fusion_with_a_warning(
 
     monkeypatch.setattr(hf_fuse, "compiled", broken)
     monkeypatch.setattr(hf_fuse, "fused", _fused_without_compiling)
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="oxygen_torch"):
         got = _generate(model)
     st = hf_graphs.stats(model)
     assert st["compiled"] == 0 and st["fused"] == 1, st
     assert "decode-graph fusion (compiled) failed: RuntimeError('no trace today')" in caplog.text
-    hf_graphs.CPU_RERUN = False
+    hf.apply(model, on_cpu("off"))
     assert torch.equal(got, _generate(model))
 
 
@@ -260,7 +268,7 @@ def _fused_without_compiling(model, forward, core, options):
 
 
 def test_a_forward_the_user_compiled_runs_uncompiled_on_the_paged_cache(compiled, caplog):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     ids, mask = batch()
     with torch.no_grad():
         ref = _generate(model)
@@ -276,7 +284,7 @@ def test_a_forward_the_user_compiled_runs_uncompiled_on_the_paged_cache(compiled
 
 
 def test_model_compile_is_set_aside_for_the_paged_call_only(compiled, caplog):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     with torch.no_grad():
         ref = _generate(model)
         model.compile(backend="eager")
@@ -295,7 +303,7 @@ def test_paged_step_outside_a_decode_graph_step_is_an_error():
 
 
 def test_a_model_with_a_compiled_decode_graph_can_be_collected(compiled):
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     _generate(model)
     assert hf_graphs.stats(model)["compiled"] == 1
     for g in hf_graphs._graphs[model].graphs.values():
@@ -315,7 +323,7 @@ def test_compile_config_naming_oxygen_configures_the_paged_call(compiled, monkey
     monkeypatch.setattr(
         backend_mod, "final_compiler", lambda gm, ex, patches: seen.append(patches) or gm
     )
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     options = {"kv_dtype": "fp8_e4m3", "inductor": {"max_autotune": False}}
     cc = CompileConfig(backend="oxygen", options=options)
     with caplog.at_level(logging.WARNING):
@@ -331,19 +339,19 @@ def test_compile_config_naming_oxygen_configures_the_paged_call(compiled, monkey
 def test_compile_config_with_another_backend_warns_on_the_paged_cache(compiled, caplog):
     from transformers import CompileConfig
 
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), compiled)
     with caplog.at_level(logging.WARNING, logger="oxygen_torch"):
         got = _generate(model, compile_config=CompileConfig())  # inductor
     assert "compile_config backend 'inductor' is not used on the paged cache" in caplog.text
     assert hf_graphs.stats(model)["compiled"] == 1
-    hf_graphs.CPU_RERUN = False
+    hf.apply(model, on_cpu("off"))
     assert torch.equal(got, _generate(model))
 
 
 def test_two_models_of_a_class_share_one_compile_and_keep_their_weights(compiled):
-    a, b = hf.apply(tiny(seed=0)), hf.apply(tiny(seed=5))
+    a, b = hf.apply(tiny(seed=0), compiled), hf.apply(tiny(seed=5), compiled)
     got = [_generate(m, n=10) for m in (a, b)]
-    hf_graphs.CPU_RERUN = False
+    a, b = hf.apply(a, on_cpu("off")), hf.apply(b, on_cpu("off"))
     ref = [_generate(m, n=10) for m in (a, b)]
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert not torch.equal(ref[0], ref[1])  # different weights, different tokens
@@ -357,7 +365,7 @@ def test_a_failed_step_leaves_no_cache_on_the_thread(graphs, monkeypatch):
         raise RuntimeError("warm-up failed")
 
     monkeypatch.setattr(hf_graphs.DecodeGraph, "_warm_and_capture", broken)
-    model = hf.apply(tiny())
+    model = hf.apply(tiny(), graphs)
     with pytest.raises(RuntimeError, match="warm-up failed"):
         _generate(model)
     assert context.current().lent is None

@@ -4,13 +4,14 @@ Tiny random-weight models in float32 on CPU (the float64 references run the atte
 Each test builds the stock answer first, then switches the same model with apply().
 """
 
+import os
+
 import pytest
 import torch
 import transformers as T
 
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import PagedKVCache, engine_runner
-from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf.generate import prefill_chunk
 
@@ -73,13 +74,15 @@ def batch(b=3, n=13, seed=1, pads=(4, 2, 0)):
 @pytest.fixture(params=["eager", "graphs"])
 def oxygen(request, monkeypatch):
     """Every test twice: decode steps run eagerly, and through the decode-graph bookkeeping
-    (on CPU its stand-in for a CUDA graph re-runs the forward on the graph's buffers)."""
-    monkeypatch.setattr(hf_graphs, "CPU_RERUN", request.param == "graphs")
+    (kv.cpu_decode_graphs=rerun: on CPU its stand-in for a CUDA graph re-runs the forward on the
+    graph's buffers). The setting goes through OXYGEN_CONF, so that every configuration a test
+    builds has it, load_config()'s default and the explicit ones alike."""
+    if request.param == "graphs":
+        given = os.environ.get("OXYGEN_CONF", "")
+        entries = [given, "kv.cpu_decode_graphs:rerun"]
+        monkeypatch.setenv("OXYGEN_CONF", ",".join(filter(None, entries)))
     yield hf
     hf.disable_hf()
-
-
-ENGINE = load_config(scheduler={"engine": True})
 
 
 def both(model, fn, cfg=None):
@@ -153,7 +156,7 @@ def test_sampling_with_fixed_seed_and_num_return_sequences(arch, oxygen):
             num_return_sequences=3,
         )
 
-    ref, got = both(model, run, ENGINE)
+    ref, got = both(model, run, load_config(scheduler={"engine": True}))
     # oxygen draws each row from its own generator (seeded from torch's RNG at the call), so
     # its samples are not stock's; the same seed gives the same tokens again
     with torch.no_grad():
@@ -292,7 +295,7 @@ def test_long_prompt_prefills_in_chunks_with_the_same_tokens(arch, oxygen):
     # replay a decode graph in the "graphs" runs: not an eager forward)
     assert all(b == 1 and n <= 48 for b, n in shapes), shapes
     assert [n for _, n in shapes[:2]] == [48, 1 + 6 + 40], shapes
-    if not hf_graphs.CPU_RERUN:
+    if cfg.kv.cpu_decode_graphs == "off":
         assert sum(n for _, n in shapes) == 19 + 35 + 40 + 3 * 5, shapes
     assert isinstance(got.past_key_values, PagedKVCache)
     assert torch.equal(got.sequences, ref.sequences)

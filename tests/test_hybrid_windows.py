@@ -24,7 +24,6 @@ from test_sliding_window_blocks import merged_calls_equal_stock
 
 import oxygen_torch
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations.hf import graphs as hf_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool_stats
@@ -452,13 +451,12 @@ def test_preempted_calls_that_narrowed_are_recomputed_not_swapped(oxygen, caplog
     assert pool["blocks_used"] == 0 and pool["window_narrowed_blocks"] > 0
 
 
-def test_merged_decode_graphs_on_a_hybrid_model_give_each_call_its_tokens_alone(
-    oxygen, monkeypatch
-):
+def test_merged_decode_graphs_on_a_hybrid_model_give_each_call_its_tokens_alone(oxygen):
     """The merged decode graphs' bookkeeping (on CPU its stand-in re-runs the captured forward
     on the graph's buffers) over calls whose rows narrow blocks."""
-    monkeypatch.setattr(hf_graphs, "CPU_RERUN", True)
-    cfg = load_config(scheduler={"decode_graphs": True, "gather_ms": 50})
+    cfg = load_config(
+        kv={"cpu_decode_graphs": "rerun"}, scheduler={"decode_graphs": True, "gather_ms": 50}
+    )
     model = hf.apply(tiny("qwen2"), cfg)
     kws = []
     for s in range(3):

@@ -219,11 +219,12 @@ def _generate(model, ids, mask, new, **kw):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw)
 
 
-def _both(arch, ids, mask, new, **kw):
-    """(stock tokens, oxygen output, the oxygen call's used blocks per step, the model)."""
+def _both(arch, ids, mask, new, cfg=None, **kw):
+    """(stock tokens, oxygen output, the oxygen call's used blocks per step, the model); `cfg`
+    goes to apply, `kw` to generate."""
     model = tiny(arch)
     ref = _generate(model, ids, mask, new, **kw)
-    hf.apply(model)
+    hf.apply(model, cfg)
     used = Used()
     got = _generate(
         model, ids, mask, new, logits_processor=[used], return_dict_in_generate=True, **kw
@@ -234,13 +235,13 @@ def _both(arch, ids, mask, new, **kw):
 @pytest.mark.parametrize(
     "arch, decode", [("mistral", "eager"), ("qwen3", "eager"), ("mistral", "graphs")]
 )
-def test_greedy_equals_stock_and_each_row_holds_its_window(oxygen, arch, decode, monkeypatch):
+def test_greedy_equals_stock_and_each_row_holds_its_window(oxygen, arch, decode):
     """graphs: the decode-graph bookkeeping (on CPU its stand-in re-runs the forward on the
     graph's buffers), whose steps plan without the block manager 15 steps in 16."""
-    monkeypatch.setattr(hf_graphs, "CPU_RERUN", decode == "graphs")
+    cfg = load_config(kv={"cpu_decode_graphs": "rerun" if decode == "graphs" else "off"})
     ids, mask = batch(b=2, n=28, seed=3, pads=(0, 5))
     freed0 = _freed()
-    ref, got, used, model = _both(arch, ids, mask, 44)
+    ref, got, used, model = _both(arch, ids, mask, 44, cfg)
     assert torch.equal(got.sequences, ref)
     assert (hf_graphs.stats(model)["replays"] > 0) == (decode == "graphs")
     core = got.past_key_values._core

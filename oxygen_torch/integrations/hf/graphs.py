@@ -3,7 +3,8 @@
 Eager decode is bound by the host: a 16-layer model launches a few hundred kernels a step, and
 each launch costs the host more than the GPU spends on it. A one-token step of a forward on a
 PagedKVCache (CUDA, `kv.decode_graphs`, on by default; the model's forward router sends it here)
-is captured once and replayed:
+is captured once and replayed (on a CPU, with `kv.cpu_decode_graphs`, a stand-in runs the same
+path, its "replay" running the captured forward again):
 
 - The host plans the step before the forward (blocks reserved, slots and lengths computed:
   `PagedKVCore.begin_graph_step`), then copies the block table, lengths and slots into the
@@ -46,8 +47,6 @@ _KNOWN = frozenset(
     (*_STATIC_INPUTS, "cache", "past_key_values", "attention_mask", "use_cache", "return_dict")
     + ("logits_to_keep", "output_attentions", "output_hidden_states")
 )
-CPU_RERUN = False  # tests: run the bookkeeping on CPU, "replay" re-running the forward
-CPU_FUSE = False  # tests: with CPU_RERUN, fuse on CPU too (the compiled forward's trace)
 
 _lock = threading.RLock()
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelGraphs
@@ -225,10 +224,12 @@ def _eager_reason(kw: dict) -> str | None:
 
 
 def usable(device: torch.device, cache: PagedKVCache) -> bool:
-    """Whether decode steps on `cache` (inputs on `device`) may go through graphs at all."""
-    if not cache.cfg.kv.decode_graphs or not cache._deferred():
+    """Whether decode steps on `cache` (inputs on `device`) may go through graphs at all: on a
+    CPU only with the stand-in kv.cpu_decode_graphs asks for."""
+    kv = cache.cfg.kv
+    if not kv.decode_graphs or not cache._deferred():
         return False
-    return device.type == "cuda" or (CPU_RERUN and device.type == "cpu")
+    return device.type == "cuda" or (device.type == "cpu" and kv.cpu_decode_graphs != "off")
 
 
 def _graph_for(model, cache: PagedKVCache, kw: dict, ids: torch.Tensor):
@@ -285,7 +286,9 @@ def decode_step(model, forward, kw: dict, cache: PagedKVCache, cache_name: str):
         return None
     try:
         fresh = g.runner is None  # the fusion setting matters only to a capture
-        fuse_on = (ids.device.type == "cuda" or CPU_FUSE) and cache.cfg.kv.decode_graph_fusion
+        kv = cache.cfg.kv
+        fuse_here = ids.device.type == "cuda" or kv.cpu_decode_graphs == "fuse"
+        fuse_on = fuse_here and kv.decode_graph_fusion
         out = g.run(model, forward, core, kw, cache_name=cache_name, fuse_on=fresh and fuse_on)
         mg.captures += fresh
         return out
