@@ -307,10 +307,12 @@ def test_an_engine_thread_that_dies_fails_every_waiting_call_and_none_hangs(oxyg
 def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_finish(oxygen):
     """max_step_seqs 4, four low-priority calls decoding: a high-priority call arriving takes a
     low row's place at once (preempted, recomputed later) and draws its first token within 3
-    steps; every low call still ends with its stock tokens."""
+    steps; every low call still ends with its stock tokens. (The high call comes once every low
+    call has 5 tokens, and the low calls are long enough not to end before it, however slowly
+    its thread starts on a loaded machine.)"""
     model = tiny("llama")
     low = [dict(input_ids=torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(s)),
-                max_new_tokens=30, do_sample=False) for s in range(4)]  # fmt: skip
+                max_new_tokens=150, do_sample=False) for s in range(4)]  # fmt: skip
     high = dict(input_ids=torch.tensor([[5, 9, 11, 13]]), max_new_tokens=5, do_sample=False)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in low] + [model.generate(**high)]
@@ -330,17 +332,29 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
             with oxygen_torch.task(priority="low"):
                 return _generate(model, dict(low[i], streamer=marks[i]))
         assert started.wait(60)
-        submitted[0] = eng.stats.steps
         with oxygen_torch.task(priority="high"):
             return _generate(model, dict(high, streamer=first))
+
+    decoding, lock = [0], threading.Lock()
 
     class Running(Recorder):
         def put(self, value):
             super().put(value)
-            if len(self.puts) == 6:  # every low call decodes: the engine is full
-                started.set()
+            if len(self.puts) == 6:  # this low call has 5 tokens
+                with lock:
+                    decoding[0] += 1
+                    if decoding[0] == 4:  # every low call decodes: the engine is full
+                        started.set()
 
     marks, first, submitted = [Running() for _ in range(4)], FirstToken(), [0]
+    submit = eng.submit
+
+    def counted(group):  # the steps so far when the high call reaches the engine
+        if group.requests[0].task.priority_class == "high":
+            submitted[0] = eng.stats.steps
+        submit(group)
+
+    eng.submit = counted
     out, errors = in_threads(run, [(i,) for i in range(5)])
     assert not errors, errors
     assert all(torch.equal(out[i], ref[i]) for i in range(5))
