@@ -284,13 +284,14 @@ class Engine(Rows, Delivery):
 
     # --- one step -------------------------------------------------------------------------------
 
-    def _inputs(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int]]:
-        """The step's ids [T] on the device (a decode row's: its last draw, gathered there) and
-        positions, every row's tokens one after the other."""
+    def _inputs(self, rows: list[StepRow]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The step's ids [T] on the device (a decode row's: its last draw, gathered there),
+        positions, every row's tokens one after the other, and for a step of decodes only its
+        rows' slots on the device (every row keeps its draw: the draws go back there)."""
         device = self.runner.device
         if all(row.ids is None for row in rows):  # decode only: one gather
             slots = upload([row.req.slot for row in rows], device)
-            return self.last.index_select(0, slots), [row.start for row in rows]
+            return self.last.index_select(0, slots), [row.start for row in rows], slots
         ids_host, pos, dec_at, dec_slots = [], [], [], []
         for row in rows:
             if row.ids is None:
@@ -305,7 +306,7 @@ class Engine(Rows, Delivery):
         flat = ids[:t]
         if d:
             flat = flat.index_copy(0, ids[t : t + d], self.last.index_select(0, ids[t + d :]))
-        return flat, pos
+        return flat, pos, None
 
     def _draw(self, logits: torch.Tensor, kept: list[StepRow]):
         """(tokens [K], processed scores or None) for the kept rows: a plain argmax when every
@@ -322,11 +323,12 @@ class Engine(Rows, Delivery):
         if device.type == "cuda":
             began = torch.cuda.Event(enable_timing=True)
             began.record()
-        flat, pos = self._inputs(rows)
+        flat, pos, slots = self._inputs(rows)
         logits = self.runner.forward(rows, flat, pos)
         kept = [row for row in rows if row.keep]
         tokens, scores = self._draw(logits, kept)
-        slots = upload([row.req.slot for row in kept], device)
+        if slots is None or len(kept) != len(rows):
+            slots = upload([row.req.slot for row in kept], device)
         self.last.index_copy_(0, slots, tokens)
         pen = [i for i, row in enumerate(kept) if row.req.params.penalised]
         if pen:
