@@ -179,11 +179,14 @@ def test_a_follower_that_lacks_a_call_fails_naming_it(monkeypatch):
     # longer than a loaded CI machine takes to start a thread, well short of the join below
     monkeypatch.setattr(sched, "FOLLOW_TIMEOUT_S", 1.0)
     link = Link()
-    runners = [FakeRunner(64), FakeRunner(64)]
+    runners = [FakeRunner(256), FakeRunner(256)]  # (t0 holds up to 77 blocks)
     cfg = SchedulerConfig(gather_ms=1.0)
     leader = StepScheduler(cfg, runners[0], link.side(True))
     follower = StepScheduler(cfg, runners[1], link.side(False))
-    both, only_leader = {"t0": [("normal", 5, 2, False)]}, {"t9": [("normal", 5, 2, False)]}
+    # t0 runs long (300 steps, ~0.3 s) so that a thread of the follower still waits when rank 0
+    # names t9, however late the leader's t9 thread starts (a call ended before t9 came, every
+    # follower thread gone, would leave no one to receive that step)
+    both, only_leader = {"t0": [("normal", 5, 300, False)]}, {"t9": [("normal", 5, 2, False)]}
     outs, errs = [{}, {}], []
     threads = rank(leader, runners[0], {**both, **only_leader}, 0, outs[0], errs)
     threads += rank(follower, runners[1], both, 1, outs[1], errs)
