@@ -73,3 +73,33 @@ def test_the_step_plan_equals_the_block_lists_through_changes(seed):
             c.release()
         release_pools()  # (no pool left open for later tests)
         assert pool_stats() == []
+
+
+def test_a_step_short_of_blocks_takes_none_and_leaves_every_row_as_it_was():
+    """Rows whose blocks are full take their new blocks together: when the pool cannot give
+    them, reserve raises and every row (those with room included) keeps its length and blocks."""
+    from oxygen_torch.kv.block_manager import KVCacheFull
+
+    cores = [_core(BT), _core(5), _core(2 * BT), _core(7)]  # two full, two with room
+    try:
+        pool = cores[0].pool
+        with pool.lock:
+            hog = pool.manager.allocate(pool.manager.num_available - 1)  # one block left
+        lens = [c.seqs.lens[0] for c in cores]
+        blocks = [list(c.seqs.blocks[0]) for c in cores]
+        step = DecodeStep(cores)
+        with step.pool.lock, pytest.raises(KVCacheFull):
+            step.reserve(build=False)
+        assert [c.seqs.lens[0] for c in cores] == lens
+        assert [c.seqs.blocks[0] for c in cores] == blocks
+        with pool.lock:
+            pool.manager.decref(hog)
+        step = DecodeStep(cores)  # with room, the same step goes through
+        with step.pool.lock:
+            step.reserve(build=False)
+        assert [c.seqs.lens[0] for c in cores] == [n + 1 for n in lens]
+    finally:
+        for c in cores:
+            c.release()
+        release_pools()
+        assert pool_stats() == []

@@ -70,7 +70,12 @@ class DecodeStep(MergedStep):
                 _note_blocks(c, new)
             starts.append(n)
         if full:
-            fresh = self.pool.manager.allocate(len(full))
+            try:
+                fresh = self.pool.manager.allocate(len(full))
+            except BaseException:  # (KVCacheFull: the engine counted blocks first) undone
+                for c, n in zip(self.cores, starts):
+                    c.seqs.truncate(0, n)
+                raise
             for (c, n), blk in zip(full, fresh):
                 s = c.seqs
                 s.blocks[0].append(blk)
