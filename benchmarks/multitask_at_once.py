@@ -12,7 +12,7 @@ greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process
 Each reports generated tok/s (tokens the requests asked for, over the wall time after a
 warm-up of K requests with 16 new tokens each), GPU memory held at peak, and for the engine its
 steps, host time a step and the step timeline (start, rows, tokens, choose / launch / complete
-ms) in the JSON.
+ms, and on a GPU each step's GPU ms and the GPU's idle ms before it) in the JSON.
 """
 
 from __future__ import annotations
@@ -184,6 +184,12 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             gaps = sorted(b[0] - a[0] for a, b in zip(full, full[1:]) if b[0] - a[0] < 1e3)
             out["decode_step_ms"] = round(gaps[len(gaps) // 2], 3) if gaps else None
             out["decode_launch_ms"] = round(sorted(x[4] for x in full)[len(full) // 2], 3)
+            gpu = sorted(x[6] for x in full if x[6] is not None)
+            out["decode_gpu_ms"] = gpu[len(gpu) // 2] if gpu else None
+        mixed = [x for x in timeline if x[2] > x[1]]  # steps with prefill chunks
+        if mixed:  # the longest: its launch (host) beside its GPU time (a sync shows as both)
+            worst = max(mixed, key=lambda x: x[4])
+            out["mixed_steps"], out["worst_mixed"] = len(mixed), worst
     if after:
         steps = after["steps"] - before.get("steps", 0)
         out["steps"] = steps
@@ -240,8 +246,13 @@ def _timeline(model) -> list:
         return []
     t = list(eng.stats.timeline)
     t0 = t[0][0] if t else 0
-    return [(round(1e3 * (a - t0), 2), r, n, round(1e3 * c, 3), round(1e3 * la, 3),
-             round(1e3 * co, 3)) for a, r, n, c, la, co in t]  # fmt: skip
+
+    def ms(x):
+        return None if x is None else round(1e3 * x, 3)
+
+    # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it)
+    return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i))
+            for a, r, n, c, la, co, g, i in t]  # fmt: skip
 
 
 def _graphs(model) -> dict:
