@@ -30,6 +30,7 @@ MAX_PAGE_SIZE = GiB
 MAX_VIRTUAL_BYTES = 1 << 47
 # kv.fresh_prefill: how a prefill with no cached prefix attends (kv/fresh.py)
 FRESH_PREFILL = ("auto", "dense", "paged")
+TIER_MOVES = ("auto", "gather", "mapped")  # pool.tier_moves (kv/transfer.py way_of)
 # Token counts are int32 in the kernels' position and length tensors.
 MAX_TOKENS = (1 << 31) - 1
 # Integers written with more digits than this are refused before Python converts them (it refuses
@@ -200,7 +201,7 @@ class PoolConfig:
             f"0 to this machine's memory, {ram} bytes ({ram / GiB:.1f} GiB)",
         )
         _check_choice("pool", "backend", self.backend, ("auto", "cuda", "host"))
-        _check_choice("pool", "tier_moves", self.tier_moves, ("auto", "gather", "mapped"))
+        _check_choice("pool", "tier_moves", self.tier_moves, TIER_MOVES)
         _check_disk_tier(self)
 
 

@@ -63,9 +63,7 @@ class CPUTier:
         fp8_lowering: bool = False,
         moves: str = "auto",
     ):
-        if moves not in transfer.MOVES:
-            raise ValueError(f"pool.tier_moves: {moves!r} is not one of {transfer.MOVES}")
-        self.moves = moves  # pool.tier_moves: how full-precision moves reach the rows
+        self.moves = moves  # pool.tier_moves (checked by transfer.way_of at each move)
         self._views = [st.block_view() for st in storages]  # [num_blocks, regions, width] each
         self.block_bytes = sum(2 * st.num_layers * st.block_bytes for st in storages)
         st = storages[0]

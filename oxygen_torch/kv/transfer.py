@@ -57,12 +57,12 @@ import time
 import torch
 
 from .._patching import warn_once
+from ..config.fields import TIER_MOVES
 
 STAGING_BYTES = 64 << 20  # the device staging buffer of a tier, at most
 # one copy between host and device, at most: a copy engine serves another stream's copies (a
 # decode step's table upload, generate()'s next-token read) between two, not during one
 COPY_BYTES = 16 << 20
-MOVES = ("auto", "gather", "mapped")  # pool.tier_moves: how a tier's moves reach the host rows
 # the mapped kernel's grid: alone, and beside decode steps (a step began on the device within
 # BESIDE_S). On the H200 (diag_mapped_rows.py) 16 programs moved 48-52 GB/s each way, 2
 # programs 36-44 GB/s down and 17-18 up, 1 program 20-22 down and 9-10 up. Beside generate()
@@ -93,8 +93,8 @@ def way_of(device: torch.device, up: bool, moves: str = "auto") -> str:
     other move takes the copy engine's full speed: copies up did not slow decode, and a step
     waits for the move up that brings its blocks back; on the host backend there is no PCIe to
     cross and the kernel would run in Triton's interpreter)."""
-    if moves not in MOVES:
-        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {MOVES}")
+    if moves not in TIER_MOVES:  # (a tier's `moves` set after the configuration was checked)
+        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {TIER_MOVES}")
     if moves != "auto":
         return moves
     down_beside = device.type == "cuda" and not up and beside_steps(device)
