@@ -236,14 +236,15 @@ def at_once(args) -> None:
                 print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
-        "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms |",
-        "|" + "---|" * 13,
+        "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms | "
+        "launch waits ms | door ms |",
+        "|" + "---|" * 15,
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
-                f"{r['error'].strip().splitlines()[-1][:80]} |||||||"
+                f"{r['error'].strip().splitlines()[-1][:80]} ||||||||||||"
             )
             continue
         ref = {
@@ -260,7 +261,8 @@ def at_once(args) -> None:
             f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
             f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
             f"{r.get('wait_ms_per_step', '-')} | {r.get('decode_step_ms', '-')} | "
-            f"{r.get('decode_launch_ms', '-')} |"
+            f"{r.get('decode_launch_ms', '-')} | {r.get('launch_wait_ms', '-')} | "
+            f"{r.get('door_ms_mean', '-')} |"
         )
     md = "\n".join(lines)
     print("\n" + md)

@@ -11,8 +11,9 @@ greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process
 
 Each reports generated tok/s (tokens the requests asked for, over the wall time after a
 warm-up of K requests with 16 new tokens each), GPU memory held at peak, and for the engine its
-steps, host time a step and the step timeline (start, rows, tokens, choose / launch / complete
-ms, and on a GPU each step's GPU ms and the GPU's idle ms before it) in the JSON.
+steps, host time a step and the timed run's step timeline (start, rows, tokens, choose / launch /
+complete ms, on a GPU each step's GPU ms and the GPU's idle ms before it, and the engine
+thread's CPU ms in the launch) in the JSON.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name)
                            for t, d, name in compiles]  # fmt: skip
         _compile_log(stop=True)
-    timeline = _timeline(model)
+    timeline = _timeline(model, since=t0)
     graphs = _graphs(model)
     if graphs:
         out["graph_captures"] = graphs["captures"] - captured
@@ -190,6 +191,10 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         if mixed:  # the longest: its launch (host) beside its GPU time (a sync shows as both)
             worst = max(mixed, key=lambda x: x[4])
             out["mixed_steps"], out["worst_mixed"] = len(mixed), worst
+            out["mixed_gpu_ms"] = round(sum(x[6] or 0 for x in mixed), 1)
+        # launches' wall time the engine thread did not run (its CPU time short of the wall):
+        # waits for the interpreter lock while callers' threads run Python, or device syncs
+        out["launch_wait_ms"] = round(sum(x[4] - x[8] for x in timeline if x[8] is not None), 1)
     if after:
         steps = after["steps"] - before.get("steps", 0)
         out["steps"] = steps
@@ -202,6 +207,10 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             )
         out["wait_ms_per_step"] = round(1e3 * (after["wait_s"] - before.get("wait_s", 0))
                                         / max(steps, 1), 3)  # fmt: skip
+        doors = after.get("doors", 0) - before.get("doors", 0)
+        if doors:  # the callers' front door: generate() called -> rows submitted
+            out["door_ms_mean"] = round(1e3 * (after["door_s"] - before.get("door_s", 0))
+                                        / doors, 3)  # fmt: skip
     return out
 
 
@@ -240,19 +249,21 @@ def _model_engine(model):
     return next(iter(group.values()), None)
 
 
-def _timeline(model) -> list:
+def _timeline(model, since: float = 0.0) -> list:
+    """The engine's step timeline from perf_counter time `since` (the timed run's start)."""
     eng = _model_engine(model)
     if eng is None:
         return []
-    t = list(eng.stats.timeline)
+    t = [x for x in eng.stats.timeline if x[0] >= since]
     t0 = t[0][0] if t else 0
 
     def ms(x):
         return None if x is None else round(1e3 * x, 3)
 
-    # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it)
-    return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i))
-            for a, r, n, c, la, co, g, i in t]  # fmt: skip
+    # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it,
+    # the engine thread's CPU ms in the launch)
+    return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i), ms(cpu))
+            for a, r, n, c, la, co, g, i, cpu in t]  # fmt: skip
 
 
 def _graphs(model) -> dict:

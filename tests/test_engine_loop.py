@@ -374,8 +374,11 @@ def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws[1:]])
     after = METRICS.snapshot()
     (eng,) = engines(model)
-    steps = eng.snapshot()["steps"]
+    snap = eng.snapshot()
+    steps = snap["steps"]
     assert after["counters"]["steps"] - before["counters"]["steps"] == steps
+    # each call's front door (generate() called -> rows submitted) is timed once
+    assert snap["doors"] == len(kws) and 0 < eng.stats.door_max_s <= snap["door_s"]
     host = after["step_time"]["host"]
     assert sum(host[1]) - sum(before["step_time"]["host"][1]) == steps
     new = out.shape[1] - kws[0]["input_ids"].shape[1]

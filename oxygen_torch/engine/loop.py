@@ -70,10 +70,17 @@ class EngineStats:
     choose_s: float = 0.0  # of which choosing the rows
     complete_s: float = 0.0  # host time reading steps' tokens, stops, delivery (waits included)
     wait_s: float = 0.0  # host time spent waiting for a step's tokens
+    # callers' time from their generate() call to their submission (the front door: resolving
+    # the call's settings in the caller's thread, device syncs of its inputs included)
+    door_s: float = 0.0
+    doors: int = 0
+    door_max_s: float = 0.0
     rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
     # the last steps' [start, rows, tokens, choose s, launch s, complete s (of the step
-    # before), GPU s, the GPU's idle s before it] (the last two once the step is read, on a
-    # GPU; else None): where time goes, the host's launch told apart from the GPU's own time
+    # before), GPU s, the GPU's idle s before it, the engine thread's CPU s in the launch]
+    # (GPU s and idle s once the step is read, on a GPU; else None): where time goes, the
+    # host's launch told apart from the GPU's own time, and a launch that waited (for the
+    # interpreter lock, other threads' Python, a device sync) from one that worked (its CPU s)
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -123,6 +130,7 @@ class Engine(Rows, Delivery):
             "host_s": st.host_s,
             "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
             "gpu_s": st.gpu_s, "gpu_idle_s": st.gpu_idle_s,
+            "door_s": st.door_s, "doors": st.doors,
             "running": len(self.running), "waiting": len(self.waiting),
             "rows_per_step": sum(rows) / len(rows),
         }  # fmt: skip
@@ -135,6 +143,10 @@ class Engine(Rows, Delivery):
             if self._closed:
                 raise RuntimeError("oxygen_torch: the engine was closed (oxygen_torch.disable())")
             self._inbox.append(group)
+            if group.entered is not None:
+                st, took = self.stats, time.perf_counter() - group.entered
+                st.door_s, st.doors = st.door_s + took, st.doors + 1
+                st.door_max_s = max(st.door_max_s, took)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._main, name=f"oxygen-{self.name}", daemon=True
@@ -191,13 +203,13 @@ class Engine(Rows, Delivery):
             self._drop_cancelled()
             rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
                                        self.kvs.free_blocks()))  # fmt: skip
-            chosen = time.perf_counter()
+            chosen, cpu = time.perf_counter(), time.thread_time()
             try:
                 launched = self._launch(rows) if rows else None
             except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
                 launched = None
                 self._step_failed(rows, err)
-            done = time.perf_counter()
+            done, cpu = time.perf_counter(), time.thread_time() - cpu
             st = self.stats
             st.host_s += done - start
             st.choose_s += chosen - start
@@ -209,7 +221,7 @@ class Engine(Rows, Delivery):
                 tokens = sum(r.n for r in rows)
                 took = time.perf_counter() - done
                 launched.entry = [start, len(rows), tokens, chosen - start, done - chosen, took,
-                                  None, None]  # fmt: skip
+                                  None, None, cpu]  # fmt: skip
                 st.timeline.append(launched.entry)
             inflight = launched
             if launched is not None:

@@ -117,6 +117,7 @@ class Group:
         self.error: BaseException | None = None
         self.cancelled = False
         self.version = 0  # bumped at each delivery (the caller's wait predicate)
+        self.entered: float | None = None  # perf_counter when its generate() was called
 
     @property
     def done(self) -> bool:

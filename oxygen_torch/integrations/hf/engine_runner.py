@@ -140,9 +140,7 @@ _engines_lock = threading.Lock()
 def engine_for(model, cfg) -> Engine:
     """The engine of `model` for this configuration's KV pool, precision and tiles (one thread
     each); a new one after a fork (threads do not cross fork) or after its close."""
-    probe = PagedKVCache(config=model.config.get_text_config(decoder=True), cfg=cfg)
-    core = probe._core
-    key = (core.pool_key(*_geometry(model)), core.precision, core.tiles, cfg.scheduler)
+    key = _engine_key(model, cfg)
     with _engines_lock:
         group = _engines.setdefault(model, {})
         eng = group.get(key)
@@ -154,6 +152,31 @@ def engine_for(model, cfg) -> Engine:
                 step_tokens=cfg.kv.prefill_chunk_tokens,
             )  # fmt: skip
         return eng
+
+
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(cfg, ...): key}
+
+
+def _engine_key(model, cfg) -> tuple:
+    """Which engine of `model` serves `cfg`: its KV pool, precision and tiles, read off a probe
+    cache once per configuration and geometry (a probe costs ~0.4 ms, every call otherwise)."""
+    text = model.config.get_text_config(decoder=True)
+    geometry = _geometry(model)
+    # by identity (hashing a configuration walks all its fields); the entry keeps its objects,
+    # so their ids are not reused while it lives
+    memo_key = (id(cfg), id(text), text.num_hidden_layers, geometry)
+    with _engines_lock:
+        hit = _keys.setdefault(model, {}).get(memo_key)
+    if hit is not None and hit[0] is cfg and hit[1] is text:
+        return hit[2]
+    core = PagedKVCache(config=text, cfg=cfg)._core
+    key = (core.pool_key(*geometry), core.precision, core.tiles, cfg.scheduler)
+    with _engines_lock:
+        memo = _keys.setdefault(model, {})
+        if len(memo) >= 16:  # (configurations a model is called with: a bound)
+            memo.clear()
+        memo[memo_key] = (cfg, text, key)
+    return key
 
 
 @atexit.register

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import weakref
 
 from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
@@ -106,6 +107,7 @@ def _get_correct_attn_implementation(self, requested_attention=None, is_init_che
 
 def _generate(self, *args, **kwargs):
     """generate() on oxygen's paged cache where it would run on a DynamicCache (generate.py)."""
+    entered = time.perf_counter()
     if not uses_oxygen(self):
         _not_on_oxygen(self)
         return _state.generate(self, *args, **kwargs)
@@ -119,7 +121,7 @@ def _generate(self, *args, **kwargs):
     if merged and not tp and cfg.scheduler.engine:
         p = front.plan(self, args, kwargs, call)
         if not isinstance(p, str):
-            return front.run(engine_runner.engine_for(self, cfg), p)
+            return front.run(engine_runner.engine_for(self, cfg), p, entered)
         front.note_reason(p)
     verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
