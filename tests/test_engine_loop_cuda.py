@@ -78,3 +78,32 @@ def test_the_gpu_draw_follows_the_probabilities_at_scale():
     tied[:, 10] = tied[:, 500] = 9.0
     got = sample_rows(tied, seeds[:4], torch.ones(4, dtype=torch.bool, device="cuda"))
     assert got.tolist() == [10, 10, 10, 10]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_front_door_reads_a_calls_inputs_from_the_gpu_in_one_sync(oxygen, masked):
+    """Every read of a device tensor in the caller's thread waits for the engine's steps queued
+    on the stream: the door reads ids and mask in one copy and makes the special tokens on the
+    host (stock's preparation syncs per tensor). Counted by torch's sync debug mode."""
+    import warnings
+
+    model = tiny("llama").cuda()
+    model.generation_config.eos_token_id = [5, 9]
+    kw = call(3)
+    ids = kw["input_ids"].cuda()
+    extra = {"attention_mask": kw["attention_mask"].cuda()} if masked else {}
+    args = dict(max_new_tokens=4, do_sample=False, **extra)
+    hf.apply(model, GRAPHS)
+    front.plan(model, (ids,), args)  # (first: the memo, Triton and torch's lazy setup)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            p = front.plan(model, (ids,), args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert isinstance(p, front.Plan), p
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert torch.equal(p.host_ids, kw["input_ids"]) and p.ids.device.type == "cuda"

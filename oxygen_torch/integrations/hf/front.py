@@ -77,9 +77,10 @@ def note_reason(reason: str) -> None:
 class Plan:
     """A supported call, resolved: its rows and what its output needs."""
 
-    def __init__(self, ids, gc, requests: list[Request], pad: int, streamer):
+    def __init__(self, ids, gc, requests: list[Request], pad: int, streamer, host_ids=None):
         self.ids, self.gc, self.requests = ids, gc, requests
         self.pad, self.streamer = pad, streamer
+        self.host_ids = ids if host_ids is None else host_ids  # (the streamer's first put)
 
 
 def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
@@ -117,8 +118,14 @@ def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
         return "empty inputs"
     if ids.device != model.device:
         return f"inputs on {ids.device}, the model on {model.device}"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return "an attention_mask other than a tensor"
+    if mask is not None and mask.shape != ids.shape:
+        return f"an attention_mask of shape {list(mask.shape)} for inputs {list(ids.shape)}"
+    host_ids, host_mask = _to_host(ids, mask)
     try:
-        gc, mask = _resolve(model, ids, kwargs)
+        gc, host_mask = _resolve(model, host_ids, host_mask, kwargs)
     except Exception as err:  # noqa: BLE001 - stock raises it again on the per-call path
         return f"settings transformers refuses ({type(err).__name__})"
     if isinstance(gc, str):
@@ -126,7 +133,19 @@ def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
     why = _unsupported(gc)
     if why is not None:
         return why
-    return _requests(model, ids, mask, gc, kwargs)
+    return _requests(ids, host_ids, host_mask, gc, kwargs)
+
+
+def _to_host(ids: torch.Tensor, mask: torch.Tensor | None):
+    """The call's ids and mask on the host, read from the device in one copy: each read waits
+    for the work queued on the caller's stream, the engine's steps among it (one wait, not
+    one per tensor and per special token as stock's preparation on the device costs)."""
+    if ids.device.type == "cpu":
+        return ids, mask
+    if mask is None or mask.device.type == "cpu":
+        return ids.cpu(), mask
+    both = torch.stack((ids.long(), mask.to(device=ids.device, dtype=torch.long))).cpu()
+    return both[0].to(ids.dtype), both[1].to(mask.dtype)
 
 
 _gc_proto = None  # a default GenerationConfig: which names are its fields
@@ -141,8 +160,9 @@ def _is_gc_field(name: str) -> bool:
     return hasattr(_gc_proto, name) or name in _OFF
 
 
-def _resolve(model, ids: torch.Tensor, kwargs: dict):
-    """(the call's generation config as stock resolves it, its attention mask) or a reason."""
+def _resolve(model, ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict):
+    """(the call's generation config as stock resolves it, its attention mask) or a reason.
+    ids, mask: the call's, on the host (the config's special-token tensors are made there)."""
     prepare = _patching.require(
         model, "_prepare_generation_config", library="transformers",
         what="generate() calls run on the per-call path",
@@ -167,6 +187,8 @@ def _resolve(model, ids: torch.Tensor, kwargs: dict):
         and (given is None or given.min_length is None)
         and model.generation_config.min_length is None
     )
+    if "attention_mask" in gen_kw:
+        gen_kw["attention_mask"] = mask
     gc, model_kw = _prepare(model, prepare, given, gen_kw)
     model_kw.pop("prefill_chunk_size", None)
     mask = model_kw.pop("attention_mask", None)
@@ -289,11 +311,10 @@ def _unsupported(gc) -> str | None:
     return None
 
 
-def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) -> Plan | str:
-    mask = mask.to(torch.bool)
-    if mask.shape != ids.shape:
-        return f"an attention_mask of shape {list(mask.shape)} for inputs {list(ids.shape)}"
-    host_ids, host_mask = ids.cpu(), mask.cpu()
+def _requests(ids: torch.Tensor, host_ids, host_mask, gc, kwargs: dict) -> Plan | str:
+    """ids: the call's as given (the output starts with them); host_ids / host_mask: on the
+    host."""
+    host_mask = host_mask.to(torch.bool)
     if bool((host_mask.to(torch.int8).diff(dim=1) < 0).any()):
         return "padding after real tokens (right padding or holes)"
     if not bool(host_mask.any(dim=1).all()):
@@ -341,7 +362,8 @@ def _requests(model, ids: torch.Tensor, mask: torch.Tensor, gc, kwargs: dict) ->
                 )  # fmt: skip
             )
     rows = ids.repeat_interleave(n, dim=0) if n > 1 else ids
-    p = Plan(rows, gc, requests, pad, kwargs.get("streamer"))
+    p = Plan(rows, gc, requests, pad, kwargs.get("streamer"),
+             host_ids.repeat_interleave(n, dim=0) if n > 1 else host_ids)  # fmt: skip
     p.padded = not bool(host_mask.all())
     return p
 
@@ -430,7 +452,7 @@ def run(engine, p: Plan, entered: float | None = None):
     group.entered = entered
     streamer = p.streamer
     if streamer is not None:
-        streamer.put(p.ids.cpu())
+        streamer.put(p.host_ids)
     engine.submit(group)
     sent = 0
     try:
