@@ -654,3 +654,32 @@ def test_settings_the_engine_refuses_behave_as_stock(oxygen, bad):
     hf.apply(model, ENGINE)
     ours = outcome()
     assert ours == stock if isinstance(stock, str) else torch.equal(ours, stock)
+
+
+def test_a_model_that_goes_takes_its_engine_thread_and_kv_pool_with_it(oxygen):
+    """The engine holds its model weakly but its KV pool strongly: once the model is collected
+    its thread ends (not STOP_AFTER_IDLE_S later) and release_pools() frees the pool."""
+    import gc
+
+    from oxygen_torch.kv import pool as kv_pool
+    from oxygen_torch.kv.pool import release_pools
+
+    model = tiny("qwen3")
+    hf.apply(model, ENGINE)
+    _generate(model, call(5))
+    (eng,) = engines(model)
+    thread = eng._thread
+    assert thread is not None and thread.is_alive()
+    del model, eng
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    gc.collect()
+    release_pools()
+    assert pool_stats() == [] and len(kv_pool._open) == 0
+    # a later model of the same shape gets a fresh pool and engine, and the right tokens
+    again = tiny("qwen3")
+    with torch.no_grad():
+        ref = again.generate(**call(5))
+    hf.apply(again, ENGINE)
+    assert torch.equal(_generate(again, call(5)), ref)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import SchedulerConfig
+from . import door
 from . import policy as policies
 from .deliver import Delivery, Inflight
 from .kv_rows import RowKV
@@ -175,6 +176,13 @@ class Engine(Rows, Delivery):
             "engine; it did not finish"
         ))  # fmt: skip
 
+    def stop(self) -> None:
+        """Asks the thread to end after the step in flight, without waiting (its model is gone:
+        no call can be waiting, since a caller holds its model)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def live(self) -> int:
         with self._cond:
             return len(self._groups) + len(self._inbox)
@@ -200,16 +208,17 @@ class Engine(Rows, Delivery):
                 if self._closed:
                     break
                 self._take_inbox()
-            self._drop_cancelled()
-            rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
-                                       self.kvs.free_blocks()))  # fmt: skip
-            chosen, cpu = time.perf_counter(), time.thread_time()
-            try:
-                launched = self._launch(rows) if rows else None
-            except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
-                launched = None
-                self._step_failed(rows, err)
-            done, cpu = time.perf_counter(), time.thread_time() - cpu
+            with door.launch(self.runner.device):  # callers' front-door Python waits
+                self._drop_cancelled()
+                rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
+                                           self.kvs.free_blocks()))  # fmt: skip
+                chosen, cpu = time.perf_counter(), time.thread_time()
+                try:
+                    launched = self._launch(rows) if rows else None
+                except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
+                    launched = None
+                    self._step_failed(rows, err)
+                done, cpu = time.perf_counter(), time.thread_time() - cpu
             st = self.stats
             st.host_s += done - start
             st.choose_s += chosen - start

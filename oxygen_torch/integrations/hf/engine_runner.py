@@ -147,11 +147,27 @@ def engine_for(model, cfg) -> Engine:
         if eng is None or eng.closed or eng.pid != os.getpid():
             # kv.prefill_chunk_tokens bounds a step's tokens too: the activations of a long
             # prefill decide how large a batch fits
+            if not group:  # the model's first engine: they all stop when the model goes
+                weakref.finalize(model, _stop_orphans)
             eng = group[key] = Engine(
                 HFRunner(model, cfg), cfg.scheduler, type(model).__name__,
                 step_tokens=cfg.kv.prefill_chunk_tokens,
             )  # fmt: skip
+            _live.add(eng)
         return eng
+
+
+# every engine not yet garbage, its model's entry in _engines gone or not: close_all() ends them
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _stop_orphans() -> None:
+    """A model was collected: the threads of engines whose model is gone end (each held its
+    runner, and the runner its KV pool, for STOP_AFTER_IDLE_S otherwise: memory release_pools()
+    could not free). Nothing here holds an engine: a closed one goes with its last reference."""
+    for eng in list(_live):
+        if eng.runner._model() is None:
+            eng.stop()
 
 
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(cfg, ...): key}
@@ -183,7 +199,7 @@ def _engine_key(model, cfg) -> tuple:
 def close_all() -> None:
     """Ends every engine thread (disable()): calls still waiting get a clear error."""
     with _engines_lock:
-        engines = [e for group in _engines.values() for e in group.values()]
+        engines = {e for group in _engines.values() for e in group.values()} | set(_live)
         _engines.clear()
     for e in engines:
         e.close()

@@ -23,6 +23,7 @@ from collections import Counter, OrderedDict
 import torch
 
 from ... import _patching
+from ...engine import door
 from ...engine.request import Group, Request, StopRule
 from ...engine.sampling import SamplingParams
 from ...engine.task import current as current_task
@@ -123,17 +124,18 @@ def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
         return "an attention_mask other than a tensor"
     if mask is not None and mask.shape != ids.shape:
         return f"an attention_mask of shape {list(mask.shape)} for inputs {list(ids.shape)}"
-    host_ids, host_mask = _to_host(ids, mask)
-    try:
-        gc, host_mask = _resolve(model, host_ids, host_mask, kwargs)
-    except Exception as err:  # noqa: BLE001 - stock raises it again on the per-call path
-        return f"settings transformers refuses ({type(err).__name__})"
-    if isinstance(gc, str):
-        return gc
-    why = _unsupported(gc)
-    if why is not None:
-        return why
-    return _requests(ids, host_ids, host_mask, gc, kwargs)
+    host_ids, host_mask = _to_host(ids, mask)  # (a device read: outside the door)
+    with door.caller(ids.device):  # (not during an engine's launch: engine/door.py)
+        try:
+            gc, host_mask = _resolve(model, host_ids, host_mask, kwargs)
+        except Exception as err:  # noqa: BLE001 - stock raises it again on the per-call path
+            return f"settings transformers refuses ({type(err).__name__})"
+        if isinstance(gc, str):
+            return gc
+        why = _unsupported(gc)
+        if why is not None:
+            return why
+        return _requests(ids, host_ids, host_mask, gc, kwargs)
 
 
 def _to_host(ids: torch.Tensor, mask: torch.Tensor | None):
@@ -448,12 +450,13 @@ def run(engine, p: Plan, entered: float | None = None):
     """Submits the call's rows, waits (streaming in this thread), returns stock's output.
     entered: perf_counter time of the generate() call (the engine counts the door's time)."""
     _check_lockstep(engine, p)
-    group = Group(p.requests, streaming=p.streamer is not None, cancel=current_task().cancel)
-    group.entered = entered
     streamer = p.streamer
-    if streamer is not None:
+    if streamer is not None:  # (the user's code: outside the door)
         streamer.put(p.host_ids)
-    engine.submit(group)
+    with door.caller(p.ids.device):
+        group = Group(p.requests, streaming=streamer is not None, cancel=current_task().cancel)
+        group.entered = entered
+        engine.submit(group)
     sent = 0
     try:
         seen = 0
@@ -521,10 +524,11 @@ def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) ->
 
 def _output(p: Plan, group: Group, runner):
     reqs = group.requests
-    width = max(len(r.out) for r in reqs)
-    new = torch.full((len(reqs), width), p.pad, dtype=p.ids.dtype)
-    for i, r in enumerate(reqs):
-        new[i, : len(r.out)] = torch.tensor(r.out, dtype=p.ids.dtype)
+    with door.caller(p.ids.device):  # (the copy to the device waits for the stream: outside)
+        width = max(len(r.out) for r in reqs)
+        new = torch.full((len(reqs), width), p.pad, dtype=p.ids.dtype)
+        for i, r in enumerate(reqs):
+            new[i, : len(r.out)] = torch.tensor(r.out, dtype=p.ids.dtype)
     seqs = torch.cat([p.ids, new.to(p.ids.device)], dim=1)
     gc = p.gc
     if not gc.return_dict_in_generate:

@@ -1,0 +1,186 @@
+"""engine/door.py: callers' front-door Python runs one caller at a time and never while an engine
+thread launches a step; an engine about to launch waits for the caller inside, then callers wait
+for the launch. Every wait here has a bound (a hang fails the test)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from test_engine import in_threads
+from test_engine_loop import ENGINE, call
+from test_hf_generate import tiny
+
+from oxygen_torch.engine import door as door_mod
+from oxygen_torch.engine.door import Door
+from oxygen_torch.engine.loop import Engine
+from oxygen_torch.integrations.hf import front
+from oxygen_torch.integrations.hf import integration as hf
+
+
+def test_callers_go_one_at_a_time_and_never_during_a_launch():
+    d = Door()
+    state = {"callers": 0, "launches": 0}
+    bad, lock = [], threading.Lock()
+    rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
+    waits = [rng.uniform(0, 0.002) for _ in range(400)]
+
+    def caller(i):
+        with d.caller():
+            with lock:
+                state["callers"] += 1
+                if state["callers"] > 1 or state["launches"]:
+                    bad.append(("caller", dict(state)))
+            time.sleep(waits[i])
+            with lock:
+                state["callers"] -= 1
+
+    def engine(i):
+        for j in range(20):
+            with d.launch():
+                with lock:
+                    state["launches"] += 1
+                    if state["callers"]:
+                        bad.append(("launch", dict(state)))
+                time.sleep(waits[(i * 20 + j) % len(waits)])
+                with lock:
+                    state["launches"] -= 1
+
+    jobs = [(caller, i) for i in range(120)] + [(engine, i) for i in range(3)]
+    rng.shuffle(jobs)
+    _, errors = in_threads(lambda f, i: f(i), jobs)
+    assert not errors and not bad, (errors, bad[:5])
+
+
+def test_a_launch_waits_for_the_caller_inside_then_callers_wait_for_it():
+    d = Door()
+    inside, release = threading.Event(), threading.Event()
+    order = []
+
+    def first_caller():
+        with d.caller():
+            inside.set()
+            release.wait(5)
+            order.append("caller 1 out")
+
+    def engine():
+        with d.launch():
+            order.append("launch")
+            time.sleep(0.05)
+            order.append("launch end")
+
+    def second_caller():
+        with d.caller():
+            order.append("caller 2 in")
+
+    t1 = threading.Thread(target=first_caller)
+    t1.start()
+    assert inside.wait(5)
+    t2 = threading.Thread(target=engine)
+    t2.start()
+    time.sleep(0.05)  # the engine waits at the door (shut to new callers)
+    t3 = threading.Thread(target=second_caller)
+    t3.start()
+    time.sleep(0.05)
+    assert order == []  # neither the launch nor the second caller while the first is inside
+    release.set()
+    for t in (t1, t2, t3):
+        t.join(5)
+        assert not t.is_alive()
+    assert order == ["caller 1 out", "launch", "launch end", "caller 2 in"]
+
+
+def test_a_caller_that_raises_inside_leaves_the_door_open():
+    d = Door()
+    with pytest.raises(ValueError), d.caller():
+        raise ValueError("bad call")
+    with d.launch():
+        pass
+    with d.caller():
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_finds_the_door_open():
+    """A parent thread inside the door at the fork: the child's callers still get in."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with door_mod.DOOR.caller():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: the door must open at once
+        ok = threading.Event()
+
+        def enter():
+            with door_mod.DOOR.caller():
+                ok.set()
+
+        c = threading.Thread(target=enter, daemon=True)
+        c.start()
+        os._exit(0 if ok.wait(5) else 1)
+    release.set()
+    t.join(5)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_the_door_is_for_gpus_only():
+    """On a CPU the step's ops run with the interpreter lock released, callers beside them."""
+    assert door_mod.applies(torch.device("cuda", 0))
+    assert not door_mod.applies(torch.device("cpu"))
+    d = door_mod.DOOR
+    with door_mod.caller(torch.device("cpu")), door_mod.launch(torch.device("cpu")):
+        assert not d._inside and not d._launching
+
+
+def test_the_engine_launches_with_no_callers_python_inside(oxygen, monkeypatch):
+    """16 concurrent calls arriving over 0.1 s (the door on the CPU too, as on a GPU): every
+    launch finds no caller inside the door, and each call's request building runs with no
+    launch under way; tokens equal stock's."""
+    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    model = tiny("llama")
+    kws = [call(s) for s in torch.randint(0, 10_000, (16,)).tolist()]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, ENGINE)
+    seen = {"launch": [], "requests": []}
+    launch, requests = Engine._launch, front._requests
+    running = [0]  # launches under way
+
+    def watched_launch(self, rows):
+        seen["launch"].append(door_mod.DOOR._inside)
+        running[0] += 1
+        try:
+            return launch(self, rows)
+        finally:
+            running[0] -= 1
+
+    def watched_requests(*a, **k):
+        seen["requests"].append(running[0])
+        return requests(*a, **k)
+
+    monkeypatch.setattr(Engine, "_launch", watched_launch)
+    monkeypatch.setattr(front, "_requests", watched_requests)
+
+    def run(kw, delay):
+        time.sleep(delay)  # (arrivals spread over the first steps' launches)
+        with torch.no_grad():
+            return model.generate(**kw)
+
+    delays = (torch.rand(len(kws)) * 0.1).tolist()
+    out, errors = in_threads(run, list(zip(kws, delays)))
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    assert len(seen["requests"]) == len(kws) and len(seen["launch"]) > 0
+    assert not any(seen["launch"]) and not any(seen["requests"])
