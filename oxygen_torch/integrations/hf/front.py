@@ -142,10 +142,8 @@ def _to_host(ids: torch.Tensor, mask: torch.Tensor | None):
     """The call's ids and mask on the host, read from the device in one copy: each read waits
     for the work queued on the caller's stream, the engine's steps among it (one wait, not
     one per tensor and per special token as stock's preparation on the device costs)."""
-    if ids.device.type == "cpu":
-        return ids, mask
-    if mask is None or mask.device.type == "cpu":
-        return ids.cpu(), mask
+    if ids.device.type == "cpu" or mask is None or mask.device.type == "cpu":
+        return ids.cpu(), None if mask is None else mask.cpu()  # (a host tensor: itself)
     both = torch.stack((ids.long(), mask.to(device=ids.device, dtype=torch.long))).cpu()
     return both[0].to(ids.dtype), both[1].to(mask.dtype)
 
