@@ -23,7 +23,7 @@ from oxygen_torch.integrations.hf import integration as hf
 
 
 def test_callers_go_one_at_a_time_and_never_during_a_launch():
-    d = Door()
+    d = Door(launch_wait_s=60)  # (no launch here outlasts it)
     state = {"callers": 0, "launches": 0}
     bad, lock = [], threading.Lock()
     rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
@@ -57,7 +57,7 @@ def test_callers_go_one_at_a_time_and_never_during_a_launch():
 
 
 def test_a_launch_waits_for_the_caller_inside_then_callers_wait_for_it():
-    d = Door()
+    d = Door(launch_wait_s=60)
     inside, release = threading.Event(), threading.Event()
     order = []
 
@@ -92,6 +92,40 @@ def test_a_launch_waits_for_the_caller_inside_then_callers_wait_for_it():
         t.join(5)
         assert not t.is_alive()
     assert order == ["caller 1 out", "launch", "launch end", "caller 2 in"]
+
+
+def test_a_launch_longer_than_the_wait_holds_callers_no_longer():
+    """A launch that blocks (on the device, say) lets callers in after launch_wait_s, still one
+    at a time."""
+    d = Door(launch_wait_s=0.05)
+    launched, end = threading.Event(), threading.Event()
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def engine():
+        with d.launch():
+            launched.set()
+            end.wait(10)
+
+    def caller(_):
+        with d.caller():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.005)
+            with lock:
+                inside[0] -= 1
+
+    t = threading.Thread(target=engine)
+    t.start()
+    assert launched.wait(5)
+    t0 = time.monotonic()
+    _, errors = in_threads(caller, [(i,) for i in range(8)])
+    took = time.monotonic() - t0
+    end.set()
+    t.join(5)
+    assert not errors and most[0] == 1
+    assert 0.05 <= took < 5  # all in while the launch still ran: after the wait, one by one
 
 
 def test_a_caller_that_raises_inside_leaves_the_door_open():
@@ -148,6 +182,7 @@ def test_the_engine_launches_with_no_callers_python_inside(oxygen, monkeypatch):
     launch finds no caller inside the door, and each call's request building runs with no
     launch under way; tokens equal stock's."""
     monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    monkeypatch.setattr(door_mod.DOOR, "launch_wait_s", 60)  # (CPU launches outlast 5 ms)
     model = tiny("llama")
     kws = [call(s) for s in torch.randint(0, 10_000, (16,)).tolist()]
     with torch.no_grad():

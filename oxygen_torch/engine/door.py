@@ -5,11 +5,11 @@ threads run Python, taking it back waits up to the interpreter's switch interval
 On the H200, 255 threads resolving their generate() calls stretched the launch of the engine's
 first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the callers'
 front door (resolving a call's settings, building its requests, submitting them; building the
-output) runs through this door: one caller at a time, and only while no engine launches a
-step. An engine about to launch shuts the door and waits for the one caller inside (a
-fraction of a millisecond); callers queue on a condition meanwhile (asleep: not competing for
-the lock). What blocks (a device read of the call's inputs, the wait for its tokens) stays
-outside the door.
+output) runs through this door: one caller at a time, and not while an engine launches a
+step (for up to LAUNCH_WAIT_S of it). An engine about to launch shuts the door and waits for
+the one caller inside (a fraction of a millisecond); callers queue on a condition meanwhile
+(asleep: not competing for the lock; woken one at a time). What blocks (a device read of the
+call's inputs, the wait for its tokens) stays outside the door.
 
 Callers' other Python (the user's own code around generate()) is not held back: the door only
 keeps oxygen's own per-call work out of the engine's launches.
@@ -23,53 +23,65 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
 
 EVERY_DEVICE = False  # tests: the door on CPU engines and calls too
+# a caller waits this long at most for an engine's launch to end: a decode launch takes 1-3 ms
+# of the host's time, but a launch that blocks on the device must not hold callers back
+LAUNCH_WAIT_S = 0.005
 
 
 class Door:
-    def __init__(self):
-        self._cond = threading.Condition()
+    def __init__(self, launch_wait_s: float = LAUNCH_WAIT_S):
+        lock = threading.Lock()
+        self._callers = threading.Condition(lock)  # callers wait here (one woken at a time)
+        self._engines = threading.Condition(lock)  # engines wait here for the caller inside
         self._launching = 0  # engine threads launching a step, or waiting to
         self._inside = False  # a caller's front-door Python runs
+        self.launch_wait_s = launch_wait_s
 
     @contextmanager
     def caller(self):
-        """A caller's front-door Python: alone, and never during an engine's launch."""
-        with self._cond:
-            while self._launching or self._inside:
-                self._cond.wait()
+        """A caller's front-door Python: alone, and not during an engine's launch unless that
+        launch outlasts `launch_wait_s` (one that waits for the device, say: callers are not
+        held for it)."""
+        with self._callers:
+            deadline = time.monotonic() + self.launch_wait_s
+            while self._inside or (self._launching and time.monotonic() < deadline):
+                left = deadline - time.monotonic()
+                self._callers.wait(left if self._launching and left > 0 else None)
             self._inside = True
         try:
             yield
         finally:
-            with self._cond:
+            with self._callers:
                 self._inside = False
-                self._cond.notify_all()
+                self._engines.notify_all()  # (engines waiting to launch: few)
+                self._callers.notify()  # the next caller (one: hundreds may wait)
 
     @contextmanager
     def launch(self):
-        """An engine thread's launch of a step: callers wait until it ends (engines do not
-        wait for each other)."""
-        with self._cond:
+        """An engine thread's launch of a step: it waits for the caller inside, then callers
+        wait until it ends (engines do not wait for each other)."""
+        with self._engines:
             self._launching += 1
             while self._inside:
-                self._cond.wait()
+                self._engines.wait()
         try:
             yield
         finally:
-            with self._cond:
+            with self._engines:
                 self._launching -= 1
                 if not self._launching:
-                    self._cond.notify_all()
+                    self._callers.notify()
 
     def _reset(self) -> None:
         """After fork: the child's only thread holds nothing (a parent's thread may have held
-        the condition's lock at the fork)."""
-        self.__init__()
+        the lock at the fork)."""
+        self.__init__(self.launch_wait_s)
 
 
 DOOR = Door()
