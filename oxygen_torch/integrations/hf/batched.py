@@ -235,8 +235,6 @@ class Merger:
             raise OxygenDisabledError(DISABLED)  # disable() put the model back on stock
         if chunks[0].part == "solo" or self._whole_alone(chunks):
             req = chunks[0].request
-            if chunks[0].part != "solo" and not self._alone_fits(model, chunks[0]):
-                return False  # a swap-in ahead took its blocks since the step was chosen
             run = req.payload.run if chunks[0].part == "solo" else req.payload.alone
             req.result, req.done = run(), True
             return True
@@ -271,18 +269,6 @@ class Merger:
         self._record(chunks)  # (after the step: a failed one leaves its preempted to recompute)
         self._deliver(chunks, logits, keeps)
         return True
-
-    def _alone_fits(self, model, ch: Chunk) -> bool:
-        """Whether the blocks a whole forward run by itself takes are free now: the step was
-        chosen within the KV budget, but a chosen call's swap-in ahead (fetch) takes blocks
-        after that; the forward by itself would raise KVCacheFull to its caller, while a step
-        that serves nothing is planned again (with preemption, if the blocks are still short)."""
-        work = ch.request.payload
-        self._bind(model, work.cache, work.real.shape[0])
-        core = work.cache._core
-        with core.pool.lock:
-            need = sum(core.seqs.blocks_needed(b, n) for b, n in enumerate(ch.part[1]))
-            return need <= core.pool.manager.num_available
 
     @staticmethod
     def _whole_alone(chunks: list[Chunk]) -> bool:
