@@ -78,10 +78,10 @@ def note_reason(reason: str) -> None:
 class Plan:
     """A supported call, resolved: its rows and what its output needs."""
 
-    def __init__(self, ids, gc, requests: list[Request], pad: int, streamer, host_ids=None):
+    def __init__(self, ids, gc, requests: list[Request], pad: int, streamer, host_ids):
         self.ids, self.gc, self.requests = ids, gc, requests
         self.pad, self.streamer = pad, streamer
-        self.host_ids = ids if host_ids is None else host_ids  # (the streamer's first put)
+        self.host_ids = host_ids  # ids on the host (the streamer's first put)
 
 
 def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
@@ -279,7 +279,7 @@ def _prepare(model, prepare, given, gen_kw: dict):
         gc, model_kw = prepare(given, **gen_kw)
         with _memo_lock:
             memo = _memo.setdefault(model, OrderedDict())
-            memo[key] = (copy.deepcopy(gc), {k: v for k, v in model_kw.items()
+            memo[key] = (_copy(gc), {k: v for k, v in model_kw.items()
                                              if k != "attention_mask"})  # fmt: skip
             while len(memo) > _MEMO_SIZE:
                 memo.popitem(last=False)
