@@ -222,6 +222,7 @@ def at_once(args) -> None:
                     ]
                     + (["--sample"] if args.sample else [])
                     + (["--host-only"] if args.host_only else [])
+                    + (["--profile"] if args.profile else [])
                 )
                 env = dict(os.environ, PYTHONPATH=str(HERE.parent))
                 t = time.time()
@@ -315,6 +316,13 @@ def main() -> None:
         help="--at-once threads/one_call: decode graph replays stubbed (zeros logits), so a "
         "step's time is the engine's host work alone (on CPU: the tiny shape)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="--at-once: the timed run under torch.profiler: the ops' CUDA and CPU tables "
+        "to $OUT/profile_*.txt and a Chrome trace per run in $OUT (profiling slows the run: its "
+        "tok/s is not a figure)",
+    )
     ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.once:
@@ -323,6 +331,7 @@ def main() -> None:
         mode, k, seed = args.once.split(",")
         dev = "cpu" if args.shape == "tiny" else "cuda"
         mo.HOST_ONLY = args.host_only
+        mo.PROFILE = args.profile
         try:
             r = mo.run(mode, args.shape, int(k), int(seed), args.new, args.sample, dev)
         except Exception:  # noqa: BLE001 - reported in the table

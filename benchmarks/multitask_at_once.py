@@ -18,10 +18,14 @@ thread's CPU ms in the launch) in the JSON.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,6 +64,7 @@ def build(shape: str, device: str):
     return model
 
 
+PROFILE = False  # --profile: the timed run under torch.profiler (tables to stderr, trace to $OUT)
 HOST_ONLY = False  # --host-only: decode graph replays stubbed (the engine's host work alone)
 
 
@@ -162,7 +167,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     compiles = _compile_log()
     captured = _graphs(model).get("captures", 0)
     t0 = time.perf_counter()
-    tokens = go(reqs)
+    with _profiled(f"{mode}_k{k}_s{seed}"):
+        tokens = go(reqs)
     if device == "cuda":
         torch.cuda.synchronize()
     took = time.perf_counter() - t0
@@ -212,6 +218,37 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             out["door_ms_mean"] = round(1e3 * (after["door_s"] - before.get("door_s", 0))
                                         / doors, 3)  # fmt: skip
     return out
+
+
+@contextlib.contextmanager
+def _profiled(name: str):
+    """--profile: the block under torch.profiler (CPU and CUDA activity, every thread's ops):
+    the top ops by CUDA time and by CPU self time printed to stderr, a Chrome trace to $OUT."""
+    if not PROFILE:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # every thread's ops (the engine thread's above all), and the device syncs as events
+    from torch._C._profiler import _ExperimentalConfig
+
+    extra = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    with profile(activities=acts, experimental_config=extra) as prof:
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    text = (f"--- {name}: by {sort}\n"
+            + ka.table(sort_by=sort, row_limit=40, max_name_column_width=60)
+            + f"\n--- {name}: by self CPU time\n"
+            + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+    print(text, file=sys.stderr)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"profile_{name}.txt").write_text(text)
+        prof.export_chrome_trace(str(Path(out, f"trace_{name}.json")))
 
 
 def _compile_log(stop: bool = False):

@@ -248,9 +248,12 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
 
     def _decode_plan(self, lens0: list[int]) -> StepPlan:
         slots = self._decode_slots(lens0)
-        buf = self._to_device(torch.tensor(slots + self.seqs.lens, dtype=torch.int32))
-        self.seq_lens = buf[len(slots) :]
-        return StepPlan(1, buf[: len(slots)], None, None)
+        t = len(slots)
+        a = transfer.aligned(t)  # the lengths 16-byte aligned: one kernel build (transfer.aligned)
+        buf = self._to_device(torch.tensor(slots + [0] * (a - t) + self.seqs.lens,
+                                           dtype=torch.int32))  # fmt: skip
+        self.seq_lens = buf[a:]
+        return StepPlan(1, buf[:t], None, None)
 
     def _prefill_plan(self, q, lens0, counts, real) -> StepPlan:
         bt, batch = self.block_tokens, len(lens0)
@@ -276,11 +279,18 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         keep_real = fresh and real is not None and self.fresh_prefill != "paged"
         if keep_real:  # the dense path's padding mask, in the same copy
             parts.append(real.flatten().to(torch.int32))
-        buf = self._to_device(torch.cat(parts))
+        # each part starts 16-byte aligned: one kernel build whatever the counts (transfer.aligned)
+        at, padded = [], []
+        for x in parts:
+            at.append(sum(map(len, padded)))
+            padded.append(x)
+            if transfer.aligned(len(x)) > len(x):
+                padded.append(torch.zeros(transfer.aligned(len(x)) - len(x), dtype=torch.int32))
+        buf = self._to_device(torch.cat(padded))
         n = batch * q
-        self.seq_lens = buf[n + batch + 1 : n + 2 * batch + 1]
-        dense_real = buf[n + 2 * batch + 1 :].view(batch, q).bool() if keep_real else None
-        return StepPlan(q, buf[:n], buf[n : n + batch + 1], q_index, fresh, dense_real)
+        self.seq_lens = buf[at[2] : at[2] + batch]
+        dense_real = buf[at[3] : at[3] + n].view(batch, q).bool() if keep_real else None
+        return StepPlan(q, buf[:n], buf[at[1] : at[1] + batch + 1], q_index, fresh, dense_real)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst of every layer's K and V becomes a copy of block src."""

@@ -124,17 +124,19 @@ class MergedStep:
         """The reserved step's table, lengths and slots on the device (what attend reads)."""
         table, slots, lens, counts = self.host_plan()
         decode = all(n == 1 for n in counts)
-        ints = torch.tensor(slots + lens + ([] if decode else [0] + counts), dtype=torch.int32)
+        t, r = len(slots), len(lens)
+        a = transfer.aligned(t)  # the lengths' part starts 16-byte aligned (transfer.aligned)
+        ints = torch.tensor(slots + [0] * (a - t) + lens + ([] if decode else [0] + counts),
+                            dtype=torch.int32)  # fmt: skip
         device = self.pool.key.device
 
         def to_device(t):  # pinned copies, not waited for (a CPU pool: the tensor itself)
             return t.clone() if device.type == "cpu" else transfer.to_device(t, device)
 
         buf = to_device(ints)
-        t, r = len(slots), len(lens)
         self.table = to_device(table.contiguous())
-        self.seq_lens = buf[t : t + r]
-        cu = None if decode else buf[t + r :].cumsum(0, dtype=torch.int32)
+        self.seq_lens = buf[a : a + r]
+        cu = None if decode else buf[a + r :].cumsum(0, dtype=torch.int32)
         self._plan = StepPlan(1 if decode else 0, buf[:t], cu, None)
 
     # --- what the attention path calls ---------------------------------------------------------
