@@ -223,6 +223,8 @@ def at_once(args) -> None:
                     + (["--sample"] if args.sample else [])
                     + (["--host-only"] if args.host_only else [])
                     + (["--profile"] if args.profile else [])
+                    + (["--torch-allocator"] if args.torch_allocator else [])
+                    + (["--record-allocs"] if args.record_allocs else [])
                 )
                 env = dict(os.environ, PYTHONPATH=str(HERE.parent))
                 t = time.time()
@@ -323,6 +325,21 @@ def main() -> None:
         "to $OUT/profile_*.txt and a Chrome trace per run in $OUT (profiling slows the run: its "
         "tok/s is not a figure)",
     )
+    ap.add_argument(
+        "--torch-allocator",
+        action="store_true",
+        help="--at-once threads/one_call: oxygen_torch.enable() without its allocator route "
+        "(PyTorch's caching allocator for activations; the KV pool as always): what the pool "
+        "costs a step",
+    )
+    ap.add_argument(
+        "--record-allocs",
+        action="store_true",
+        help="with --torch-allocator on a GPU: every allocation and free from the model's build "
+        "to the timed run's end, to $OUT/allocs_<mode>_k<K>_s<seed>.jsonl.gz (the format of "
+        "tests/data/generate_trace.jsonl.gz, each event with its time): the workload the pool "
+        "meets, for replays on the host backend",
+    )
     ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.once:
@@ -332,6 +349,8 @@ def main() -> None:
         dev = "cpu" if args.shape == "tiny" else "cuda"
         mo.HOST_ONLY = args.host_only
         mo.PROFILE = args.profile
+        mo.TORCH_ALLOCATOR = args.torch_allocator
+        mo.RECORD_ALLOCS = args.record_allocs
         try:
             r = mo.run(mode, args.shape, int(k), int(seed), args.new, args.sample, dev)
         except Exception:  # noqa: BLE001 - reported in the table

@@ -65,6 +65,8 @@ def build(shape: str, device: str):
 
 
 PROFILE = False  # --profile: the timed run under torch.profiler (tables to stderr, trace to $OUT)
+TORCH_ALLOCATOR = False  # --torch-allocator: enable() leaves PyTorch's allocator in place
+RECORD_ALLOCS = False  # --record-allocs (with --torch-allocator): the allocation trace to $OUT
 HOST_ONLY = False  # --host-only: decode graph replays stubbed (the engine's host work alone)
 
 
@@ -100,10 +102,16 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     import oxygen_torch
 
     if mode != "generate_batch":
+        if TORCH_ALLOCATOR:  # the KV pool is its own arena: only activations change allocator
+            from oxygen_torch import api
+
+            api._attach_allocator = api._detach_allocator = lambda *a: None
         kv = {"cpu_decode_graphs": "rerun"} if HOST_ONLY else {}
         oxygen_torch.enable(kv=kv, scheduler={"engine": True, "decode_graphs": True})
         if HOST_ONLY:
             _stub_replays()
+    if RECORD_ALLOCS and TORCH_ALLOCATOR and device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000)
     model = build(shape, device)
     reqs = workload(seed, k, model.config.vocab_size, new)
     kw = sampling_kw(sample)
@@ -164,6 +172,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = _engine(model)
+    counters = _pool_counters()
     compiles = _compile_log()
     captured = _graphs(model).get("captures", 0)
     t0 = time.perf_counter()
@@ -172,9 +181,16 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     if device == "cuda":
         torch.cuda.synchronize()
     took = time.perf_counter() - t0
+    if RECORD_ALLOCS and TORCH_ALLOCATOR and device == "cuda":
+        _write_allocs(f"{mode}_k{k}_s{seed}", shape, t0, took)
     out = dict(mode=mode, shape=shape, k=k, seed=seed, new=new, sample=sample,
                tok_per_s=round(tokens / took, 1), tokens=tokens, seconds=round(took, 2),
                peak_GiB=round(_held() / 2**30, 2))  # fmt: skip
+    if TORCH_ALLOCATOR:
+        out["allocator"] = "torch"
+    if counters:  # the pool's page maps and allocations during the timed run
+        now = _pool_counters()
+        out["pool"] = {k: now[k] - counters[k] for k in counters}
     after = _engine(model)
     if compiles is not None:  # Triton kernels built during the timed run (each ~0.2-2 s)
         out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name)
@@ -240,10 +256,12 @@ def _profiled(name: str):
             torch.cuda.synchronize()
     ka = prof.key_averages()
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    text = (f"--- {name}: by {sort}\n"
-            + ka.table(sort_by=sort, row_limit=40, max_name_column_width=60)
-            + f"\n--- {name}: by self CPU time\n"
-            + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+    text = (
+        f"--- {name}: by {sort}\n"
+        + ka.table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        + f"\n--- {name}: by self CPU time\n"
+        + ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    )
     print(text, file=sys.stderr)
     out = os.environ.get("OUT")
     if out:
@@ -314,6 +332,57 @@ def _engine(model) -> dict:
     except Exception:  # noqa: BLE001 - transformers' own mode
         return {}
     return engine_runner.engine_stats(model)
+
+
+def _write_allocs(name: str, shape: str, t0: float, took: float) -> None:
+    """The recorded allocations and frees (PyTorch's memory history) as an oxygen-alloc-trace:
+    a JSON header, then ["a" | "f", size, id, stream, ns since the first event] a line."""
+    import gzip
+    import json
+
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = snap["device_traces"][torch.cuda.current_device()]
+    ids, streams, lines, made = {}, {}, [], 0
+    first = events[0]["time_us"] if events else 0
+    timed_from = None  # the timed run's first event (perf_counter and the trace's clock differ)
+    wall0 = time.time() - (time.perf_counter() - t0)  # the timed run's start, wall clock
+    for e in events:
+        act = e["action"]
+        if act not in ("alloc", "free_requested"):
+            continue
+        addr, size = e["addr"], e["size"]
+        s = streams.setdefault(e.get("stream", 0), len(streams))
+        if act == "alloc":
+            i = ids[addr] = made
+            made, op = made + 1, "a"
+        elif addr in ids:
+            i, op = ids.pop(addr), "f"
+        else:
+            continue
+        if timed_from is None and e["time_us"] / 1e6 >= wall0:
+            timed_from = len(lines)
+        lines.append([op, size, i, s, (e["time_us"] - first) * 1000])
+    head = dict(format="oxygen-alloc-trace/1", what=f"bench_multitask --at-once {name}, {shape}",
+                torch=torch.__version__, gpu=torch.cuda.get_device_name(), events=len(lines),
+                streams=len(streams), timed_from=timed_from, timed_seconds=round(took, 3),
+                free_action="free_requested", time_unit="ns")  # fmt: skip
+    out = os.environ.get("OUT", ".")
+    with gzip.open(Path(out, f"allocs_{name}.jsonl.gz"), "wt") as f:
+        f.write(json.dumps(head) + "\n")
+        for x in lines:
+            f.write(json.dumps(x) + "\n")
+
+
+def _pool_counters() -> dict:
+    """The global pool's map / unmap / allocation counters ({} without the pool's route)."""
+    if not torch.cuda.is_available() or TORCH_ALLOCATOR:
+        return {}
+    from oxygen_torch.pool import stats
+
+    raw = stats.memory_stats()
+    keys = ("num_maps", "num_unmaps", "map_ns", "unmap_ns", "num_allocs", "reclaims")
+    return {k: raw.get(k, 0) for k in keys}
 
 
 def _held() -> int:

@@ -424,6 +424,11 @@ void Allocator::empty_cache() {
   if (!capture::maybe_active()) ctx().trim(0);
 }
 
+void Allocator::set_lending(bool on) {
+  std::lock_guard<std::mutex> g(mu_);
+  opt_.reclaim_on_grow = on;
+}
+
 void Allocator::reset_peak() {
   stats_.peak_allocated_bytes.store(get(stats_.allocated_bytes), std::memory_order_relaxed);
   PhysCounters& p = ctx().stats();

@@ -81,6 +81,7 @@ class Allocator {
   // Waits for the device, then unmaps every idle page, drops cached slabs and cached handles.
   void empty_cache();
   void reset_peak();
+  void set_lending(bool on);  // opt_.reclaim_on_grow, under the lock
   // Periodic hysteresis work (background thread); skips if the lock is busy.
   void sweep();
   void release_capture(std::uint64_t token);

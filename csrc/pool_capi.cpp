@@ -285,6 +285,28 @@ OXY_API int oxygen_pool_reset_peak(void* pool) {
   });
 }
 
+// Whether a growing block takes idle pages' handles (lend) before mapping new pages.
+OXY_API int oxygen_pool_set_lending(void* pool, int on) {
+  return on_pool(pool, "set_lending", [&](Allocator* a) -> int {
+    a->set_lending(on != 0);
+    return OK;
+  });
+}
+
+// The global pools' lending (oxygen_pool_set_lending), before their first allocation.
+OXY_API int oxygen_configure_lending(int on) {
+  return guarded("oxygen_configure_lending", [&]() -> int {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (auto& a : g_pools)
+      if (a.load()) {
+        set_last_error("oxygen_configure_lending: the global pool is already in use");
+        return ERR_INVALID;
+      }
+    g_cfg.alloc.reclaim_on_grow = on != 0;
+    return OK;
+  });
+}
+
 // Create physical handles now until `bytes` worth are cached (the "prepared ahead" of growth).
 OXY_API int oxygen_pool_prepare(void* pool, size_t bytes) {
   return on_pool(pool, "prepare", [&](Allocator* a) -> int {

@@ -240,3 +240,31 @@ def test_idle_page_bitmap_agrees_with_a_set(pages):
     boundaries included (sizes around 64 and 4096)."""
     for seed in (1, 2, 3):
         assert _native.lib().oxygen_pageset_selftest(seed, pages, 20_000) == 0
+
+
+@pytest.mark.parametrize("lend", [True, False])
+def test_lend_idle_false_maps_new_pages_and_leaves_idle_ones_where_they_are(lend):
+    """pool.lend_idle_pages: a block that cannot sit on idle pages takes their physical pages
+    (lends: mapped bytes stay what live blocks touch) or, with lending off, maps new ones while
+    the idle pages wait out their hysteresis at their own address. Content is kept either way."""
+    page = 2 << 20
+    rnd = random.Random(7)
+    with VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=60_000_000,
+                     lend_idle=lend) as pool:  # fmt: skip
+        a = pool.malloc(rnd.randint(3, 5) * page)
+        b = pool.malloc(page)  # a live neighbour: a's pages stay a hole of their own
+        ctypes.memset(b, 0x5A, page)
+        pool.free(a)
+        idle = pool.stats()["idle_pages"]
+        assert idle >= 3
+        c = pool.malloc(rnd.randint(8, 12) * page)  # larger than a's hole: new pages needed
+        s = pool.stats()
+        if lend:
+            assert s["pages_lent"] >= 3 and s["idle_pages"] < idle
+        else:
+            assert s["pages_lent"] == 0 and s["idle_pages"] == idle
+        assert ctypes.string_at(b, page) == b"\x5a" * page
+        pool.free(b)
+        pool.free(c)
+    with pytest.raises(TypeError, match="lend_idle"):
+        VirtualPool(backend="host", capacity=1 << 30, lend_idle="no")

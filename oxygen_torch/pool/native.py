@@ -116,6 +116,8 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_pool_record_stream": (c.c_int, [vp, vp, vp]),
         "oxygen_pool_empty_cache": (c.c_int, [vp]),
         "oxygen_pool_reset_peak": (c.c_int, [vp]),
+        "oxygen_pool_set_lending": (c.c_int, [vp, c.c_int]),
+        "oxygen_configure_lending": (c.c_int, [c.c_int]),
         "oxygen_pool_prepare": (c.c_int, [vp, sz]),
         "oxygen_pool_mem_info": (c.c_int, [vp, c.POINTER(sz), c.POINTER(sz)]),
         "oxygen_pool_backend": (c.c_char_p, [vp]),

@@ -155,7 +155,10 @@ class VirtualPool(_NativeObject):
         low_pages: int = 0,
         high_pages: int = 0,
         hysteresis_us: int = 0,
+        lend_idle: bool = True,
     ):
+        if not isinstance(lend_idle, bool):
+            raise TypeError(f"VirtualPool lend_idle: {lend_idle!r} is not a bool")
         if capacity is not None:
             capacity = int_arg("VirtualPool capacity (bytes)", capacity, 1, MAX_CAPACITY)
         args = (
@@ -172,6 +175,8 @@ class VirtualPool(_NativeObject):
         h = _create(_native.lib().oxygen_pool_create, self, args, f"creating a {self.backend} pool")
         self._owner = _Handle(h, "oxygen_pool_destroy")
         self.base = int(self._call("oxygen_pool_base"))
+        if not lend_idle:  # (pool.lend_idle_pages)
+            _native.check(self._call("oxygen_pool_set_lending", 0), "set_lending")
         raw = self._raw()
         self.capacity = raw["max_pages"] * raw["page_size"]
 

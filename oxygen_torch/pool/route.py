@@ -37,6 +37,8 @@ def _configure(cfg: PoolConfig) -> None:
         b"cuda", cfg.page_size, cfg.reserve_fraction, 0, 0, 0, hyst_us, 1
     )
     _native.check(st, "configuring the global pool")
+    st = _native.lib().oxygen_configure_lending(int(cfg.lend_idle_pages))
+    _native.check(st, "configuring the global pool's lending (pool.lend_idle_pages)")
     _route.configured = True
 
 

@@ -1,0 +1,105 @@
+"""Replay a recorded allocation trace on the host backend: what the pool's placement and
+hysteresis make of a real workload, on a CPU.
+
+A trace comes from `bench_multitask.py --at-once ... --torch-allocator --record-allocs` on the
+H200 (PyTorch's memory history of the model's build, the warm-up and the timed run, as
+`["a" | "f", size, id, stream, ns]` lines after a JSON header) or is the committed
+tests/data/generate_trace.jsonl.gz (no times: paced evenly). Each event is replayed at its
+recorded time (`--speed` scales the clock; the host backend's maps cost ~10 us, not the H200's
+~45-70 us, so the pace is the GPU run's, not the replay's own), on a host pool whose page size
+and hysteresis are the pool's defaults unless given.
+
+Prints, for the whole trace and for its timed run: allocations, pages mapped and unmapped, the
+peak mapped and allocated bytes (fragmentation), and which allocation sizes caused the maps
+(by power-of-two class): where the H200's map time goes.
+
+    python benchmarks/replay_allocs.py allocs_one_call_k256_s0.jsonl.gz
+    python benchmarks/replay_allocs.py TRACE --hysteresis-ms 20 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def load(path: Path) -> tuple[dict, list[list]]:
+    with gzip.open(path, "rt") as f:
+        head = json.loads(f.readline())
+        return head, [json.loads(line) for line in f]
+
+
+def _cls(size: int) -> str:
+    b = max(size, 1).bit_length() - 1
+    return f"{(1 << b) / MiB:g} MiB" if b >= 20 else f"{(1 << b) >> 10} KiB"
+
+
+def replay(ops: list[list], hysteresis_ms: float, speed: float, timed_from: int | None,
+           even_ns: int = 2000, lend: bool = True) -> dict:  # fmt: skip
+    from oxygen_torch.pool import VirtualPool
+
+    cause: Counter = Counter()
+    out = {}
+    with VirtualPool(backend="host", capacity=128 * GiB,
+                     hysteresis_us=max(1, round(hysteresis_ms * 1000)),
+                     lend_idle=lend) as pool:  # fmt: skip
+        ptrs: dict[int, int] = {}
+        t0 = time.perf_counter_ns()
+        first = ops[0][4] if ops and len(ops[0]) > 4 else 0
+        mark = None
+        for n, op in enumerate(ops):
+            kind, size, i, stream = op[:4]
+            due = t0 + ((op[4] - first) / speed if len(op) > 4 else n * even_ns)
+            while time.perf_counter_ns() < due:  # busy-wait: sleep() is far too coarse
+                pass
+            if n == timed_from:
+                mark = pool.stats()
+                pool.reset_peak()
+            if kind == "a":
+                before = pool._raw()["num_maps"]
+                ptrs[i] = pool.malloc(size, stream)
+                maps = pool._raw()["num_maps"] - before
+                if maps and (timed_from is None or n >= timed_from):
+                    cause[_cls(size)] += maps
+            elif i in ptrs:
+                pool.free(ptrs.pop(i), size, stream)
+        end = pool.stats()
+        time.sleep(0.1)
+        after = pool.stats()
+    base = mark or {k: 0 for k in end}
+    for k in ("num_allocs", "num_maps", "num_unmaps"):
+        out[k] = end[k] - base.get(k, 0)
+    out["peak_mapped_GiB"] = round(end["peak_mapped_bytes"] / GiB, 3)
+    out["peak_allocated_GiB"] = round(end["peak_allocated_bytes"] / GiB, 3)
+    out["fragmentation"] = round(end["fragmentation"], 4)
+    out["mapped_after_100ms_GiB"] = round(after["mapped_bytes"] / GiB, 3)
+    out["maps_by_size"] = dict(cause.most_common(12))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--hysteresis-ms", type=float, nargs="*", default=[20.0])
+    ap.add_argument("--speed", type=float, default=1.0, help="replay clock / recorded clock")
+    ap.add_argument("--whole", action="store_true", help="figures of the whole trace, not the "
+                    "timed run's")  # fmt: skip
+    ap.add_argument("--no-lend", action="store_true", help="pool.lend_idle_pages false")
+    args = ap.parse_args()
+    head, ops = load(args.trace)
+    timed = None if args.whole else head.get("timed_from")
+    print(json.dumps({k: v for k, v in head.items() if k != "workload"}))
+    for h in args.hysteresis_ms:
+        r = replay(ops, h, args.speed, timed, lend=not args.no_lend)
+        print(json.dumps(dict(hysteresis_ms=h, lend=not args.no_lend, **r)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
