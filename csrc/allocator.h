@@ -132,7 +132,8 @@ class Allocator {
 
   // pages (allocator_pages.cpp)
   Status ref_pages(std::size_t p0, std::size_t p1, const StreamState* user);
-  void lend_idle(std::size_t p0, std::size_t p1, const StreamState* user);
+  void lend_idle(std::size_t p0, std::size_t p1, const StreamState* user,
+                 std::size_t most = SIZE_MAX);
   void retire_lent(std::size_t max_pages);
   static constexpr std::size_t kSweepUnmaps = 128;
   void unref_pages(std::size_t p0, std::size_t p1);

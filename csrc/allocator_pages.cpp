@@ -34,13 +34,23 @@ Status Allocator::ref_pages(std::size_t p0, std::size_t p1, const StreamState* u
   if (need == 0) return OK;
   // Hand idle pages' handles to this block rather than grow: mapped bytes stay at what live
   // blocks touch, which is the fragmentation figure.
-  if (opt_.reclaim_on_grow && user && !idle_.empty()) lend_idle(p0, p1, user);
+  if (opt_.reclaim_on_grow && user && !idle_.empty()) {
+    // Only the pages that would raise mapped bytes past the peak of live bytes are lent: below
+    // it new pages cost one map each, as a lent page does, and the idle pages stay where later
+    // blocks can sit on them with no map at all (lending every page walked large blocks across
+    // the address range, each moving its pages again: 4x the maps of the recorded generate()
+    // trace). Past the peak, lending keeps mapped bytes at what live blocks touch.
+    std::size_t pages = (mapped_bytes() + page_ - 1) / page_ + need;
+    std::size_t high = (get(stats_.peak_allocated_bytes) + page_ - 1) / page_ + 1;
+    if (pages > high) lend_idle(p0, p1, user, pages - high);
+  }
   Status s = map_missing(p0, p1);
   if (s != OK) unref_pages(p0, p1);
   return s;
 }
 
-void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* user) {
+void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* user,
+                          std::size_t most) {
   // An idle page this stream may use -- safe, or freed by this stream with the device perhaps
   // still reading it -- lends its physical handle to an unmapped page of the new block. Its old
   // address stays mapped (and out of the free ranges) until every reader is done, then
@@ -52,7 +62,8 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
   // stays out of the free ranges until it retires.
   std::size_t q = idle_.last();
   auto down = [this](std::size_t x) { return x == 0 ? PageSet::npos : idle_.prev(x - 1); };
-  for (std::size_t p = p0; p <= p1 && q != PageSet::npos; ++p) {
+  std::size_t lent = 0;
+  for (std::size_t p = p0; p <= p1 && q != PageSet::npos && lent < most; ++p) {
     if (range_->is_mapped(p)) continue;
     while (q != PageSet::npos) {
       std::uintptr_t lo = base() + q * page_;
@@ -69,6 +80,7 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
       drop(stats_.idle_pages);
       bump(stats_.pages_lent);
       bump(stats_.lent_pending);
+      ++lent;
       q = down(q);
       lent_.push_back(std::move(l));
       break;

@@ -268,3 +268,29 @@ def test_lend_idle_false_maps_new_pages_and_leaves_idle_ones_where_they_are(lend
         pool.free(c)
     with pytest.raises(TypeError, match="lend_idle"):
         VirtualPool(backend="host", capacity=1 << 30, lend_idle="no")
+
+
+def test_a_block_below_the_live_high_water_maps_new_pages_and_leaves_idle_ones_for_later():
+    """Lending moves a page (a map at the new address, an unmap at the old one later). Below the
+    peak of live bytes a new page costs the same one map, and the idle pages stay where the
+    next blocks sit on them with none: only pages past that peak are lent."""
+    page = 2 << 20
+    with VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=40_000) as pool:
+        big = pool.malloc(24 * page)  # the live high-water: 24 pages
+        pool.free(big)
+        time.sleep(0.3)
+        pool.free(pool.malloc(512))  # a sweep: big's pages have waited out their hysteresis
+        assert pool.stats()["idle_pages"] <= 1
+        a, s1 = pool.malloc(3 * page), pool.malloc(page)
+        b, s2 = pool.malloc(3 * page), pool.malloc(page)
+        pool.free(a)
+        pool.free(b)
+        idle = pool.stats()["idle_pages"]
+        assert idle >= 6
+        c = pool.malloc(5 * page)  # fits neither 3-page hole; mapped + 5 stays below 24 pages
+        s = pool.stats()
+        assert s["pages_lent"] == 0 and s["idle_pages"] == idle
+        d = pool.malloc(30 * page)  # past the high-water: idle pages are lent
+        assert pool.stats()["pages_lent"] > 0
+        for p in (s1, s2, c, d):
+            pool.free(p)
