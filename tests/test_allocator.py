@@ -116,13 +116,18 @@ def test_virtual_pool_validates_arguments():
 
 
 def test_global_configure_passes_page_fraction_and_hysteresis(monkeypatch):
-    """pool.hysteresis_ms reaches oxygen_configure in microseconds (the global route configures
-    the C side once, before CUDA's first allocation; recorded here, nothing is installed)."""
-    calls = []
+    """pool.hysteresis_ms reaches oxygen_configure in microseconds, pool.lend_idle_pages
+    oxygen_configure_lending (the global route configures the C side once, before CUDA's first
+    allocation; recorded here, nothing is installed)."""
+    calls, lending = [], []
 
     class Lib:
         def oxygen_configure(self, *args):
             calls.append(args)
+            return 0
+
+        def oxygen_configure_lending(self, on):
+            lending.append(on)
             return 0
 
     route = allocator.route
@@ -131,5 +136,7 @@ def test_global_configure_passes_page_fraction_and_hysteresis(monkeypatch):
     cfg = PoolConfig(page_size=4 << 20, reserve_fraction=0.5, hysteresis_ms=37.5)
     route._configure(cfg)
     assert calls == [(b"cuda", 4 << 20, 0.5, 0, 0, 0, 37500, 1)]
-    route._configure(PoolConfig())  # defaults: 2 MiB pages, 0.9, 20 ms
+    route._configure(PoolConfig())  # defaults: 2 MiB pages, 0.9, 20 ms, lending on
     assert calls[1] == (b"cuda", 2 << 20, 0.9, 0, 0, 0, 20000, 1)
+    route._configure(PoolConfig(lend_idle_pages=False))
+    assert lending == [1, 1, 0]
