@@ -106,6 +106,7 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
   bump(stats_.requested_bytes, b.requested);
   bump(stats_.allocated_bytes, bytes);
   raise_peak(stats_.peak_allocated_bytes, get(stats_.allocated_bytes));
+  note_live(now);
   if (cap) bump(stats_.capture_allocs);
   *status = OK;
   return reinterpret_cast<void*>(p);

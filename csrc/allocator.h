@@ -191,6 +191,15 @@ class Allocator {
   std::vector<CaptureState*> active_captures_;
   std::vector<CaptureState*> pending_release_;
   std::uint64_t last_sweep_ = 0;
+  // The live bytes' recent peak: the larger of this epoch's and the last one's (epochs of
+  // kPeakEpochNs), and when the last allocation came. While allocations come, idle pages that
+  // keep mapped bytes within the recent peak stay mapped past their hysteresis (reclaim_idle).
+  static constexpr std::uint64_t kPeakEpochNs = 1000000000;  // 1 s
+  std::uint64_t last_alloc_ns_ = 0;
+  std::uint64_t epoch_start_ns_ = 0;
+  std::size_t live_peak_cur_ = 0, live_peak_prev_ = 0;
+  void note_live(std::uint64_t now);
+  std::size_t keep_pages(std::uint64_t now) const;
   bool reported_bad_free_ = false;
   bool reported_bad_size_ = false;
   bool reported_mismatch_ = false;

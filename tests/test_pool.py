@@ -294,3 +294,28 @@ def test_a_block_below_the_live_high_water_maps_new_pages_and_leaves_idle_ones_f
         assert pool.stats()["pages_lent"] > 0
         for p in (s1, s2, c, d):
             pool.free(p)
+
+
+def test_idle_pages_within_the_recent_live_peak_stay_while_allocations_come_and_go_after():
+    """A periodic workload (a step's activations, layer after layer) frees and takes the same
+    bytes again and again: while allocations keep coming, idle pages within the live bytes'
+    recent peak stay mapped past their hysteresis (the next blocks sit on them, no map); once
+    allocations stop, every idle page goes after its hysteresis (memory back)."""
+    page = 2 << 20
+    with VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=60_000) as pool:
+        n = random.randint(6, 12)
+        pool.free(pool.malloc(n * page))  # the peak: n pages, now idle
+        assert pool.stats()["idle_pages"] >= n
+        maps = pool.stats()["num_maps"]
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:  # allocations keep coming, well past 60 ms
+            pool.free(pool.malloc(random.randint(1, 4096)))
+            time.sleep(0.002)
+        s = pool.stats()
+        assert s["idle_pages"] >= n - 1, s["idle_pages"]
+        again = pool.malloc(n * page)  # sits on them: nothing mapped anew
+        assert pool.stats()["num_maps"] - maps <= 1
+        pool.free(again)
+        time.sleep(0.8)  # no allocation now: the background sweep unmaps them
+        s = pool.stats()
+        assert s["idle_pages"] <= 1 and s["pool_mapped_bytes"] <= 2 * page

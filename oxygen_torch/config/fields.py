@@ -168,7 +168,9 @@ class PoolConfig:
     # spans a decode step, so the step's transients (logits, sampling buffers) find their pages
     # still mapped: the H200 generate() trace replayed at its real pace maps 38 pages a step at
     # 20 ms against 70 at 2 ms, with the same fragmentation and nothing held 100 ms after
-    # (benchmarks/replay_hysteresis.py); a map + unmap costs ~96 us on the H200.
+    # (benchmarks/replay_hysteresis.py); a map + unmap costs ~96 us on the H200. While allocations
+    # keep coming, idle pages within the live bytes' recent peak stay past it (csrc
+    # allocator_pages.cpp keep_pages): the recorded trace then maps 5,425 pages instead of 7,766
     hysteresis_ms: float = 20.0
     # A block that needs pages while idle pages (mapped, nothing live) wait out their hysteresis
     # elsewhere takes their physical pages ("lends" them: one map each at the new address)
