@@ -381,7 +381,18 @@ def _pool_counters() -> dict:
     from oxygen_torch.pool import stats
 
     raw = stats.memory_stats()
-    keys = ("num_maps", "num_unmaps", "map_ns", "unmap_ns", "num_allocs", "reclaims")
+    keys = (
+        "num_maps",
+        "num_unmaps",
+        "map_ns",
+        "unmap_ns",
+        "num_allocs",
+        "reclaims",
+        "pool_maps",
+        "pool_unmaps",
+        "pool_map_ns",
+        "pool_unmap_ns",
+    )  # (num_*: KV arenas too)
     return {k: raw.get(k, 0) for k in keys}
 
 

@@ -97,6 +97,7 @@ class Allocator {
     std::size_t m = range_->mapped_pages(), lent = get(stats_.lent_pending);
     return (m > lent ? m - lent : 0) * page_;
   }
+  const PageRange::Moves& range_moves() const { return range_->moves(); }
   std::size_t free_va_bytes();
   std::size_t largest_free_va();
 

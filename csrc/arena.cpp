@@ -125,7 +125,7 @@ OXY_API size_t oxygen_arena_mapped_pages(void* arena) {
 OXY_API int oxygen_arena_stats(void* arena, uint64_t* out, int n) {
   int k = 0;
   int s = on_arena(arena, "arena stats", [&](Arena* a) -> int {
-    k = export_stats(nullptr, a->range->ctx(), 0, 0, out, n);
+    k = export_stats(nullptr, a->range->ctx(), 0, 0, nullptr, out, n);
     return OK;
   });
   return s == OK ? k : -s;

@@ -381,6 +381,8 @@ Status PageRange::map(std::size_t first, std::size_t count) {
   nmapped_.fetch_add(count, std::memory_order_relaxed);
   bump(st.num_maps, count);
   bump(st.map_ns, per_page * count);
+  bump(moves_.maps, count);
+  bump(moves_.map_ns, per_page * count);
   bump(st.map_hist[latency_bucket(per_page)], count);
   bump(st.mapped_bytes, count * page());
   raise_peak(st.peak_mapped_bytes, get(st.mapped_bytes));
@@ -393,8 +395,11 @@ void PageRange::unmap_one(std::size_t i) {
   mapped_[i].store(0, std::memory_order_release);
   nmapped_.fetch_sub(1, std::memory_order_relaxed);
   PhysCounters& st = ctx_->stats();
+  std::uint64_t took = now_ns() - t0;
   bump(st.num_unmaps);
-  bump(st.unmap_ns, now_ns() - t0);
+  bump(st.unmap_ns, took);
+  bump(moves_.unmaps);
+  bump(moves_.unmap_ns, took);
   if (lent_[i]) {  // the handle (and its bytes) belong to the borrower now
     lent_[i] = 0;
   } else {
@@ -425,6 +430,8 @@ Status PageRange::lend(std::size_t src, std::size_t dst) {
   bump(st.num_maps);
   bump(st.map_ns, ns);
   bump(st.map_hist[latency_bucket(ns)]);
+  bump(moves_.maps);
+  bump(moves_.map_ns, ns);
   return OK;
 }
 

@@ -141,6 +141,12 @@ class PageRange {
     return i < pages_ && mapped_[i].load(std::memory_order_acquire) != 0;
   }
   std::size_t mapped_pages() const { return nmapped_.load(std::memory_order_relaxed); }
+  // This range's own share of the context's num_maps / num_unmaps / map_ns / unmap_ns (the
+  // context's counters add the pool's range and every KV arena's together).
+  struct Moves {
+    Counter maps{0}, unmaps{0}, map_ns{0}, unmap_ns{0};
+  };
+  const Moves& moves() const { return moves_; }
 
  private:
   Status map_one(std::size_t i);
@@ -153,6 +159,7 @@ class PageRange {
   std::vector<std::uint8_t> lent_;  // mapped, but its handle was lent (see lend())
   std::unique_ptr<std::atomic<std::uint8_t>[]> mapped_;
   std::atomic<std::size_t> nmapped_{0};
+  Moves moves_;
 };
 
 }  // namespace oxygen

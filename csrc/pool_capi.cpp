@@ -359,7 +359,8 @@ OXY_API const char* oxygen_stats_names() { return stats_names(); }
 // -status.
 OXY_API int oxygen_pool_stats(void* pool, uint64_t* out, int n) {
   return counted(pool, "stats", [&](Allocator* a) {
-    return export_stats(&a->counters(), a->ctx(), a->va_bytes(), a->mapped_bytes(), out, n);
+    return export_stats(&a->counters(), a->ctx(), a->va_bytes(), a->mapped_bytes(),
+                        &a->range_moves(), out, n);
   });
 }
 

@@ -12,12 +12,14 @@ const char* stats_names() {
          "mapped_bytes,peak_mapped_bytes,reserved_va_bytes,handle_cache_pages,handles_created,"
          "handles_released,handles_created_inline,num_maps,num_unmaps,map_ns,unmap_ns,"
          "live_handles,max_pages,page_size,pool_va_bytes,live_ranges,pages_lent,small_pages,"
-         "pool_mapped_bytes,deferred_bytes";
+         "pool_mapped_bytes,deferred_bytes,pool_maps,pool_unmaps,pool_map_ns,pool_unmap_ns";
 }
 
 int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_bytes,
-                 std::size_t pool_mapped_bytes,
+                 std::size_t pool_mapped_bytes, const PageRange::Moves* moves,
                  std::uint64_t* out, int n) {
+  PageRange::Moves none;
+  const PageRange::Moves& m = moves ? *moves : none;
   AllocCounters zero;
   const AllocCounters& s = a ? *a : zero;
   PhysCounters& p = ctx.stats();
@@ -32,7 +34,7 @@ int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_byt
       get(p.handles_created_inline), get(p.num_maps), get(p.num_unmaps), get(p.map_ns),
       get(p.unmap_ns), ctx.owned_pages(), ctx.max_pages(), ctx.page(), pool_va_bytes,
       get(p.live_ranges), get(s.pages_lent), get(s.small_pages), pool_mapped_bytes,
-      get(s.deferred_bytes)};
+      get(s.deferred_bytes), get(m.maps), get(m.unmaps), get(m.map_ns), get(m.unmap_ns)};
   int k = 0;
   for (; k < n && k < static_cast<int>(v.size()); ++k) out[k] = v[k];
   return k;

@@ -72,6 +72,31 @@ def test_arena_counts_in_memory_stats():
         ar.unmap_pages(0, 2)
 
 
+def test_the_pools_own_maps_are_told_apart_from_the_kv_arenas():
+    """num_maps / num_unmaps count every range of a device context (the pool's and the KV
+    arenas'); pool_maps / pool_unmaps only the pool's own: an arena's pages move the first, a
+    pool's blocks both."""
+    import random
+
+    n = random.randint(2, 5)
+    with allocator.Arena(16 << 20, backend="host", device=6) as ar:
+        before = allocator.memory_stats(6)
+        ar.map_pages(0, n)
+        ar.unmap_pages(0, n)
+        s = allocator.memory_stats(6)
+        assert s["num_maps"] - before["num_maps"] == n
+        assert s["num_unmaps"] - before["num_unmaps"] == n
+        assert s["pool_maps"] == s["pool_unmaps"] == 0  # (no pool: an arena's context alone)
+    with allocator.VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=1) as pool:
+        p = pool.malloc(n * (2 << 20))
+        s = pool.stats()
+        assert s["pool_maps"] == s["num_maps"] >= n and s["pool_map_ns"] > 0
+        pool.free(p)
+        pool.empty_cache()
+        s = pool.stats()
+        assert s["pool_unmaps"] == s["num_unmaps"] == s["pool_maps"]
+
+
 def test_global_entry_points_on_the_host_backend():
     out = run_py(
         """
