@@ -199,8 +199,12 @@ class Allocator {
   std::uint64_t last_alloc_ns_ = 0;
   std::uint64_t epoch_start_ns_ = 0;
   std::size_t live_peak_cur_ = 0, live_peak_prev_ = 0;
+  std::size_t live_peak_ever_ = 0;  // (not reset by reset_peak(): the lending rule's bound)
   void note_live(std::uint64_t now);
   std::size_t keep_pages(std::uint64_t now) const;
+  std::size_t recent_peak() const {
+    return live_peak_cur_ > live_peak_prev_ ? live_peak_cur_ : live_peak_prev_;
+  }
   bool reported_bad_free_ = false;
   bool reported_bad_size_ = false;
   bool reported_mismatch_ = false;

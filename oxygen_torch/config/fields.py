@@ -170,13 +170,15 @@ class PoolConfig:
     # 20 ms against 70 at 2 ms, with the same fragmentation and nothing held 100 ms after
     # (benchmarks/replay_hysteresis.py); a map + unmap costs ~96 us on the H200. While allocations
     # keep coming, idle pages within the live bytes' recent peak stay past it (csrc
-    # allocator_pages.cpp keep_pages): the recorded trace then maps 5,425 pages instead of 7,766
+    # allocator_pages.cpp keep_pages)
     hysteresis_ms: float = 20.0
-    # A block that needs pages while idle pages (mapped, nothing live) wait out their hysteresis
-    # elsewhere takes their physical pages ("lends" them: one map each at the new address)
-    # instead of mapping new ones: mapped bytes stay at what live blocks touch (fragmentation
-    # ~1 % on the recorded generate() trace, 7.4 % without), at the cost of a map per page moved
-    # (45-70 us on the H200; that trace maps 2.6x the pages with lending as without)
+    # A block that needs pages past the peak of live bytes while idle pages (mapped, nothing
+    # live) wait out their hysteresis elsewhere takes their physical pages ("lends" them: one
+    # map each at the new address) instead of mapping new ones: mapped bytes stay near the live
+    # peak. Below that peak new pages are mapped and the idle ones stay where the next blocks
+    # sit on them. Replays of the recorded traces (benchmarks/replay_allocs.py, 20 ms): the
+    # generate() trace 4,861 maps at 0.9 % fragmentation (lending every page: 12,134 at 1.08 %;
+    # off: 4,717 at 7.6 %), the engine's 256-row trace ~440 at 1.9-2.1 %
     lend_idle_pages: bool = True
 
     def __post_init__(self):
