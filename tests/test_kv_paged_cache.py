@@ -1,6 +1,7 @@
 """KV storage page accounting and PagedKVCore against a dense float64 reference."""
 
 import gc
+import random
 
 import pytest
 import torch
@@ -341,3 +342,46 @@ def test_kv_dtype_must_be_known_and_match_a_16_bit_model():
     with pytest.raises(ValueError, match="kv.kv_dtype='bf16' with a torch.float32 model"):
         core.write(0, torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64))
     assert core.pool is None  # nothing was bound
+
+
+class _OOMOnce(RecordingBacking):
+    """Its next `fails` page maps fail as the device's out of memory does."""
+
+    def __init__(self, nbytes, page_size, fails):
+        super().__init__(nbytes, page_size)
+        self.fails = fails
+
+    def map_pages(self, first, count):
+        if self.fails:
+            self.fails -= 1
+            from oxygen_torch.pool.native import NativeError
+
+            raise NativeError(5, "map_pages: out of memory")
+        super().map_pages(first, count)
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_kv_growth_takes_the_pools_idle_pages_back_before_it_reports_out_of_memory(
+    monkeypatch, fails
+):
+    """The activations' pool keeps idle pages mapped while allocations come: a KV block whose
+    pages do not fit asks the pool to unmap its idle pages and maps again, once; out of memory
+    after that is reported as torch.OutOfMemoryError, with nothing left mapped."""
+    from oxygen_torch.pool import stats
+
+    emptied = []
+    monkeypatch.setattr(stats, "empty_cache", lambda: emptied.append(1))
+    backing = _OOMOnce(4 * 64 * KiB, 16 * KiB, fails=0)
+    st = KVStorage(
+        backing, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_tokens=16
+    )
+    before = set(backing.mapped)
+    backing.fails = fails
+    block = random.choice([2, 4, 6])  # a block opening a page of its own
+    if fails == 1:
+        st.on_alloc([block])
+        assert emptied == [1] and len(backing.mapped) == len(before) + 4
+    else:
+        with pytest.raises(torch.OutOfMemoryError, match="no device memory"):
+            st.on_alloc([block])
+        assert emptied == [1] and backing.mapped == before

@@ -365,7 +365,7 @@ class _Regions:
                 empty.add(p)
         return empty
 
-    def _map(self, st: KVStorage, pages: list[int]) -> None:
+    def _map(self, st: KVStorage, pages: list[int], retried: bool = False) -> None:
         backing = st.backing
         try:
             self._apply(pages, backing.map_pages)
@@ -374,6 +374,13 @@ class _Regions:
                 for p in pages:
                     if backing.is_mapped(r * self.region_pages + p):
                         backing.unmap_pages(r * self.region_pages + p, 1)
+            if getattr(exc, "status", None) == _ERR_OOM and not retried:
+                # the activations' pool keeps idle pages mapped while allocations come (up to
+                # its recent peak): the KV's growth takes them back before it reports OOM
+                from ..pool.stats import empty_cache
+
+                empty_cache()
+                return self._map(st, pages, retried=True)
             if getattr(exc, "status", None) == _ERR_OOM:
                 raise torch.OutOfMemoryError(
                     f"oxygen KV cache: no device memory for {len(pages)} more page(s) in each of "
