@@ -183,3 +183,25 @@ def test_an_allocation_needing_fenced_blocks_orders_the_stream_after_the_copy():
     assert m.num_free == 0
     with pytest.raises(KVCacheFull):
         m.allocate(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 13), min_size=1, max_size=5),
+    picks=st.lists(st.integers(0, 4), min_size=1, max_size=7),
+    counts=st.lists(st.integers(0, 9), min_size=7, max_size=7),
+)
+def test_blocks_needed_all_is_what_reserving_every_row_in_turn_takes(lens, picks, counts):
+    """The all-or-nothing check of a core's step: the fresh blocks of reserving each row in
+    turn, copies of shared last blocks included (the last sharer to write needs none)."""
+    m = BlockManager(256, first_id=1)
+    s = SequenceBlocks(m, block_tokens=4, batch=len(lens))
+    for b, n in enumerate(lens):
+        s.reserve(b, n)
+    s.select([p % len(lens) for p in picks])  # rows sharing blocks (beams)
+    counts = counts[: len(s)]
+    need = s.blocks_needed_all(counts)
+    free = m.num_free
+    for b, n in enumerate(counts):
+        s.reserve(b, n)
+    assert need == free - m.num_free

@@ -154,3 +154,36 @@ def test_every_part_a_kernel_reads_starts_16_byte_aligned_whatever_the_counts(se
             c.release()
         release_pools()
         assert pool_stats() == []
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_cores_own_step_short_of_blocks_takes_none_and_leaves_every_row_as_it_was(seed):
+    """A core's own forward (a lone call's) reserves its rows together: short of blocks it
+    raises before any row takes one, so the same forward can run again later (through the
+    scheduler) from the state it had."""
+    from oxygen_torch.kv.block_manager import KVCacheFull
+
+    rnd = random.Random(seed)
+    batch = rnd.randint(3, 6)
+    core = PagedKVCore(2, block_tokens=BT, arena_bytes=8 << 20)
+    k = torch.randn(batch, 1, BT - 1, 64)
+    try:
+        for layer in range(2):
+            core.write(layer, k, k)  # every row one token short of a full block
+        pool = core.pool
+        with pool.lock:
+            hog = pool.manager.allocate(pool.manager.num_available - rnd.randint(1, batch - 1))
+        lens, blocks = list(core.seqs.lens), [list(b) for b in core.seqs.blocks]
+        step = torch.randn(batch, 1, 2, 64)  # two tokens a row: each row needs a new block
+        with pytest.raises(KVCacheFull, match="block"):
+            core.write(0, step, step)
+        assert core.seqs.lens == lens and [list(b) for b in core.seqs.blocks] == blocks
+        with pool.lock:
+            pool.manager.decref(hog)
+        for layer in range(2):  # with room, the same forward goes through
+            core.write(layer, step, step)
+        assert core.seqs.lens == [n + 2 for n in lens]
+    finally:
+        core.release()
+        release_pools()
+        assert pool_stats() == []

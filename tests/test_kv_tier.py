@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from sim_steps import Steps
-from test_engine import in_threads, llama, prompt, schedulers, together_as_alone
+from test_engine import generate, in_threads, llama, prompt, schedulers, together_as_alone
 
 import oxygen_torch
 from oxygen_torch.config import load_config
@@ -367,3 +367,57 @@ def test_a_swapped_out_cache_comes_back_before_a_decode_graph_step_plans_it(oxyg
         got = gather_blocks(st.k[layer], core.pool.k_scale(layer), blocks, n, k.dtype)
         assert torch.equal(got, k), layer
     core.end_graph_step()
+
+
+@pytest.mark.parametrize("at", [0, 1, 5])
+def test_a_lone_forward_short_of_blocks_goes_through_the_scheduler(oxygen, monkeypatch, at):
+    """The only live call runs its forwards by itself, without a KV check or preemption; a call
+    that enters meanwhile can take the blocks first (the KVCacheFull that reached calls in
+    whole-suite runs). Such a forward reserved nothing and goes through the scheduler instead:
+    the call ends with the tokens it has alone."""
+    from oxygen_torch.integrations.hf import batched, router
+    from oxygen_torch.kv.block_manager import KVCacheFull
+
+    model, kws = _burst(64 * MiB, prefetch=0)
+    kw = kws[at % len(kws)]
+    want = generate(model, kw)
+    alone, wanted, forward = router._alone, batched.Merger.wanted, batched.Merger.forward
+    n, entered, served = [0], [], []
+
+    def short_once(*a, **k):  # the lone forward number `at` finds no block: a call entered
+        n[0] += 1
+        if n[0] == at + 1:
+            entered.append(1)
+            raise KVCacheFull("KV cache full: 1 block(s) asked, 0 free of 31 (test)")
+        return alone(*a, **k)
+
+    def wanted_now(self, kw, args):  # (the call that entered: live() is 2 for that look)
+        return bool(entered and entered.pop()) or wanted(self, kw, args)
+
+    def counted(self, *a, **k):
+        served.append(1)
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(router, "_alone", short_once)
+    monkeypatch.setattr(batched.Merger, "wanted", wanted_now)
+    monkeypatch.setattr(batched.Merger, "forward", counted)
+    got = generate(model, kw)
+    assert torch.equal(got, want) and len(served) == 1
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
+    assert pool["blocks_used"] == 0
+
+
+def test_a_lone_call_short_of_blocks_by_itself_keeps_its_error(oxygen, monkeypatch):
+    """Still the only live call, a forward short of blocks is short by itself: its KVCacheFull
+    stands (kv.oversubscribe splits such a call, or says why not), not a scheduler's error."""
+    from oxygen_torch.integrations.hf import router
+    from oxygen_torch.kv.block_manager import KVCacheFull
+
+    model, kws = _burst(64 * MiB, prefetch=0)
+
+    def short(*a, **k):
+        raise KVCacheFull("KV cache full: 3 block(s) asked, 0 free of 31 (test)")
+
+    monkeypatch.setattr(router, "_alone", short)
+    with pytest.raises(KVCacheFull, match="test"):
+        generate(model, kws[0])

@@ -302,6 +302,23 @@ class SequenceBlocks:
         cow = extra > 0 and n % bt and self.manager.refcount(blocks[-1]) > 1
         return max(0, -(-(n + extra) // bt) - len(blocks)) + int(bool(cow))
 
+    def blocks_needed_all(self, counts: list[int]) -> int:
+        """Fresh blocks `reserve(b, counts[b])` of every sequence in turn would take: a last
+        block shared by several of these sequences is copied by all but the last to write
+        (each copy drops a reference, as reserve does)."""
+        bt, dropped, need = self.block_tokens, {}, 0
+        for b, extra in enumerate(counts):
+            if extra <= 0:
+                continue
+            blocks, n = self.blocks[b], self.lens[b]
+            if n % bt:
+                last = blocks[-1]
+                if self.manager.refcount(last) - dropped.get(last, 0) > 1:
+                    need += 1
+                    dropped[last] = dropped.get(last, 0) + 1
+            need += max(0, -(-(n + extra) // bt) - len(blocks))
+        return need
+
     def truncate(self, seq: int, new_len: int) -> None:
         """Keeps the first new_len tokens of sequence seq, dropping blocks past them."""
         keep = -(-new_len // self.block_tokens)

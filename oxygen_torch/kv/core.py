@@ -22,7 +22,7 @@ import torch
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
 from . import swap, transfer
 from .attention import Tiles, kv_write
-from .block_manager import SequenceBlocks
+from .block_manager import KVCacheFull, SequenceBlocks
 from .fresh import check_setting
 from .graph_step import GraphStepMixin
 from .history import History
@@ -228,6 +228,16 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         seqs = self.seqs
         cows, added = [], []
         with self.pool.lock:
+            # all or nothing: a row short of blocks used to leave the rows before it with their
+            # new blocks and lengths (a forward that runs again then found them advanced)
+            need = seqs.blocks_needed_all(counts)
+            manager = self.pool.manager
+            if need > manager.num_available:
+                raise KVCacheFull(
+                    f"KV cache full: {need} block(s) asked, {manager.num_free} free of "
+                    f"{manager.num_blocks - manager.first_id} (raise kv.arena_bytes or lower "
+                    "the batch)"
+                )
             for b, n in enumerate(counts):
                 new, cow = seqs.reserve(b, n)
                 added.extend((b, col, blk) for col, blk in new)

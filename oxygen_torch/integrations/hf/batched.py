@@ -84,9 +84,12 @@ class Merger:
     # --- what the router asks -----------------------------------------------------------------
 
     def wanted(self, kw: dict, args: tuple) -> bool:
+        return (self.coordinated or self.scheduler.live() > 1) and self.mergeable(kw, args)
+
+    def mergeable(self, kw: dict, args: tuple) -> bool:
+        """Whether a merged step can take this forward (whether one is wanted aside)."""
         return (
-            (self.coordinated or self.scheduler.live() > 1)
-            and not args
+            not args
             and isinstance(kw.get("input_ids"), torch.Tensor)
             and all(v is None or k in _MERGEABLE for k, v in kw.items())
             and (kw.get("logits_to_keep") is None or isinstance(kw.get("logits_to_keep"), int))

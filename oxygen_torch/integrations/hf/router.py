@@ -21,6 +21,7 @@ import threading
 import torch
 
 from ... import _patching, context
+from ...kv.block_manager import KVCacheFull
 from . import compat, graphs
 from .cache import DISABLED, OxygenDisabledError, PagedKVCache
 
@@ -95,7 +96,19 @@ def _route(model, name: str, cache: PagedKVCache, args: tuple, kw: dict):
             return merger.forward(call, name, cache, kw, alone)
         if alone is not None:  # a step of its own
             return merger.solo(call, alone)
+        try:
+            out = _alone(model, name, cache, args, kw, own, hooks, wrapped)
+        except KVCacheFull:
+            # the only live call runs its forwards by itself, with no KV check and no
+            # preemption; a call that entered meanwhile took the blocks through a merged step.
+            # Nothing was reserved (a core's reservation is all or nothing): the forward goes
+            # through the scheduler, which preempts or waits, as a merged forward. Still alone,
+            # the call is short of blocks by itself: its error stands (oversubscribe splits it)
+            if hooks or wrapped or not merger.wanted(kw, args):
+                raise
+            return merger.forward(call, name, cache, kw)
         merger.record_alone(cache, kw, args)  # its tokens, read later if a recompute needs them
+        return out
     return _alone(model, name, cache, args, kw, own, hooks, wrapped)
 
 
