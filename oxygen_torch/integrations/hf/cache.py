@@ -283,8 +283,10 @@ class PagedKVCache(Cache):
     def reset(self) -> None:
         self._core.release()
 
-    def activate_past_recording(self) -> None:
-        pass  # every token is kept until crop or release: nothing to switch on
+    def activate_past_recording(self, **kwargs) -> None:
+        # every token is kept until crop or release: nothing to switch on (5.25 passes
+        # recurrent_states_to_keep, for caches of recurrent layers, which this one has none of)
+        pass
 
     def __deepcopy__(self, memo) -> PagedKVCache:
         other = PagedKVCache.__new__(PagedKVCache)
