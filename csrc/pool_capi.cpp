@@ -131,17 +131,23 @@ void oxygen::capi_after_fork_child() {
 // ---------------------------------------------------------------------------------------------
 // Global route
 
+// Whether a global pool exists (settings can no longer change), with `who`'s error set; g_mu held.
+static bool global_pool_in_use(const char* who) {
+  for (auto& a : g_pools)
+    if (a.load()) {
+      set_last_error(std::string(who) + ": the global pool is already in use");
+      return true;
+    }
+  return false;
+}
+
 // Must precede the first oxygen_malloc; later calls with other settings fail with ERR_INVALID.
 OXY_API int oxygen_configure(const char* backend, size_t page_size, double reserve_fraction,
                              size_t capacity, size_t low_pages, size_t high_pages,
                              uint64_t hysteresis_us, int oom_throws) {
   return guarded("oxygen_configure", [&]() -> int {
     std::lock_guard<std::mutex> g(g_mu);
-    for (auto& a : g_pools)
-      if (a.load()) {
-        set_last_error("oxygen_configure: the global pool is already in use");
-        return ERR_INVALID;
-      }
+    if (global_pool_in_use("oxygen_configure")) return ERR_INVALID;
     std::string kind = backend && *backend ? backend : "cuda";
     if (kind == "auto") kind = "cuda";
     if (kind != "cuda" && kind != "host") {
@@ -297,11 +303,7 @@ OXY_API int oxygen_pool_set_lending(void* pool, int on) {
 OXY_API int oxygen_configure_lending(int on) {
   return guarded("oxygen_configure_lending", [&]() -> int {
     std::lock_guard<std::mutex> g(g_mu);
-    for (auto& a : g_pools)
-      if (a.load()) {
-        set_last_error("oxygen_configure_lending: the global pool is already in use");
-        return ERR_INVALID;
-      }
+    if (global_pool_in_use("oxygen_configure_lending")) return ERR_INVALID;
     g_cfg.alloc.reclaim_on_grow = on != 0;
     return OK;
   });

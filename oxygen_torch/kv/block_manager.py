@@ -94,6 +94,13 @@ class BlockManager:
         """refcount() of each block (one call for a core's hundreds: swap preemption)."""
         return list(map(self._ref.__getitem__, blocks))
 
+    def full(self, n: int) -> KVCacheFull:
+        """The error of `n` blocks asked that the pool does not have."""
+        return KVCacheFull(
+            f"KV cache full: {n} block(s) asked, {len(self._free)} free of "
+            f"{self.num_blocks - self.first_id} (raise kv.arena_bytes or lower the batch)"
+        )
+
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks, each with one reference."""
         if n <= 0:
@@ -103,10 +110,7 @@ class BlockManager:
         if n > len(self._free) and self.reclaimer is not None:
             self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
-            raise KVCacheFull(
-                f"KV cache full: {n} block(s) asked, {len(self._free)} free of "
-                f"{self.num_blocks - self.first_id} (raise kv.arena_bytes or lower the batch)"
-            )
+            raise self.full(n)
         pop, free = heapq.heappop, self._free  # (locals: a swap-in takes hundreds of blocks)
         ids = [pop(free) for _ in range(n)]
         if self._on_alloc is not None:

@@ -22,7 +22,7 @@ import torch
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
 from . import swap, transfer
 from .attention import Tiles, kv_write
-from .block_manager import KVCacheFull, SequenceBlocks
+from .block_manager import SequenceBlocks
 from .fresh import check_setting
 from .graph_step import GraphStepMixin
 from .history import History
@@ -231,13 +231,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             # all or nothing: a row short of blocks used to leave the rows before it with their
             # new blocks and lengths (a forward that runs again then found them advanced)
             need = seqs.blocks_needed_all(counts)
-            manager = self.pool.manager
-            if need > manager.num_available:
-                raise KVCacheFull(
-                    f"KV cache full: {need} block(s) asked, {manager.num_free} free of "
-                    f"{manager.num_blocks - manager.first_id} (raise kv.arena_bytes or lower "
-                    "the batch)"
-                )
+            if need > self.pool.manager.num_available:
+                raise self.pool.manager.full(need)
             for b, n in enumerate(counts):
                 new, cow = seqs.reserve(b, n)
                 added.extend((b, col, blk) for col, blk in new)
@@ -258,12 +253,11 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
 
     def _decode_plan(self, lens0: list[int]) -> StepPlan:
         slots = self._decode_slots(lens0)
-        t = len(slots)
-        a = transfer.aligned(t)  # the lengths 16-byte aligned: one kernel build (transfer.aligned)
-        buf = self._to_device(torch.tensor(slots + [0] * (a - t) + self.seqs.lens,
-                                           dtype=torch.int32))  # fmt: skip
-        self.seq_lens = buf[a:]
-        return StepPlan(1, buf[:t], None, None)
+        lens = self.seqs.lens
+        ints, at = transfer.packed_int32([slots, lens])  # (aligned: one kernel build)
+        buf = self._to_device(ints)
+        self.seq_lens = buf[at[1] : at[1] + len(lens)]
+        return StepPlan(1, buf[: len(slots)], None, None)
 
     def _prefill_plan(self, q, lens0, counts, real) -> StepPlan:
         bt, batch = self.block_tokens, len(lens0)
@@ -290,13 +284,8 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
         if keep_real:  # the dense path's padding mask, in the same copy
             parts.append(real.flatten().to(torch.int32))
         # each part starts 16-byte aligned: one kernel build whatever the counts (transfer.aligned)
-        at, padded = [], []
-        for x in parts:
-            at.append(sum(map(len, padded)))
-            padded.append(x)
-            if transfer.aligned(len(x)) > len(x):
-                padded.append(torch.zeros(transfer.aligned(len(x)) - len(x), dtype=torch.int32))
-        buf = self._to_device(torch.cat(padded))
+        ints, at = transfer.packed_int32(parts)
+        buf = self._to_device(ints)
         n = batch * q
         self.seq_lens = buf[at[2] : at[2] + batch]
         dense_real = buf[at[3] : at[3] + n].view(batch, q).bool() if keep_real else None

@@ -125,9 +125,7 @@ class MergedStep:
         table, slots, lens, counts = self.host_plan()
         decode = all(n == 1 for n in counts)
         t, r = len(slots), len(lens)
-        a = transfer.aligned(t)  # the lengths' part starts 16-byte aligned (transfer.aligned)
-        ints = torch.tensor(slots + [0] * (a - t) + lens + ([] if decode else [0] + counts),
-                            dtype=torch.int32)  # fmt: skip
+        ints, at = transfer.packed_int32([slots, lens] + ([] if decode else [[0] + counts]))
         device = self.pool.key.device
 
         def to_device(t):  # pinned copies, not waited for (a CPU pool: the tensor itself)
@@ -135,8 +133,8 @@ class MergedStep:
 
         buf = to_device(ints)
         self.table = to_device(table.contiguous())
-        self.seq_lens = buf[a : a + r]
-        cu = None if decode else buf[a + r :].cumsum(0, dtype=torch.int32)
+        self.seq_lens = buf[at[1] : at[1] + r]
+        cu = None if decode else buf[at[2] : at[2] + r + 1].cumsum(0, dtype=torch.int32)
         self._plan = StepPlan(1 if decode else 0, buf[:t], cu, None)
 
     # --- what the attention path calls ---------------------------------------------------------

@@ -130,6 +130,26 @@ def aligned(n: int) -> int:
     return -(-n // 4) * 4
 
 
+def packed_int32(parts: list) -> tuple[torch.Tensor, list[int]]:
+    """The parts (lists of ints or int tensors) as one int32 host tensor, each starting 16-byte
+    aligned (`aligned`), and where each starts. Lists alone: one conversion of one list."""
+    at, end = [], 0
+    for x in parts:
+        at.append(end)
+        end += aligned(len(x))
+    if all(isinstance(x, list) for x in parts):
+        flat: list[int] = []
+        for x in parts:
+            flat += x
+            flat += [0] * (aligned(len(x)) - len(x))
+        return torch.tensor(flat, dtype=torch.int32), at
+    pieces = []
+    for x in parts:
+        t = torch.as_tensor(x, dtype=torch.int32)
+        pieces += [t, t.new_zeros(aligned(len(x)) - len(x))]
+    return torch.cat(pieces), at
+
+
 def int64(values: list[int]) -> torch.Tensor:
     """int64 host tensor [n] of Python ints, through an array's buffer: 4x faster than
     torch.tensor's element-by-element conversion for a move's hundreds of block ids."""
