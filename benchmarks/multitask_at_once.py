@@ -197,6 +197,11 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
                            for t, d, name in compiles]  # fmt: skip
         _compile_log(stop=True)
     timeline = _timeline(model, since=t0)
+    eng = _model_engine(model)
+    first = [x[0] for x in eng.stats.timeline if x[0] >= t0] if eng is not None else []
+    if first:  # the run's wall time before the engine's first step, and after its last launch
+        out["first_step_ms"] = round(1e3 * (first[0] - t0), 1)
+        out["after_last_step_ms"] = round(1e3 * (t0 + took - first[-1]), 1)
     graphs = _graphs(model)
     if graphs:
         out["graph_captures"] = graphs["captures"] - captured
@@ -266,7 +271,14 @@ def _profiled(name: str):
     out = os.environ.get("OUT")
     if out:
         Path(out, f"profile_{name}.txt").write_text(text)
-        prof.export_chrome_trace(str(Path(out, f"trace_{name}.json")))
+        trace = Path(out, f"trace_{name}.json")
+        prof.export_chrome_trace(str(trace))
+        import gzip
+        import shutil
+
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)  # (the device tool returns files of bounded size)
+        trace.unlink()
 
 
 def _compile_log(stop: bool = False):

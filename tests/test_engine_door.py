@@ -94,6 +94,58 @@ def test_a_launch_waits_for_the_caller_inside_then_callers_wait_for_it():
     assert order == ["caller 1 out", "launch", "launch end", "caller 2 in"]
 
 
+def test_callers_queued_longer_than_the_wait_do_not_pass_a_launching_engine():
+    """Callers that queued past launch_wait_s behind another caller used to count the wait
+    from their arrival, and passed a launching engine one after another: the engine got in
+    only once the whole queue had gone through (256 calls at once: the first step 0.3 s late).
+    The engine gets in as soon as the caller inside leaves; the queued callers go after its
+    launch (or launch_wait_s into it)."""
+    d = Door(launch_wait_s=0.02)
+    inside, release, launched = threading.Event(), threading.Event(), threading.Event()
+    order, lock = [], threading.Lock()
+    n = int(torch.randint(6, 16, (1,)))
+
+    def first():
+        with d.caller():
+            inside.set()
+            release.wait(5)
+            with lock:
+                order.append("first")
+
+    def queued(i):
+        with d.caller():
+            with lock:
+                order.append(i)
+            time.sleep(0.001)
+
+    def engine():
+        with d.launch():
+            with lock:
+                order.append("launch")
+            time.sleep(0.01)  # (shorter than launch_wait_s: no caller may come in meanwhile)
+            with lock:
+                order.append("launch end")
+            launched.set()
+
+    t1 = threading.Thread(target=first)
+    t1.start()
+    assert inside.wait(5)
+    ts = [threading.Thread(target=queued, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    time.sleep(0.1)  # every queued caller has waited 5x launch_wait_s
+    te = threading.Thread(target=engine)
+    te.start()
+    time.sleep(0.02)
+    release.set()
+    for t in (t1, te, *ts):
+        t.join(5)
+        assert not t.is_alive()
+    assert launched.is_set()
+    assert order[:3] == ["first", "launch", "launch end"], order
+    assert sorted(order[3:]) == list(range(n))
+
+
 def test_a_launch_longer_than_the_wait_holds_callers_no_longer():
     """A launch that blocks (on the device, say) lets callers in after launch_wait_s, still one
     at a time."""

@@ -6,10 +6,17 @@ On the H200, 255 threads resolving their generate() calls stretched the launch o
 first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the callers'
 front door (resolving a call's settings, building its requests, submitting them; building the
 output) runs through this door: one caller at a time, and not while an engine launches a
-step (for up to LAUNCH_WAIT_S of it). An engine about to launch shuts the door and waits for
-the one caller inside (a fraction of a millisecond); callers queue on a condition meanwhile
-(asleep: not competing for the lock; woken one at a time). What blocks (a device read of the
-call's inputs, the wait for its tokens) stays outside the door.
+step (for up to LAUNCH_WAIT_S of it, counted from the launch's start). An engine about to
+launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
+queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time). What
+blocks (a device read of the call's inputs, the wait for its tokens) stays outside the door,
+and so does what costs little (submitting a resolved call's rows): a caller that queued again
+behind hundreds of others for that would hold its rows back from the engine's next steps.
+
+The wait is counted from the launch's start, not from a caller's arrival: callers that queued
+longer than LAUNCH_WAIT_S behind other callers would otherwise pass a launching engine one after
+another, and the engine waited at the door until the whole queue had gone through (256 calls at
+once on the H200: the first step began 0.3 s into the run).
 
 Callers' other Python (the user's own code around generate()) is not held back: the door only
 keeps oxygen's own per-call work out of the engine's launches.
@@ -41,7 +48,18 @@ class Door:
         self._engines = threading.Condition(lock)  # engines wait here for the caller inside
         self._launching = 0  # engine threads launching a step, or waiting to
         self._inside = False  # a caller's front-door Python runs
+        # while engines launch: when callers may come in again (launch_wait_s after the first
+        # of them got in; None while they still wait for the caller inside)
+        self._open_at: float | None = None
         self.launch_wait_s = launch_wait_s
+
+    def _shut(self) -> bool:
+        """(under the lock) Whether a caller must wait."""
+        if self._inside:
+            return True
+        return bool(self._launching) and (
+            self._open_at is None or time.monotonic() < self._open_at
+        )
 
     @contextmanager
     def caller(self):
@@ -49,10 +67,11 @@ class Door:
         launch outlasts `launch_wait_s` (one that waits for the device, say: callers are not
         held for it)."""
         with self._callers:
-            deadline = time.monotonic() + self.launch_wait_s
-            while self._inside or (self._launching and time.monotonic() < deadline):
-                left = deadline - time.monotonic()
-                self._callers.wait(left if self._launching and left > 0 else None)
+            while self._shut():
+                left = None
+                if self._launching and not self._inside and self._open_at is not None:
+                    left = self._open_at - time.monotonic()
+                self._callers.wait(left)
             self._inside = True
         try:
             yield
@@ -65,17 +84,21 @@ class Door:
     @contextmanager
     def launch(self):
         """An engine thread's launch of a step: it waits for the caller inside, then callers
-        wait until it ends (engines do not wait for each other)."""
+        wait until it ends or has run `launch_wait_s` (engines do not wait for each other)."""
         with self._engines:
             self._launching += 1
             while self._inside:
                 self._engines.wait()
+            if self._open_at is None:
+                self._open_at = time.monotonic() + self.launch_wait_s
+                self._callers.notify()  # one caller times the wait (then wakes the next)
         try:
             yield
         finally:
             with self._engines:
                 self._launching -= 1
                 if not self._launching:
+                    self._open_at = None
                     self._callers.notify()
 
     def _reset(self) -> None:
