@@ -139,13 +139,20 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             self.arena_bytes, self.page_size, self.window_layers,
         )  # fmt: skip
 
-    def bind(self, batch: int, hkv: int, d: int, dtype: torch.dtype, device) -> None:
-        """Binds an empty core to its pool for `batch` sequences (the first write does this)."""
+    def bind(
+        self, batch: int, hkv: int, d: int, dtype: torch.dtype, device, device_table: bool = True
+    ) -> None:
+        """Binds an empty core to its pool for `batch` sequences (the first write does this).
+        device_table=False: no device table until the core's own first step (an engine row's
+        steps build theirs from every row's blocks: two copies a row saved)."""
         key = self.pool_key(hkv, d, dtype, torch.device(device))
         self.model_dtype = dtype
         self.pool = get_pool(key)
         self.seqs = SequenceBlocks(self.pool.manager, self.block_tokens, batch)
         self._table_host = torch.full((batch, 16), GUARD_BLOCK, dtype=torch.int32)
+        if not device_table:
+            self._lent = True  # (see _reload: table and lengths from the host at a step)
+            return
         self.table = self._to_device(self._table_host)
         self.seq_lens = self._to_device(torch.zeros(batch, dtype=torch.int32))
 
@@ -239,11 +246,12 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
                 if cow is not None:
                     cows.append(cow)
         self._grow_table(seqs.max_blocks())
-        if added:
-            t = torch.tensor(added, dtype=torch.int64)  # [n, 3]: row, column, block id
-            self._table_host[t[:, 0], t[:, 1]] = t[:, 2].to(torch.int32)
-            self._mark_dirty(int(t[:, 1].min()))
-            self._mark_dirty(int(t[:, 1].max()))
+        if added:  # (numpy's element writes: a few torch ops a row cost ~0.1 ms of host time)
+            host = self._table_host.numpy()
+            for b, col, blk in added:
+                host[b, col] = blk
+            self._mark_dirty(min(col for _, col, _ in added))
+            self._mark_dirty(max(col for _, col, _ in added))
         if cows:
             self._copy_blocks(cows)
 

@@ -67,8 +67,8 @@ class HFRunner:
         )
 
     def _bind(self, core: PagedKVCore) -> None:
-        if core.pool is None:
-            core.bind(1, *self.geometry)
+        if core.pool is None:  # (its steps' tables are the step's: engine/loop.py)
+            core.bind(1, *self.geometry, device_table=False)
 
     # --- a step -----------------------------------------------------------------------------
 
