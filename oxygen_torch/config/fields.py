@@ -284,6 +284,10 @@ class KVConfig:
     # ... holding at most this many bytes of KV (all layers); cold blocks go first (LRU-K), and
     # the cache gives blocks back at once when the pool runs short
     prefix_cache_bytes: int = 256 * MiB
+    # the engine's KV pool keeps up to this many bytes of empty pages mapped ahead of its block
+    # allocator, mapped (and the pages left empty unmapped) by a thread of the pool's, not by the
+    # engine's thread in its steps; they go back 0.1 s after allocations stop; 0 = off
+    map_ahead_bytes: int = 256 * MiB
     # a generate() whose rows need more KV than the pool holds (prompt + max_new_tokens per row)
     # runs as groups of rows that fit, merged by the engine, and returns what one call would;
     # False: it runs whole and fails as the pool fills (integrations/hf/oversubscribe.py)
@@ -321,6 +325,13 @@ class KVConfig:
             0,
             MAX_VIRTUAL_BYTES,
             f"0 to {MAX_VIRTUAL_BYTES} bytes (the KV arena's largest size)",
+        )
+        _check_int(
+            "kv.map_ahead_bytes",
+            self.map_ahead_bytes,
+            0,
+            MAX_VIRTUAL_BYTES,
+            f"0 (off) to {MAX_VIRTUAL_BYTES} bytes",
         )
         if self.prefill_chunk_tokens < 0:
             raise ValueError(

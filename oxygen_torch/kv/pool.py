@@ -52,9 +52,11 @@ class KVPool:
         self.key = key
         nbytes = key.arena_bytes or default_arena_bytes(key.device)
         backing = make_backing(key.backing, nbytes, key.device, key.page_size)
+        # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
+        self.lock = threading.RLock()
         self.storage = KVStorage(
             backing, key.num_layers, key.num_kv_heads, key.head_dim, key.dtype, key.block_tokens,
-            key.window_layers,
+            key.window_layers, lock=self.lock,
         )  # fmt: skip
         # fp8 K/V: one fp32 scale per (block, kv head) and layer, in a storage of their own whose
         # pages are mapped with the blocks they serve (k_scale(layer) / v_scale(layer))
@@ -78,8 +80,6 @@ class KVPool:
             on_free=self._on_free,
             on_narrow=self._on_narrow if key.window_layers else None,
         )
-        # Re-entrant: a cache's finalizer may run (GC) while this thread holds the lock.
-        self.lock = threading.RLock()
         self.prefix: PrefixCache | None = None  # made by the first call that asks for one
         self.tier: CPUTier | None = None  # likewise (pool.cpu_tier_bytes)
         self.heat: Heat | None = None  # block heat, kept while there is a tier
@@ -221,6 +221,7 @@ class KVPool:
             "window_freed_blocks": self.window_freed_blocks,
             "window_narrowed_blocks": self.window_narrowed_blocks,
             "window_layers": len(self.key.window_layers),
+            "map_ahead": s.ahead_stats(),
             "window_mapped_bytes": s.window_mapped_bytes()
             + (self.scales.window_mapped_bytes() if self.scales is not None else 0),
         }
@@ -233,6 +234,7 @@ class KVPool:
         self.closed = True
         if self.key.device.type == "cuda":
             torch.cuda.synchronize(self.key.device)  # no queued kernel may read what we unmap
+        self.storage.close_ahead()
         self.storage.backing.close()
         if self.scales is not None:
             self.scales.backing.close()

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+import weakref
 from collections import Counter
 
 import torch
@@ -149,8 +152,13 @@ class KVStorage:
         dtype: torch.dtype,
         block_tokens: int,
         window_layers: tuple[int, ...] = (),
+        lock=None,
     ):
         self.backing = backing
+        # guards the page state against the map-ahead thread (`map_ahead`); the KV pool's lock
+        # (block allocation holds it around on_alloc / on_free)
+        self.lock = lock if lock is not None else threading.RLock()
+        self._ahead: _Ahead | None = None
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.block_tokens = dtype, block_tokens
         elem = torch.empty((), dtype=dtype).element_size()
@@ -217,9 +225,19 @@ class KVStorage:
 
     def on_alloc(self, blocks: list[int], again: bool = False) -> None:
         """Maps the pages `blocks` need (all or none); on out of memory with pages still
-        waiting for in-flight kernels, waits for those, unmaps them and tries once more."""
+        waiting for in-flight kernels (or mapped ahead), waits for those, unmaps them and tries
+        once more."""
+        with self.lock:
+            ahead = self._ahead
+            if ahead is not None:
+                ahead.settle(self, blocks)  # (a page the thread is mapping: wait for it)
+            self._on_alloc(blocks, again)
+            if ahead is not None:
+                ahead.allocated()
+
+    def _on_alloc(self, blocks: list[int], again: bool) -> None:
         self._reap()
-        waiting = bool(self._retired)
+        ahead = self._ahead
         groups = (self._all, self._win) if self._whole is not None else (self._all,)
         done = []
         try:
@@ -229,10 +247,13 @@ class KVStorage:
         except torch.OutOfMemoryError:
             for g in done:
                 self._retire(g, g.drop(self, blocks))
+            waiting = bool(self._retired) or (ahead is not None and ahead.holds(self))
             if again or not waiting:
                 raise
+            if ahead is not None:  # its pages go first
+                ahead.drop_all(self)
             self._reap(force=True)  # pages waiting for in-flight kernels: wait, unmap, retry
-            self.on_alloc(blocks, again=True)
+            self._on_alloc(blocks, again=True)
             return
         except BaseException:
             for g in done:
@@ -244,9 +265,10 @@ class KVStorage:
         self.peak_pages = max(self.peak_pages, self._mapped_pages())
 
     def on_free(self, blocks: list[int]) -> None:
-        self._retire(self._all, self._all.drop(self, blocks))
-        if self._whole is not None:
-            self.on_narrow(blocks)
+        with self.lock:
+            self._retire(self._all, self._all.drop(self, blocks))
+            if self._whole is not None:
+                self.on_narrow(blocks)
 
     def on_narrow(self, blocks: list[int]) -> None:
         """No reference reads these blocks through a window layer any more: their pages in the
@@ -273,18 +295,57 @@ class KVStorage:
         self._reap()
 
     def _reap(self, force: bool = False) -> None:
-        """Unmaps retired pages that are still empty once their event has completed."""
+        """Unmaps retired pages that are still empty once their event has completed. With a
+        map-ahead thread, that thread unmaps them (and keeps the ones it would map next), unless
+        `force` (memory is short: this thread waits for the device and unmaps at once)."""
         if not self._retired:
             return
+        ahead = self._ahead
         if force and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         keep = []
         for event, group, pages in self._retired:
-            if force or event is None or event.query():
+            if ahead is not None and group is self._all and not force:
+                keep.append((event, group, pages))  # (the map-ahead thread's)
+            elif force or event is None or event.query():
                 group.unmap(self, [p for p in pages if group.live[p] == 0 and p in group.mapped])
             else:
                 keep.append((event, group, pages))
         self._retired = keep
+        if ahead is not None and keep:
+            ahead.wake()
+
+    def map_ahead(self, nbytes: int) -> None:
+        """Keeps up to `nbytes` of empty pages (in every region of the layers that keep all
+        their blocks) mapped ahead of the block allocator, by a thread of this storage: a step
+        that needs new pages finds them mapped, and pages left empty are unmapped by that thread
+        too (kv.map_ahead_bytes; 0: off, every map and unmap on the allocating thread). The
+        pages go back once allocations stop for AHEAD_KEEP_S. Not for a TorchBacking (all mapped)."""
+        if isinstance(self.backing, TorchBacking) or not self._all.regions:
+            nbytes = 0  # (always mapped)
+        region_page = self.backing.page_size * len(self._all.regions)
+        pages = max(1, nbytes // region_page) if nbytes > 0 else 0
+        with self.lock:
+            if pages and self._ahead is None:
+                self._ahead = _Ahead(self, pages)
+            elif self._ahead is not None:
+                if pages:
+                    self._ahead.pages = pages
+                    self._ahead.wake()
+                else:
+                    ahead, self._ahead = self._ahead, None
+                    ahead.stop(self)
+
+    def close_ahead(self) -> None:
+        """Stops the map-ahead thread (before the backing closes)."""
+        with self.lock:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                ahead.stop(self)
+
+    def ahead_stats(self) -> dict:
+        a = self._ahead
+        return a.stats() if a is not None else {}
 
     def mapped_bytes(self, peak: bool = False) -> int:
         pages = self.peak_pages if peak else self._mapped_pages()
@@ -393,3 +454,176 @@ class _Regions:
         if pages:
             self._apply(pages, st.backing.unmap_pages)
             self.mapped.difference_update(pages)
+
+
+AHEAD_KEEP_S = 0.1  # pages mapped ahead stay this long after the last allocation
+AHEAD_POLL_S = 0.002  # how often the thread looks at retired pages' events while any wait
+
+
+class _Ahead:
+    """The map-ahead thread of one KVStorage (KVStorage.map_ahead). The block allocator hands out
+    the lowest free ids first, so the pages it needs next are the lowest pages with no live
+    block: the thread keeps the `pages` lowest of those mapped (in every region of `_all`), one
+    page at a time with the storage's lock released during the driver's calls, and unmaps the
+    other empty pages once the kernels queued before they emptied have passed (their events).
+    A page the thread is mapping or unmapping is `busy`: an allocation that needs it waits.
+
+    The thread holds the storage weakly: a storage let go ends it."""
+
+    def __init__(self, st: KVStorage, pages: int):
+        self.pages = pages
+        self.busy: set[int] = set()
+        self.cond = threading.Condition(st.lock)
+        self.last_alloc = time.monotonic()
+        self.stopped = False
+        self.maps = self.unmaps = 0
+        self.map_s = self.unmap_s = 0.0
+        self.waits = 0  # allocations that waited for a page in flight
+        self.pid = os.getpid()
+        ref = weakref.ref(st)
+        self.thread = threading.Thread(
+            target=_Ahead._run, args=(ref, self), name="oxygen-kv-ahead", daemon=True
+        )
+        self.thread.start()
+
+    # --- the allocating thread's side (the storage's lock held) --------------------------------
+
+    def wake(self) -> None:
+        self.cond.notify_all()
+
+    def allocated(self) -> None:
+        self.last_alloc = time.monotonic()
+        self.cond.notify_all()
+
+    def settle(self, st: KVStorage, blocks: list[int]) -> None:
+        if not self.busy or self.pid != os.getpid():
+            return
+        pages = st._page_uses(blocks)
+        while self.busy.intersection(pages):
+            self.waits += 1
+            self.cond.wait(1.0)
+
+    def holds(self, st: KVStorage) -> bool:
+        """Whether empty pages are mapped (ahead, or retired and not yet unmapped)."""
+        g = st._all
+        return any(g.live[p] == 0 for p in g.mapped)
+
+    def drop_all(self, st: KVStorage) -> None:
+        """Out of memory: every empty page goes now (this thread; in-flight maps first)."""
+        while self.busy:
+            self.cond.wait(1.0)
+        if st._device.type == "cuda":
+            torch.cuda.synchronize(st._device)
+        g = st._all
+        g.unmap(st, [p for p in g.mapped if g.live[p] == 0 and p != 0])
+        st._retired = [r for r in st._retired if r[1] is not g]
+        self.last_alloc = 0.0  # (no map ahead until the next allocation)
+
+    def stop(self, st: KVStorage) -> None:
+        self.stopped = True
+        self.cond.notify_all()
+        if threading.current_thread() is not self.thread:
+            while self.busy and self.thread.is_alive():
+                self.cond.wait(1.0)
+
+    def stats(self) -> dict:
+        return {"pages": self.pages, "maps": self.maps, "unmaps": self.unmaps,
+                "map_s": self.map_s, "unmap_s": self.unmap_s, "waits": self.waits}  # fmt: skip
+
+    # --- the thread ------------------------------------------------------------------------
+
+    @staticmethod
+    def _run(ref, self: _Ahead) -> None:
+        while True:
+            st = ref()
+            if st is None or self.stopped or self.pid != os.getpid():
+                return
+            with st.lock:
+                job = self._next(st)
+                if job is None:
+                    wait = AHEAD_POLL_S if st._retired else 1.0
+                    if self.pages and time.monotonic() - self.last_alloc < AHEAD_KEEP_S:
+                        wait = min(wait, AHEAD_KEEP_S)
+                    self.cond.wait(wait)
+                    continue
+                kind, page = job
+                self.busy.add(page)
+            del st  # (not held across the driver's calls: a storage let go ends the thread)
+            self._do(ref, kind, page)
+
+    def _do(self, ref, kind: str, page: int) -> None:
+        st = ref()
+        if st is None:
+            return
+        g = st._all
+        t = time.perf_counter()
+        ok = False
+        try:
+            if kind == "map":
+                g._apply([page], st.backing.map_pages)
+            else:
+                g._apply([page], st.backing.unmap_pages)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - no memory for more, say: allocations map
+            log.debug("oxygen KV map-ahead: %s of page %d failed: %r", kind, page, exc)
+            if kind == "map":  # roll back the regions that did get mapped
+                for r in g.regions:
+                    if st.backing.is_mapped(r * g.region_pages + page):
+                        st.backing.unmap_pages(r * g.region_pages + page, 1)
+        took = time.perf_counter() - t
+        with st.lock:
+            self.busy.discard(page)
+            if ok and kind == "map":
+                g.mapped.add(page)
+                self.maps += 1
+                self.map_s += took
+            elif ok:
+                g.mapped.discard(page)
+                self.unmaps += 1
+                self.unmap_s += took
+            elif kind == "map":
+                self.last_alloc = 0.0  # (failed: no more ahead until the next allocation)
+            self.cond.notify_all()
+
+    def _next(self, st: KVStorage):
+        """(the storage's lock held) The next page to map or unmap, or None."""
+        g = st._all
+        live, mapped, busy = g.live, g.mapped, self.busy
+        want = self.pages if time.monotonic() - self.last_alloc < AHEAD_KEEP_S else 0
+        # the lowest empty pages are the allocator's next (page 0 holds the guard block)
+        keep, p = set(), 1
+        while len(keep) < want and p < g.region_pages:
+            if live[p] == 0:
+                keep.add(p)
+            p += 1
+        for p in sorted(keep):
+            if p not in mapped and p not in busy:
+                return "map", p
+        # retired pages whose kernels have passed (their events): unmapped unless kept; pages
+        # whose kernels may still run are never touched
+        job, retired, pending = None, [], set()
+        for event, group, pages in st._retired:
+            if group is not g:  # (window layers' regions: KVStorage._reap)
+                retired.append((event, group, pages))
+                continue
+            if job is not None or (event is not None and not event.query()):
+                retired.append((event, group, pages))
+                pending.update(pages)
+                continue
+            rest = [q for q in pages if live[q] == 0 and q in mapped and q not in keep]
+            left = [q for q in rest if q in busy]
+            rest = [q for q in rest if q not in busy]
+            if rest:
+                job = "unmap", rest[0]
+                left += rest[1:]
+            if left:
+                retired.append((None, group, left))
+                pending.update(left)
+        st._retired = retired
+        if job is not None:
+            return job
+        # pages mapped ahead no longer wanted (allocations stopped): back, highest first
+        for q in sorted(mapped, reverse=True):
+            if q and live[q] == 0 and q not in keep and q not in busy and q not in pending:
+                return "unmap", q
+        return None

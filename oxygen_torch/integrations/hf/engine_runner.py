@@ -47,6 +47,8 @@ class HFRunner:
         self._proto_cache = self.new_cache()  # (holds the prototype core the rows copy)
         self._proto = self._proto_cache._core
         self.pool = get_pool(self._proto.pool_key(*self.geometry))
+        # (the last engine's setting stands: one pool, one thread)
+        self.pool.storage.map_ahead(cfg.kv.map_ahead_bytes)
         self.block_tokens = self._proto.block_tokens
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
