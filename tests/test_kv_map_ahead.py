@@ -197,7 +197,7 @@ def test_a_retired_page_waits_for_its_kernels_before_the_thread_unmaps_it():
     st.map_ahead(4 * PAGE)  # one region page
     try:
         with st.lock:
-            blocks = mgr.allocate(9)  # blocks 1-9: pages 0-4
+            mgr.allocate(9)  # blocks 1-9: pages 0-4
         ev = Event()
         with st.lock:  # (the thread cannot look before the event is in place)
             mgr.decref([8, 9])  # page 4 empties

@@ -57,9 +57,7 @@ class Door:
         """(under the lock) Whether a caller must wait."""
         if self._inside:
             return True
-        return bool(self._launching) and (
-            self._open_at is None or time.monotonic() < self._open_at
-        )
+        return bool(self._launching) and (self._open_at is None or time.monotonic() < self._open_at)
 
     @contextmanager
     def caller(self):

@@ -320,7 +320,8 @@ class KVStorage:
         their blocks) mapped ahead of the block allocator, by a thread of this storage: a step
         that needs new pages finds them mapped, and pages left empty are unmapped by that thread
         too (kv.map_ahead_bytes; 0: off, every map and unmap on the allocating thread). The
-        pages go back once allocations stop for AHEAD_KEEP_S. Not for a TorchBacking (all mapped)."""
+        pages go back once allocations stop for AHEAD_KEEP_S. Not for a TorchBacking (always
+        mapped)."""
         if isinstance(self.backing, TorchBacking) or not self._all.regions:
             nbytes = 0  # (always mapped)
         region_page = self.backing.page_size * len(self._all.regions)
