@@ -98,7 +98,7 @@ def test_a_token_id_outside_the_vocabulary_fails_only_its_call(enabled, monkeypa
     with pytest.raises(IndexError):  # stock, for the record
         generate(stock, bad)
     if where == "step":
-        monkeypatch.setattr(gen, "validate", lambda model, call: None)
+        monkeypatch.setattr(gen, "validate", lambda model, call, host_ids=None: None)
     enabled()
     model = llama()
     assert model.config._attn_implementation == "oxygen"

@@ -13,6 +13,7 @@ from test_hf_generate import tiny
 from oxygen_torch.config import load_config
 from oxygen_torch.engine.sampling import step_seed
 from oxygen_torch.integrations.hf import front
+from oxygen_torch.integrations.hf import generate as gen
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 
@@ -99,8 +100,11 @@ def test_the_front_door_reads_a_calls_inputs_from_the_gpu_in_one_sync(oxygen, ma
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        try:
-            p = front.plan(model, (ids,), args)
+        try:  # what generate() does before it submits: one read checks and plans the call
+            c = gen._Call(model, (ids,), args)
+            host = front.read_inputs(c)
+            gen.validate(model, c, host[0])
+            p = front.plan(model, (ids,), args, c, host)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert isinstance(p, front.Plan), p

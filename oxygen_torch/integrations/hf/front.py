@@ -84,10 +84,10 @@ class Plan:
         self.host_ids = host_ids  # ids on the host (the streamer's first put)
 
 
-def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
+def plan(model, args: tuple, kwargs: dict, call=None, host=None) -> Plan | str:
     """The call's engine requests, or the reason it runs on the per-call path. `call`: the
     call's generate._Call (what it asks of its model: a cache of its own, use_cache=False...),
-    made here when not given."""
+    made here when not given. `host`: read_inputs(call), when read already."""
     if len(args) > 1:
         return "positional arguments after the inputs"
     if compat.cache_arg(type(model)) is None:
@@ -124,7 +124,10 @@ def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
         return "an attention_mask other than a tensor"
     if mask is not None and mask.shape != ids.shape:
         return f"an attention_mask of shape {list(mask.shape)} for inputs {list(ids.shape)}"
-    host_ids, host_mask = _to_host(ids, mask)  # (a device read: outside the door)
+    if host is not None and host[0].shape == ids.shape:
+        host_ids, host_mask = host
+    else:
+        host_ids, host_mask = _to_host(ids, mask)  # (a device read: outside the door)
     with door.caller(ids.device):  # (not during an engine's launch: engine/door.py)
         try:
             gc, host_mask = _resolve(model, host_ids, host_mask, kwargs)
@@ -136,6 +139,19 @@ def plan(model, args: tuple, kwargs: dict, call=None) -> Plan | str:
         if why is not None:
             return why
         return _requests(ids, host_ids, host_mask, gc, kwargs)
+
+
+def read_inputs(call):
+    """(ids, mask) of a call on the host, read in one copy; None for inputs other than a 2-D
+    tensor of token ids (with a mask of its shape, or none)."""
+    ids, mask = call.inputs, call.kwargs.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (
+        torch.long, torch.int
+    ):  # fmt: skip
+        return None
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        return None
+    return _to_host(ids, mask)
 
 
 def _to_host(ids: torch.Tensor, mask: torch.Tensor | None):

@@ -86,7 +86,7 @@ _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 _limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its limit or None
 
 
-def validate(model, call: _Call) -> None:
+def validate(model, call: _Call, host_ids: torch.Tensor | None = None) -> None:
     """Refuses a call whose inputs would fail inside a forward, with a ValueError naming the
     argument and the limit. Checked at the door, before the call is merged with others: a
     forward that raises inside a merged step would fail every call in it.
@@ -94,7 +94,8 @@ def validate(model, call: _Call) -> None:
     input_ids: 2-D [batch, length] of integers, length >= 1, every id in [0, vocab);
     attention_mask: 2-D, its length the prompt's, its rows the batch's (or one, broadcast as
     stock does); prompt length + max_new_tokens within the model's positions where the model
-    embeds learned absolute positions. (One host sync: the ids' min and max.)"""
+    embeds learned absolute positions. (One host sync: the ids' min and max; none when
+    `host_ids`, the ids already read to the host, are given.)"""
     ids, shape = call.inputs, call.prompt_shape()
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 2 or ids.shape[1] == 0:
@@ -105,7 +106,8 @@ def validate(model, call: _Call) -> None:
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"generate(): input_ids must hold integer token ids; got {ids.dtype}")
         vocab = _vocab_size(model)
-        low, high = (int(v) for v in torch.aminmax(ids))
+        seen = host_ids if host_ids is not None and host_ids.shape == ids.shape else ids
+        low, high = (int(v) for v in torch.aminmax(seen))
         if vocab is not None and (low < 0 or high >= vocab):
             bad = low if low < 0 else high
             raise ValueError(

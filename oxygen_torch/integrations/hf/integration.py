@@ -117,9 +117,13 @@ def _generate(self, *args, **kwargs):
     merged = cfg.scheduler.merge and (not tp or _coordinated(self))
     # (tensor parallel: row groups one after another, the same on every rank)
     call = gen._Call(self, args, kwargs)
-    gen.validate(self, call)  # before the call can share a step with others
-    if merged and not tp and cfg.scheduler.engine:
-        p = front.plan(self, args, kwargs, call)
+    engine = merged and not tp and cfg.scheduler.engine
+    # the engine's calls read their inputs to the host once (each read waits for the steps
+    # queued on the stream), and the checks below use that copy
+    host = front.read_inputs(call) if engine else None
+    gen.validate(self, call, host[0] if host else None)  # before the call shares a step
+    if engine:
+        p = front.plan(self, args, kwargs, call, host)
         if not isinstance(p, str):
             return front.run(engine_runner.engine_for(self, cfg), p, entered)
         front.note_reason(p)
