@@ -392,6 +392,11 @@ class SchedulerConfig:
     # requests (one thread per model steps every row at once); false: every call runs its own
     # loop, merged step by step as above (the calls the engine does not take always do)
     engine: bool = True
+    # the engine's steps run on a CUDA stream of their own: callers' device reads (theirs and
+    # the user's own before generate()) do not wait for the steps the engine has queued; the
+    # engine and the callers order where they share memory (engine/streams.py). Off until it
+    # has been measured and the whole GPU suite has run with it
+    engine_stream: bool = False
 
     def __post_init__(self):
         _check_types(self, "scheduler")

@@ -21,12 +21,14 @@ import os
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from ..config import SchedulerConfig
+from ..kv import engine_streams as streams
 from . import door
 from . import policy as policies
 from .deliver import Delivery, Inflight
@@ -190,14 +192,20 @@ class Engine(Rows, Delivery):
     # --- the thread ---------------------------------------------------------------------------
 
     def _main(self) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)
+        device, stream = self.runner.device, None
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            if self.cfg.engine_stream:  # (kv/engine_streams.py)
+                stream = streams.start(device)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.cuda.stream(stream) if stream else nullcontext():
                 self._loop()
         except BaseException as err:  # noqa: BLE001 - every waiting call gets it
             log.exception("oxygen_torch: the engine thread failed")
             self._fail_all(err)
+        finally:
+            if stream is not None:
+                streams.stop(device, stream)
 
     def _loop(self) -> None:
         inflight: Inflight | None = None
@@ -342,6 +350,7 @@ class Engine(Rows, Delivery):
         device = self.runner.device
         began = None
         if device.type == "cuda":
+            streams.after_callers(device)  # (an engine stream of its own: blocks callers freed)
             began = torch.cuda.Event(enable_timing=True)
             began.record()
         flat, pos, slots = self._inputs(rows)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_kernels.precision import KV_DTYPES, PrecisionMode
-from . import swap, transfer
+from . import engine_streams, swap, transfer
 from .attention import Tiles, kv_write
 from .block_manager import SequenceBlocks
 from .fresh import check_setting
@@ -213,6 +213,7 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
 
     def _begin_step(self, q: int, real: torch.Tensor | None) -> StepPlan:
         transfer.note_step(self.pool.key.device)  # (the tier's moves meanwhile yield the link)
+        engine_streams.after_engines(self.pool.key.device)  # (blocks an engine wrote or freed)
         resident(self)
         if self._lent:
             self._reload()

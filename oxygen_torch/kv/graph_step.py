@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import context
-from . import transfer
+from . import engine_streams, transfer
 from .plan import StepPlan
 from .swap import resident
 
@@ -36,6 +36,7 @@ class GraphStepMixin:
         if self.seqs is None:
             raise RuntimeError("PagedKVCache: a decode graph step needs a prefilled cache")
         transfer.note_step(self.pool.key.device)
+        engine_streams.after_engines(self.pool.key.device)  # (blocks an engine wrote or freed)
         resident(self)  # preempted to the CPU tier: back first (kv/swap.py)
         if not all(n == self.length for n in self._layer_len):
             raise RuntimeError("PagedKVCache: the previous step did not reach every layer")

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from . import transfer
+from . import engine_streams, transfer
 from .attention import kv_write, paged_attention
 from .core import PagedKVCore
 from .fresh import count as count_prefill
@@ -80,6 +80,7 @@ class MergedStep:
         device (`build`; a merged decode graph copies `host_plan()` into its own buffers)."""
         if self.parts:
             transfer.note_step(self.parts[0].core.pool.key.device)
+            engine_streams.after_engines(self.pool.key.device)  # (a caller's merged step)
         for p in self.parts:  # back from the CPU tier first (kv/swap.py)
             if p.core._swapped is not None or p.core._ready is not None:
                 resident(p.core)

@@ -27,6 +27,7 @@ from ...engine import door
 from ...engine.request import Group, Request, StopRule
 from ...engine.sampling import SamplingParams
 from ...engine.task import current as current_task
+from ...kv import engine_streams as streams
 from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
 from . import generate as gen
@@ -508,6 +509,9 @@ def run(engine, p: Plan, entered: float | None = None):
 
 def _release(group: Group) -> None:
     """KV rows the engine handed over and no cache took give their blocks back."""
+    kvs = [r.kv for r in group.requests if r.kv is not None and r.kv.pool is not None]
+    if kvs:  # (their pages are retired behind this thread's stream: after the engine's steps)
+        streams.after_engines(kvs[0].pool.key.device)
     for r in group.requests:
         if r.keep_kv and r.kv is not None and r.finished in ("eos", "length", "stop"):
             r.kv.release()
@@ -548,6 +552,7 @@ def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) ->
 
 def _output(p: Plan, group: Group, runner):
     reqs = group.requests
+    streams.after_engines(p.ids.device)  # (the cache's blocks, kept scores: kv/engine_streams.py)
     with door.caller(p.ids.device):  # (the copy to the device waits for the stream: outside)
         width = max(len(r.out) for r in reqs)
         new = torch.full((len(reqs), width), p.pad, dtype=p.ids.dtype)
