@@ -303,16 +303,17 @@ class KVStorage:
         ahead = self._ahead
         if force and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        keep = []
-        for event, group, pages in self._retired:
+        keep, old = [], self._retired
+        self._retired = []  # (pages a finalizer retires meanwhile: kept below)
+        for event, group, pages in old:
             if ahead is not None and group is self._all and not force:
                 keep.append((event, group, pages))  # (the map-ahead thread's)
             elif force or event is None or event.query():
                 group.unmap(self, [p for p in pages if group.live[p] == 0 and p in group.mapped])
             else:
                 keep.append((event, group, pages))
-        self._retired = keep
-        if ahead is not None and keep:
+        self._retired = keep + self._retired
+        if ahead is not None and self._retired:
             ahead.wake()
 
     def map_ahead(self, nbytes: int) -> None:
@@ -540,6 +541,8 @@ class _Ahead:
             if st is None or self.stopped or self.pid != os.getpid():
                 return
             with st.lock:
+                if self.stopped:
+                    return
                 job = self._next(st)
                 if job is None:
                     wait = AHEAD_POLL_S if st._retired else 1.0
@@ -602,14 +605,16 @@ class _Ahead:
                 return "map", p
         # retired pages whose kernels have passed (their events): unmapped unless kept; pages
         # whose kernels may still run are never touched
-        job, retired, pending = None, [], set()
-        for event, group, pages in st._retired:
+        # (a cache's finalizer run by the garbage collector in this thread may retire pages
+        # while this walks the list: those go to a fresh one, kept below)
+        job, retired, old = None, [], st._retired
+        st._retired = []
+        for event, group, pages in old:
             if group is not g:  # (window layers' regions: KVStorage._reap)
                 retired.append((event, group, pages))
                 continue
             if job is not None or (event is not None and not event.query()):
                 retired.append((event, group, pages))
-                pending.update(pages)
                 continue
             rest = [q for q in pages if live[q] == 0 and q in mapped and q not in keep]
             left = [q for q in rest if q in busy]
@@ -619,10 +624,10 @@ class _Ahead:
                 left += rest[1:]
             if left:
                 retired.append((None, group, left))
-                pending.update(left)
-        st._retired = retired
+        st._retired = retired + st._retired
         if job is not None:
             return job
+        pending = {q for _, group, pages in st._retired if group is g for q in pages}
         # pages mapped ahead no longer wanted (allocations stopped): back, highest first
         for q in sorted(mapped, reverse=True):
             if q and live[q] == 0 and q not in keep and q not in busy and q not in pending:
