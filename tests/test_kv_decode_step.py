@@ -187,3 +187,32 @@ def test_a_cores_own_step_short_of_blocks_takes_none_and_leaves_every_row_as_it_
         core.release()
         release_pools()
         assert pool_stats() == []
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_merged_steps_prefill_slots_equal_the_block_lists(seed):
+    """Chunks of 1 to 300 tokens after prefixes of any length (short chunks a Python step a
+    token, long ones through numpy): every new token's slot is its block's id x block_tokens +
+    its offset, read off the row's block list."""
+    rnd = random.Random(seed * 7919 + int(torch.randint(0, 1000, (1,))))
+    cores = [_core(rnd.randint(1, 90)) for _ in range(rnd.randint(2, 6))]
+    try:
+        for _ in range(4):
+            counts = [rnd.choice([1, rnd.randint(2, 63), rnd.randint(64, 300)]) for _ in cores]
+            starts = [c.seqs.lens[0] for c in cores]
+            step = MergedStep([Part(c, [n], n) for c, n in zip(cores, counts)])
+            with step.pool.lock:
+                step.reserve(build=False)
+            _, slots, lens, got_counts = step.host_plan()
+            want = []
+            for c, n0, n in zip(cores, starts, counts):
+                row = c.seqs.blocks[0]
+                want += [row[t // BT] * BT + t % BT for t in range(n0, n0 + n)]
+            assert slots == want and got_counts == counts
+            assert lens == [n0 + n for n0, n in zip(starts, counts)]
+            step.commit()
+    finally:
+        for c in cores:
+            c.release()
+        release_pools()
+        assert pool_stats() == []

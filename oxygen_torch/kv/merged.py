@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from . import engine_streams, transfer
@@ -113,8 +114,11 @@ class MergedStep:
                 row = blocks[b]
                 if n == 1:
                     slots.append(row[n0 // bt] * bt + n0 % bt)
-                else:
+                elif n < 64:
                     slots.extend(row[t // bt] * bt + t % bt for t in range(n0, n0 + n))
+                else:  # (a prompt's chunk: numpy, not a Python step a token)
+                    t = np.arange(n0, n0 + n, dtype=np.int64)
+                    slots.extend((np.asarray(row, dtype=np.int64)[t // bt] * bt + t % bt).tolist())
                 lens.append(n0 + n)
                 counts.append(n)
         if self.pool.heat is not None:  # the step's attention reads every block in the table
