@@ -118,9 +118,10 @@ def test_the_thread_maps_the_next_pages_and_an_allocation_on_them_maps_nothing()
         _check_live_pages_mapped(st, backing)
         with st.lock:
             mgr.decref(a + b)
-        # allocations stopped: every page but the guard's goes back
+        # allocations stopped: every page but the guard's goes back (AHEAD_KEEP_S after the
+        # last allocation, then a sweep: well within half a second)
         guard = {r * st.region_pages for r in range(4)}
-        assert _wait(lambda: backing.mapped == guard, 2.0), sorted(backing.mapped)
+        assert _wait(lambda: backing.mapped == guard, 0.5), sorted(backing.mapped)
         assert not backing.errors, backing.errors
     finally:
         st.close_ahead()

@@ -460,6 +460,7 @@ class _Regions:
 
 AHEAD_KEEP_S = 0.1  # pages mapped ahead stay this long after the last allocation
 AHEAD_POLL_S = 0.002  # how often the thread looks at retired pages' events while any wait
+AHEAD_SWEEP_S = 0.02  # how often at most it walks the mapped pages for ones no longer wanted
 
 
 class _Ahead:
@@ -481,6 +482,7 @@ class _Ahead:
         self.maps = self.unmaps = 0
         self.map_s = self.unmap_s = 0.0
         self.waits = 0  # allocations that waited for a page in flight
+        self.swept = 0.0  # when a walk of the mapped pages last found none to give back
         self.pid = os.getpid()
         ref = weakref.ref(st)
         self.thread = threading.Thread(
@@ -545,9 +547,10 @@ class _Ahead:
                     return
                 job = self._next(st)
                 if job is None:
-                    wait = AHEAD_POLL_S if st._retired else 1.0
-                    if self.pages and time.monotonic() - self.last_alloc < AHEAD_KEEP_S:
-                        wait = min(wait, AHEAD_KEEP_S)
+                    ours = any(group is st._all for _, group, _ in st._retired)
+                    wait = AHEAD_POLL_S if ours else 1.0
+                    if time.monotonic() - self.last_alloc < AHEAD_KEEP_S + 2 * AHEAD_SWEEP_S:
+                        wait = min(wait, AHEAD_SWEEP_S)  # (the pages ahead are soon due back)
                     self.cond.wait(wait)
                     continue
                 kind, page = job
@@ -627,9 +630,14 @@ class _Ahead:
         st._retired = retired + st._retired
         if job is not None:
             return job
+        # pages mapped ahead no longer wanted (allocations stopped): back (a walk of every
+        # mapped page: at most every AHEAD_SWEEP_S while it finds none)
+        now = time.monotonic()
+        if now - self.swept < AHEAD_SWEEP_S:
+            return None
         pending = {q for _, group, pages in st._retired if group is g for q in pages}
-        # pages mapped ahead no longer wanted (allocations stopped): back, highest first
-        for q in sorted(mapped, reverse=True):
+        for q in mapped:
             if q and live[q] == 0 and q not in keep and q not in busy and q not in pending:
                 return "unmap", q
+        self.swept = now
         return None
