@@ -551,6 +551,7 @@ class _Ahead:
                     wait = AHEAD_POLL_S if ours else 1.0
                     if time.monotonic() - self.last_alloc < AHEAD_KEEP_S + 2 * AHEAD_SWEEP_S:
                         wait = min(wait, AHEAD_SWEEP_S)  # (the pages ahead are soon due back)
+                    del st  # (not held while waiting: a storage let go ends the thread)
                     self.cond.wait(wait)
                     continue
                 kind, page = job
