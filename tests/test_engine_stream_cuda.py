@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_engine import in_threads
 from test_engine_loop import call, engines
+from test_engine_loop_cuda import _generate
 from test_hf_generate import tiny
 
 from oxygen_torch.config import load_config
@@ -29,11 +30,6 @@ def _cuda(kw):
     kw = dict(kw)
     kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
     return kw
-
-
-def _generate(model, kw):
-    with torch.no_grad():
-        return model.generate(**kw)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

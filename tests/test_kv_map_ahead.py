@@ -97,6 +97,13 @@ def _check_live_pages_mapped(st, backing):
                 assert _regions_mapped(st, backing, p), f"page {p} holds {n} live blocks, unmapped"
 
 
+def _assert_back_to_the_guard(st, backing, within: float) -> None:
+    """Every page but the guard block's goes back (allocations stopped), no page state error."""
+    guard = {r * st.region_pages for r in st._all.regions}
+    assert _wait(lambda: backing.mapped == guard, within), sorted(backing.mapped)
+    assert not backing.errors, backing.errors
+
+
 def test_the_thread_maps_the_next_pages_and_an_allocation_on_them_maps_nothing():
     st, backing, mgr = _storage()
     st.map_ahead(2 * 4 * PAGE)  # two region pages (4 regions)
@@ -118,11 +125,9 @@ def test_the_thread_maps_the_next_pages_and_an_allocation_on_them_maps_nothing()
         _check_live_pages_mapped(st, backing)
         with st.lock:
             mgr.decref(a + b)
-        # allocations stopped: every page but the guard's goes back (AHEAD_KEEP_S after the
-        # last allocation, then a sweep: well within half a second)
-        guard = {r * st.region_pages for r in range(4)}
-        assert _wait(lambda: backing.mapped == guard, 0.5), sorted(backing.mapped)
-        assert not backing.errors, backing.errors
+        # allocations stopped (AHEAD_KEEP_S after the last one, then a sweep: well within
+        # half a second)
+        _assert_back_to_the_guard(st, backing, 0.5)
     finally:
         st.close_ahead()
 
@@ -180,8 +185,7 @@ def test_random_allocations_from_threads_keep_every_live_page_mapped(seed):
             assert not t.is_alive()
         assert not failures, failures[:5]
         assert not backing.errors, backing.errors[:5]
-        guard = {r * st.region_pages for r in range(4)}
-        assert _wait(lambda: backing.mapped == guard, 2.0), sorted(backing.mapped)
+        _assert_back_to_the_guard(st, backing, 2.0)
         assert st._ahead.maps > 0
     finally:
         st.close_ahead()
@@ -234,9 +238,7 @@ def test_out_of_memory_with_pages_mapped_ahead_raises_and_recovers():
         _check_live_pages_mapped(st, backing)
         with st.lock:
             mgr.decref(a + b)
-        guard = {r * st.region_pages for r in range(4)}
-        assert _wait(lambda: backing.mapped == guard, 2.0), sorted(backing.mapped)
-        assert not backing.errors, backing.errors
+        _assert_back_to_the_guard(st, backing, 2.0)
     finally:
         st.close_ahead()
 
