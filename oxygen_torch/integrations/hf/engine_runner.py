@@ -24,7 +24,7 @@ from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
-from . import graphs, merged_graphs
+from . import graphs, merged_graphs, trace_guard
 from . import prefix as prefix_cache
 from .batched import _forward, _geometry, _graph_forward
 from .cache import PagedKVCache
@@ -91,11 +91,12 @@ class HFRunner:
         with step.pool.lock:
             step.reserve(build=not replay)
         try:
-            logits = self._replay(model, step, rows, ids, pos) if replay else None
-            if logits is None:
-                if replay:  # its capture failed before: eager after all
-                    step.build()
-                logits = self._eager(model, step, rows, ids, pos)
+            with trace_guard.GUARD.step():  # (not beside a compile of ours)
+                logits = self._replay(model, step, rows, ids, pos) if replay else None
+                if logits is None:
+                    if replay:  # its capture failed before: eager after all
+                        step.build()
+                    logits = self._eager(model, step, rows, ids, pos)
         except BaseException:
             step.abandon()
             raise

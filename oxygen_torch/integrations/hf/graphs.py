@@ -36,7 +36,7 @@ import torch
 
 from ... import _patching, context
 from ...compile.cudagraphs import CaptureError, GraphRunner
-from . import fuse
+from . import fuse, trace_guard
 from .cache import PagedKVCache
 
 WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
@@ -153,8 +153,8 @@ class DecodeGraph:
                 tries.append(("compiled", fuse.compiled))
             tries.append(("modules", fuse.fused))
         for how, fusion in tries:
-            try:
-                with fusion(model, forward, core, options) as fn:
+            try:  # (no engine step beside the compile: trace_guard.py)
+                with trace_guard.GUARD.compile(), fusion(model, forward, core, options) as fn:
                     logits = self._warm_and_capture(fn, core)
                 self.fusion = how
                 return logits
