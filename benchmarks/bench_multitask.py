@@ -240,14 +240,14 @@ def at_once(args) -> None:
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
         "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms | "
-        "launch waits ms | door ms |",
-        "|" + "---|" * 15,
+        "launch waits ms | door ms | gc ms (full) |",
+        "|" + "---|" * 16,
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
-                f"{r['error'].strip().splitlines()[-1][:80]} ||||||||||||"
+                f"{r['error'].strip().splitlines()[-1][:80]} |||||||||||||"
             )
             continue
         ref = {
@@ -265,7 +265,7 @@ def at_once(args) -> None:
             f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
             f"{r.get('wait_ms_per_step', '-')} | {r.get('decode_step_ms', '-')} | "
             f"{r.get('decode_launch_ms', '-')} | {r.get('launch_wait_ms', '-')} | "
-            f"{r.get('door_ms_mean', '-')} |"
+            f"{r.get('door_ms_mean', '-')} | {r.get('gc_ms', '-')} ({r.get('gc_full', '-')}) |"
         )
     md = "\n".join(lines)
     print("\n" + md)

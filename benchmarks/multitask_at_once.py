@@ -234,6 +234,9 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             )
         out["wait_ms_per_step"] = round(1e3 * (after["wait_s"] - before.get("wait_s", 0))
                                         / max(steps, 1), 3)  # fmt: skip
+        if "gc_s" in after:  # the interpreter's collection pauses during the run (any thread)
+            out["gc_ms"] = round(1e3 * (after["gc_s"] - before.get("gc_s", 0)), 1)
+            out["gc_full"] = after["gc_full"] - before.get("gc_full", 0)
         doors = after.get("doors", 0) - before.get("doors", 0)
         if doors:  # the callers' front door: generate() called -> rows submitted
             out["door_ms_mean"] = round(1e3 * (after["door_s"] - before.get("door_s", 0))
@@ -328,9 +331,10 @@ def _timeline(model, since: float = 0.0) -> list:
         return None if x is None else round(1e3 * x, 3)
 
     # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it,
-    # the engine thread's CPU ms in the launch)
-    return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i), ms(cpu))
-            for a, r, n, c, la, co, g, i, cpu in t]  # fmt: skip
+    # the engine thread's CPU ms in the launch, the interpreter's collection pauses in the step)
+    return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i), ms(cpu),
+             ms(x[0]) if x else None)
+            for a, r, n, c, la, co, g, i, cpu, *x in t]  # fmt: skip
 
 
 def _graphs(model) -> dict:

@@ -112,3 +112,19 @@ def test_the_front_door_reads_a_calls_inputs_from_the_gpu_in_one_sync(oxygen, ma
     syncs = [w for w in seen if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert torch.equal(p.host_ids, kw["input_ids"]) and p.ids.device.type == "cuda"
+
+
+def test_an_engine_on_the_gpu_freezes_the_heap_once(oxygen):
+    """scheduler.gc_freeze (default): the first engine on a GPU collects and freezes the heap
+    (engine/gc_watch.py); a model made after it is not frozen, and its calls still run."""
+    import gc
+
+    model = hf.apply(tiny("llama").cuda(), load_config(scheduler={"engine": True}))
+    kw = call(5)
+    kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+    _generate(model, kw)
+    assert engines(model) and gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    other = hf.apply(tiny("qwen3").cuda(), load_config(scheduler={"engine": True}))
+    _generate(other, kw)
+    assert gc.get_freeze_count() == frozen  # once per process

@@ -397,6 +397,11 @@ class SchedulerConfig:
     # engine and the callers order where they share memory (engine/streams.py). Off until it
     # has been measured and the whole GPU suite has run with it
     engine_stream: bool = False
+    # the first engine on a GPU runs a full garbage collection and freezes what survives
+    # (gc.freeze, once per process): later full collections walk only newer objects instead of
+    # every object of torch, transformers and the model, a 0.2-0.5 s pause of every thread
+    # (engine/gc_watch.py)
+    gc_freeze: bool = True
 
     def __post_init__(self):
         _check_types(self, "scheduler")

@@ -29,7 +29,7 @@ import torch
 
 from ..config import SchedulerConfig
 from ..kv import engine_streams as streams
-from . import door
+from . import door, gc_watch
 from . import policy as policies
 from .deliver import Delivery, Inflight
 from .kv_rows import RowKV
@@ -83,7 +83,9 @@ class EngineStats:
     # before), GPU s, the GPU's idle s before it, the engine thread's CPU s in the launch]
     # (GPU s and idle s once the step is read, on a GPU; else None): where time goes, the
     # host's launch told apart from the GPU's own time, and a launch that waited (for the
-    # interpreter lock, other threads' Python, a device sync) from one that worked (its CPU s)
+    # interpreter lock, other threads' Python, a device sync) from one that worked (its CPU s);
+    # then the interpreter's collection pauses (any thread's) from the step's start to the
+    # previous step's completion, s (engine/gc_watch.py)
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -117,6 +119,7 @@ class Engine(Rows, Delivery):
         self._suspects: dict[Group, Exception] = {}  # calls of a failed step, to run alone
         self._last_done: float | None = None  # when the last step's tokens were read
         self._prev_end = None  # the last step's end event (CUDA): the GPU's gap to the next
+        gc_watch.install()
         METRICS.attach_engine(self)
 
     @property
@@ -211,7 +214,7 @@ class Engine(Rows, Delivery):
         inflight: Inflight | None = None
         idle_since = time.monotonic()
         while True:
-            start = time.perf_counter()
+            start, paused = time.perf_counter(), gc_watch.pause_s
             with self._cond:
                 if self._closed:
                     break
@@ -238,7 +241,7 @@ class Engine(Rows, Delivery):
                 tokens = sum(r.n for r in rows)
                 took = time.perf_counter() - done
                 launched.entry = [start, len(rows), tokens, chosen - start, done - chosen, took,
-                                  None, None, cpu]  # fmt: skip
+                                  None, None, cpu, gc_watch.pause_s - paused]  # fmt: skip
                 st.timeline.append(launched.entry)
             inflight = launched
             if launched is not None:

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ...engine import gc_watch
 from ...engine.kv_rows import RowKV
 from ...engine.loop import Engine
 from ...kv.core import PagedKVCore
@@ -144,6 +145,7 @@ def engine_for(model, cfg) -> Engine:
     """The engine of `model` for this configuration's KV pool, precision and tiles (one thread
     each); a new one after a fork (threads do not cross fork) or after its close."""
     key = _engine_key(model, cfg)
+    made = False
     with _engines_lock:
         group = _engines.setdefault(model, {})
         eng = group.get(key)
@@ -157,7 +159,10 @@ def engine_for(model, cfg) -> Engine:
                 step_tokens=cfg.kv.prefill_chunk_tokens,
             )  # fmt: skip
             _live.add(eng)
-        return eng
+            made = True
+    if made and cfg.scheduler.gc_freeze and eng.runner.device.type == "cuda":
+        gc_watch.freeze_once()  # (outside the lock: a collection runs finalizers)
+    return eng
 
 
 # every engine not yet garbage, its model's entry in _engines gone or not: close_all() ends them
@@ -219,4 +224,6 @@ def engine_stats(model=None) -> dict:
     for e in engines:
         for k, v in e.snapshot().items():
             total[k] = total.get(k, 0) + v
+    if engines:  # the process's collection pauses since its first engine (engine/gc_watch.py)
+        total["gc_s"], total["gc_full"] = gc_watch.pause_s, gc_watch.full
     return total

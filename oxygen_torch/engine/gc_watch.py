@@ -1,0 +1,70 @@
+"""The interpreter's garbage-collection pauses, as the engine sees them.
+
+A full (generation 2) collection walks every tracked object of the process: with torch,
+transformers and a model loaded, hundreds of thousands, 0.2-0.5 s during which no thread runs
+Python: not the engine's launches, not its callers. Many generate() calls at once make objects
+fast enough to set one off in the first steps of a burst. So the engine counts the pauses
+(engine_stats() "gc_s", "gc_full"; each step's share in its timeline entry), and by default
+(`scheduler.gc_freeze`) the first engine on a GPU collects once and freezes what survives
+(``gc.freeze()``, as vLLM and SGLang do after loading): later full collections walk only the
+objects made since. What was frozen is never collected as cyclic garbage (freed by reference
+counting as usual); ``gc.unfreeze()`` undoes it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+
+log = logging.getLogger("oxygen_torch")
+
+_lock = threading.Lock()
+_installed = False
+_frozen = False
+_started: dict[int, float] = {}  # thread id -> when its collection started
+# totals since the watch was installed: pause seconds (all generations), full collections
+pause_s = 0.0
+full = 0
+
+
+def _callback(phase: str, info: dict) -> None:
+    global pause_s, full
+    me = threading.get_ident()  # (a collection runs on the thread whose allocation set it off)
+    if phase == "start":
+        _started[me] = time.perf_counter()
+        return
+    began = _started.pop(me, None)
+    if began is not None:
+        pause_s += time.perf_counter() - began
+    if info.get("generation") == 2:
+        full += 1
+
+
+def install() -> None:
+    """Starts counting collections (once per process; an engine's creation calls it)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            gc.callbacks.append(_callback)
+            _installed = True
+
+
+def freeze_once() -> bool:
+    """Collects and freezes the heap, once per process; True when this call did."""
+    global _frozen
+    with _lock:
+        if _frozen:
+            return False
+        _frozen = True
+    t = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "oxygen_torch: froze %d objects for the garbage collector in %.0f ms "
+        "(scheduler.gc_freeze; engine/gc_watch.py)",
+        gc.get_freeze_count(),
+        1e3 * (time.perf_counter() - t),
+    )
+    return True
