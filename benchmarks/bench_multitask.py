@@ -10,6 +10,8 @@ and 4), about 20 % high priority, log-normal chat lengths (means ~160 in / ~340 
                   arrivals and no priorities)
   oxygen_fcfs     oxygen_torch.enable(), one thread per request, scheduler.policy=fcfs
   oxygen_wfq      the same with the weighted-fair policy (priorities from the trace)
+  high_only       oxygen_wfq on the trace's high-priority requests alone (same arrivals): the
+                  latency the high class would have with no low-priority load
   burst           oxygen_wfq with three times the arrival rate for the first 10 s
 
 Per mode: total generated tok/s, per class TTFT and TPOT P50 / P99 and mean completion time,
@@ -43,7 +45,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
 
-MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq", "burst")
+MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq",
+         "high_only", "burst")  # fmt: skip
 SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
 DEVICE = "cpu" if SMOKE else "cuda"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -121,7 +124,7 @@ def run_batch(model, reqs: list[dict]) -> tuple[list[dict], int, float]:
 def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     import oxygen_torch
 
-    oxygen = mode.startswith("oxygen") or mode == "burst"
+    oxygen = mode.startswith("oxygen") or mode in ("burst", "high_only")
     if oxygen:
         policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
         oxygen_torch.enable(scheduler={"policy": policy})
@@ -133,6 +136,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         for r in reqs:
             r["at"] = r["at"] / 3 if r["at"] < 30 else r["at"] - 20
     warm = [dict(r, at=0.0, max_tokens=4) for r in reqs[:2]]
+    if mode == "high_only":
+        reqs = [r for r in reqs if r["priority"] == "high"]
     run_requests(model, warm, threaded=True)  # kernels compiled, graphs captured
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -169,6 +174,36 @@ def summarize(mode, seed, cv, results, oom, took, peak, n) -> dict:
             tpot_p99=pct(tpot, 0.99), mean_done=statistics.fmean(r["done"] for r in rs),
         )  # fmt: skip
     return out
+
+
+def goals(rows: list[dict]) -> str:
+    """The engine issue's trace goals for each seed and cv run with the modes they need: the
+    high class's TTFT P99 / TPOT P99 under low-priority load against high_only (goal <= 1.15x),
+    its mean completion against FCFS (goal >= 28 % lower), tok/s against FCFS (goal >= 0.95x),
+    and the burst's OOMs and lost requests (goal 0 / 0)."""
+    by = {(r["mode"], r["seed"], r["cv"]): r for r in rows if "error" not in r}
+    lines = ["| seed | cv | high TTFT P99 x high_only | high TPOT P99 x high_only | "
+             "high mean done x FCFS (goal <= 0.72x) | tok/s x FCFS | burst OOM / lost |",
+             "|" + "---|" * 7]  # fmt: skip
+
+    def ratio(a, b, fmt="{:.2f}x"):
+        return fmt.format(a / b) if a is not None and b else "-"
+
+    for seed, cv in sorted({(r["seed"], r["cv"]) for r in rows}):
+        wfq, fcfs = by.get(("oxygen_wfq", seed, cv)), by.get(("oxygen_fcfs", seed, cv))
+        alone, burst = by.get(("high_only", seed, cv)), by.get(("burst", seed, cv))
+        if wfq is None:
+            continue
+        hi, alone_hi = wfq.get("high", {}), (alone or {}).get("high", {})
+        fcfs_hi = (fcfs or {}).get("high", {})
+        lower = ratio(hi.get("mean_done"), fcfs_hi.get("mean_done"))
+        lines.append(
+            f"| {seed} | {cv} | {ratio(hi.get('ttft_p99'), alone_hi.get('ttft_p99'))} | "
+            f"{ratio(hi.get('tpot_p99'), alone_hi.get('tpot_p99'))} | {lower} | "
+            f"{ratio(wfq['tok_per_s'], (fcfs or {}).get('tok_per_s'))} | "
+            + (f"{burst['oom']} / {burst['lost']} |" if burst else "- |")
+        )
+    return "\n".join(lines)
 
 
 def spawn(mode: str, seed: int, cv: float, n: int) -> dict:
@@ -379,7 +414,7 @@ def main() -> None:
                 rows.append(spawn(mode, seed, cv, args.requests))
                 print(f"[{mode} seed {seed} cv {cv}: {time.time() - t:.0f}s] "
                       f"{json.dumps(rows[-1])[:400]}", flush=True)  # fmt: skip
-    md = table(rows)
+    md = table(rows) + "\n\n" + goals(rows)
     print("\n" + md)
     out = os.environ.get("OUT")
     if out:
