@@ -81,3 +81,24 @@ def test_an_engine_on_the_cpu_does_not_freeze(oxygen, monkeypatch):
     with torch.no_grad():
         model.generate(**call(2))
     assert engines(model) and not calls
+
+
+def test_collection_pauses_are_served_as_counters(oxygen):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from oxygen_torch.tools import metrics
+
+    model = hf.apply(tiny("llama"), ENGINE)
+    with torch.no_grad():
+        model.generate(**call(1))  # (an engine, so the watch is on)
+
+    def read():
+        fams = {f.name: f for f in text_string_to_metric_families(metrics.scrape())}
+        return {n: fams[n].samples[0].value for n in ("oxygen:gc_pause_seconds",
+                                                      "oxygen:gc_full_collections")}  # fmt: skip
+
+    before = read()
+    gc.collect()
+    after = read()
+    assert after["oxygen:gc_full_collections"] == before["oxygen:gc_full_collections"] + 1
+    assert after["oxygen:gc_pause_seconds"] > before["oxygen:gc_pause_seconds"]

@@ -51,6 +51,10 @@ def install() -> None:
             _installed = True
 
 
+def installed() -> bool:
+    return _installed
+
+
 def freeze_once() -> bool:
     """Collects and freezes the heap, once per process; True when this call did."""
     global _frozen

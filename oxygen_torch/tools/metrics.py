@@ -415,6 +415,21 @@ def _engine_metrics() -> Iterator[Metric]:
     )
     frac.add_metric([], gpu["idle_seconds"] / total if total else 0.0)
     yield from (busy, frac)
+    from ..engine import gc_watch
+
+    if gc_watch.installed():  # (an engine was made: engine/gc_watch.py)
+        pauses = CounterMetricFamily(
+            PREFIX + "gc_pause_seconds",
+            "The interpreter's garbage-collection pauses since the first engine (every thread "
+            "stops for them).",
+        )
+        pauses.add_metric([], gc_watch.pause_s)
+        full = CounterMetricFamily(
+            PREFIX + "gc_full_collections",
+            "Full (generation 2) collections since the first engine.",
+        )
+        full.add_metric([], float(gc_watch.full))
+        yield from (pauses, full)
 
 
 class OxygenCollector:
