@@ -396,8 +396,7 @@ class SchedulerConfig:
     # the user's own before generate()) do not wait for the steps the engine has queued; the
     # engine and the callers order where they share memory (kv/engine_streams.py). Off: on the
     # H200 at 256 calls at once it gave 25,808 / 29,084 / 26,287 tok/s against the default's
-    # 29,866 / 23,909 / 23,524 in the same call (no clear gain; the collector's pauses, since
-    # fixed by gc_freeze, dominated both)
+    # 29,866 / 23,909 / 23,524 in the same call (no clear gain; both before gc_freeze)
     engine_stream: bool = False
     # the first engine on a GPU runs a full garbage collection and freezes what survives
     # (gc.freeze, once per process): later full collections walk only newer objects instead of
