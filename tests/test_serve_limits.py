@@ -70,6 +70,8 @@ BAD = [  # (body, status, what the message or param names)
     ({**GOOD, "priority": "urgent"}, 400, "priority"),
     ({**GOOD, "priority": 7}, 400, "priority"),
     ({**GOOD, "priority": [2]}, 400, "priority"),
+    ({**GOOD, "priority": "\u00b2"}, 400, "priority"),  # str.isdigit() but no int(): was a 500
+    ({**GOOD, "priority": "\u0662"}, 400, "priority"),  # an Arabic-Indic 2: was taken as 2
     ({**GOOD, "logprobs": 5}, 400, "logprobs"),
     ({**GOOD, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({**GOOD, "min_tokens": 5}, 400, "min_tokens"),
@@ -106,6 +108,13 @@ def test_bad_chat_input_is_a_400_naming_it(srv, body, names):
     r = post(srv.url, body, "/v1/chat/completions")
     assert r.status == 400, r.text
     assert names in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "9" * 500, "urgent", "-1"])
+def test_a_bad_x_priority_header_is_a_400_naming_it(srv, value):
+    r = http(srv.url + "/v1/completions", "POST", GOOD, {"X-Priority": value})
+    assert r.status == 400, r.body[:300]
+    assert r.json()["error"]["param"] == "X-Priority"
 
 
 def test_other_methods_and_paths_are_json_errors_and_the_server_keeps_serving(srv):

@@ -163,7 +163,8 @@ def _neutral(body: dict, name: str, *neutral: Any) -> None:
 
 def priority_of(value: Any, param: str = "priority") -> str:
     """'high' / 'normal' / 'low' from a name or the level 2 / 1 / 0 (also as a header's text)."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit() and len(value) < 4:
+    # the three ASCII digits only: str.isdigit() passes "²", which int() refuses
+    if isinstance(value, str) and value.strip() in ("2", "1", "0"):
         value = int(value)
     if isinstance(value, str) and value.strip().lower() in PRIORITY_OF_LEVEL.values():
         return value.strip().lower()
