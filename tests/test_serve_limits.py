@@ -24,6 +24,8 @@ import test_serve as ts
 from test_serve import Reply, Running, Slow, blocks_in_use, http, wait_for
 
 from oxygen_torch.tools.serve.app import ServeConfig, build_app
+from oxygen_torch.tools.serve.protocol import Request, Sampling
+from oxygen_torch.tools.serve.served import Served
 
 ROOT = Path(__file__).resolve().parents[1]
 ckpt, loaded, srv = ts.ckpt, ts.loaded, ts.srv  # test_serve's fixtures: its model and server
@@ -330,3 +332,54 @@ def test_the_command_serves_and_wants_its_api_key(ckpt):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+class HeldTokenizer:
+    """The checkpoint's tokenizer; encoding `held` waits for `gate` (a long prompt's encode)."""
+
+    def __init__(self, tok, held: str):
+        self.tok, self.held = tok, held
+        self.gate, self.inside = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kw):
+        if text == self.held:
+            self.inside.set()
+            self.gate.wait(30)
+        return self.tok(text, **kw)
+
+
+def test_a_long_prompt_being_tokenised_holds_up_no_other_request(loaded):
+    """An 8 MiB text prompt took ~7 s to tokenise under one lock, and every request waited."""
+    model, tok = loaded
+    held = HeldTokenizer(tok, "w9 w9 w9")
+    served = Served(model, held)
+    long = threading.Thread(target=served.encode, args=(Request(Sampling(), prompts=[held.held]),))
+    long.start()
+    try:
+        assert held.inside.wait(10)
+        short: list = []
+        other = threading.Thread(
+            target=lambda: short.append(served.encode(Request(Sampling(), prompts=["w5 w6"])))
+        )
+        other.start()
+        other.join(5)
+        assert short == [[[5, 6]]], "a short prompt waited for the long one's tokenising"
+    finally:
+        held.gate.set()
+        long.join(30)
+
+
+def test_a_saved_truncation_is_reset_before_any_request(loaded):
+    """Encodes run concurrently: the one call that changes the backend's state is made first."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    model, _ = loaded
+    tok = tiny_tokenizer(128)
+    tok.backend_tokenizer.enable_truncation(4)  # as a checkpoint's tokenizer.json may say
+    served = Served(model, tok)
+    assert tok.backend_tokenizer.truncation is None
+    got = served.encode(Request(Sampling(), prompts=["w5 " * 50]))
+    assert got == [[5] * 50]

@@ -3,8 +3,6 @@ generate() call a checked request becomes."""
 
 from __future__ import annotations
 
-import threading
-
 from .jobs import Call
 from .protocol import ApiError, Request, bad
 from .text import ChoiceText
@@ -33,24 +31,25 @@ class Served:
             gc.pad_token_id = pad if pad is not None else min(self.eos, default=0)
         self.pad = int(gc.pad_token_id)
         self._kv_tokens: int | None = None
-        # encoding may set a fast tokenizer's truncation / padding state, which concurrent
-        # calls must not meet half set ("Already borrowed"); decoding only reads it
-        self._encoding = threading.Lock()
+        # a fast tokenizer's call resets its backend's truncation / padding when the checkpoint
+        # saved one, which concurrent calls must not meet half set ("Already borrowed"): done
+        # once here, so the server's calls (none truncate or pad) only read it. No lock: an
+        # 8 MiB text prompt takes seconds to tokenise, and held every other request that long
+        tokenizer("")
         self._stops: dict[tuple[str, ...], list[str]] = {}
 
     # --- prompts (on a worker thread: a long text takes a while to tokenise) ----------------
 
     def encode(self, req: Request) -> list[list[int]]:
-        with self._encoding:
-            if req.messages:
-                return [self._chat_ids(req.messages)]
-            out = []
-            for p in req.prompts:
-                ids = list(p) if isinstance(p, list) else self.tok(p)["input_ids"]
-                if not ids:
-                    raise bad("prompt", "the prompt is empty once tokenised")
-                out.append(ids)
-            return out
+        if req.messages:
+            return [self._chat_ids(req.messages)]
+        out = []
+        for p in req.prompts:
+            ids = list(p) if isinstance(p, list) else self.tok(p)["input_ids"]
+            if not ids:
+                raise bad("prompt", "the prompt is empty once tokenised")
+            out.append(ids)
+        return out
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
