@@ -383,3 +383,30 @@ def test_a_saved_truncation_is_reset_before_any_request(loaded):
     assert tok.backend_tokenizer.truncation is None
     got = served.encode(Request(Sampling(), prompts=["w5 " * 50]))
     assert got == [[5] * 50]
+
+
+def test_a_body_being_checked_does_not_stop_the_event_loop(srv, monkeypatch):
+    """An 8 MiB body of token ids took ~0.9 s to parse and check, and held every stream."""
+    from oxygen_torch.tools.serve import app
+
+    gate, inside, parse = threading.Event(), threading.Event(), app.parse_json
+
+    def held(body: bytes):
+        if b'"w9 w9"' in body:
+            inside.set()
+            gate.wait(10)
+        return parse(body)
+
+    monkeypatch.setattr(app, "parse_json", held)
+    out: list = []
+    slow = threading.Thread(target=lambda: out.append(post(srv.url, {**GOOD, "prompt": "w9 w9"})))
+    slow.start()
+    try:
+        assert inside.wait(10)
+        t0 = time.monotonic()
+        health = http(srv.url + "/health")
+        assert health.status == 200 and time.monotonic() - t0 < 2
+    finally:
+        gate.set()
+        slow.join(30)
+    assert out[0].status == 200

@@ -157,11 +157,10 @@ class Server:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         self.authorize(request)
-        body = parse_json(await _read_body(request, self.cfg))
-        prio = request.headers.get("x-priority")
-        lim = self.cfg.limits
-        req = chat_request(body, lim, prio) if chat else (
-            completion_request(body, lim, self.served.vocab, prio))  # fmt: skip
+        raw = await _read_body(request, self.cfg)
+        # on a thread: an 8 MiB body of token ids takes ~1 s to parse and check, every stream's
+        # chunks would wait that long for the event loop
+        req = await asyncio.to_thread(self._check, raw, request.headers.get("x-priority"), chat)
         if req.model is not None and req.model != self.cfg.model_name:
             raise ApiError(404, f"model: {req.model[:100]!r} does not exist here; this server "
                            f"serves {self.cfg.model_name!r}", param="model",
@@ -190,6 +189,13 @@ class Server:
             self._events(job, answer, first, req.sampling.include_usage),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
+
+    def _check(self, raw: bytes, prio: str | None, chat: bool):
+        """The body as a checked request (protocol.py)."""
+        body, lim = parse_json(raw), self.cfg.limits
+        if chat:
+            return chat_request(body, lim, prio)
+        return completion_request(body, lim, self.served.vocab, prio)
 
     def _prepare(self, req):
         """Tokenises and checks the request (a thread: long texts take a while)."""
