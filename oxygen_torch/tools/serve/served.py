@@ -107,7 +107,8 @@ class Served:
         """The stop strings generate() can match on tokens. transformers refuses a string no
         token of the vocabulary can spell (a ValueError for the whole call); such a string is
         still found in the text (text.py), and the call ended from the streamer. Cached."""
-        if stop not in self._stops:
+        ok = self._stops.get(stop)
+        if ok is None:  # (threads share the cache: another may clear it between two reads)
             from transformers.generation.stopping_criteria import StopStringCriteria
 
             ok = []
@@ -120,7 +121,7 @@ class Served:
             if len(self._stops) > 1024:
                 self._stops.clear()
             self._stops[stop] = ok
-        return self._stops[stop]
+        return ok
 
     # --- the call -----------------------------------------------------------------------------
 
