@@ -437,6 +437,38 @@ def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
     assert blocks_in_use() == 0
 
 
+def test_a_prefill_row_preempted_for_the_decodes_does_not_join_the_step(oxygen):
+    """Two rows of one call that do not fit the pool together: the first decodes while the
+    second's prefill waits for blocks; the first's next block preempts the second (swapped to
+    the CPU tier). That row was still among the step's prefill candidates: it joined the step
+    anyway, its swap-in took the block the decode had been counted, and the call failed with
+    KVCacheFull (found through the server). Now it waits: the call ends with stock's tokens
+    and every block comes back."""
+    # 16 KV heads of 64 in float32: 4 KiB a token a layer, so the smallest arena (a 2 MiB page
+    # per layer's K and V) holds 512 tokens: two rows of 280 + 30 do not fit together
+    from test_hf_generate import COMMON
+
+    torch.manual_seed(0)
+    conf = {**COMMON, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "max_position_embeddings": 512}  # fmt: skip
+    model = T.LlamaForCausalLM(T.LlamaConfig(**conf, attn_implementation="sdpa")).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 280), generator=g)
+    kw = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    cfg = load_config(scheduler={"engine": True},
+                      kv={"arena_bytes": 8 << 20, "prefill_chunk_tokens": 64})  # fmt: skip
+    hf.apply(model, cfg)
+    with torch.no_grad():
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, ref)
+    (eng,) = engines(model)
+    assert eng.snapshot()["preemptions"] > 0
+    assert blocks_in_use() == 0
+
+
 def test_an_error_in_a_step_reaches_only_the_call_that_fails_alone(oxygen, monkeypatch):
     """A step of several calls that raises is run again one call a step: only the call whose
     rows make it fail gets the error, the others end with stock's tokens."""

@@ -42,6 +42,14 @@ class Budget:
 
     def __init__(self, tokens: int, seqs: int, free: int):
         self.tokens, self.seqs, self.free = tokens, seqs, free
+        # rows preempted while this step is chosen: none of them joins it (a prefill row
+        # preempted for the decodes' blocks was still in the list of prefills: swapped out, it
+        # joined the step anyway, and its swap-in took the blocks the decodes had been counted)
+        self.preempted: set[int] = set()
+
+    def preempt(self, engine, r: Request) -> None:
+        self.free += engine.preempt(r)
+        self.preempted.add(id(r))
 
 
 def outranks(a: Request, b: Request) -> bool:
@@ -70,7 +78,7 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         victim = _lowest(engine, [r for r in engine.running if r.kv is not None])
         if victim is None:
             break
-        budget.free += engine.preempt(victim)
+        budget.preempt(engine, victim)
         need.pop(victim, None)
     for r, b in need.items():
         if budget.seqs <= 0:
@@ -81,7 +89,9 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         budget.tokens -= 1
         budget.seqs -= 1
         rows.append(StepRow(r, 1, r.computed, None, True, b))
-    for r in _ordered(engine, [r for r in engine.waiting if r.swapped and r.finished is None]):
+    gone = budget.preempted
+    back = [r for r in engine.waiting if r.swapped and r.finished is None and id(r) not in gone]
+    for r in _ordered(engine, back):
         # swapped rows first (they hold their tokens): back when their blocks fit, running from
         # the next step
         need = engine.swapped_blocks(r) + 1
@@ -97,6 +107,8 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     for r in prefills:
         if budget.tokens <= 0:
             break
+        if id(r) in gone:
+            continue
         if budget.seqs <= 0 and not _make_room(engine, r, budget, rows):
             continue  # (a higher row further on may still find a lower one to preempt)
         row = _chunk(engine, r, budget, rows)
@@ -125,7 +137,7 @@ def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> boo
 
 def _preempt(engine, v: Request, budget: Budget, chosen: list[StepRow]) -> None:
     """Preempts `v`, and takes it out of the step being chosen if it was in it."""
-    budget.free += engine.preempt(v)
+    budget.preempt(engine, v)
     for row in [row for row in chosen if row.req is v]:
         chosen.remove(row)
         budget.free += row.blocks
