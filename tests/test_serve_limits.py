@@ -410,3 +410,15 @@ def test_a_body_being_checked_does_not_stop_the_event_loop(srv, monkeypatch):
         gate.set()
         slow.join(30)
     assert out[0].status == 200
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [("max_queue", 0, ">= 1"), ("max_body_bytes", 10, ">= 1024"), ("body_timeout_s", 0, "> 0"),
+     ("retry_after_s", -1, ">= 0"), ("max_model_len", 1, ">= 2"),
+     ("api_key", "", "a non-empty string")],
+)  # fmt: skip
+def test_a_bad_server_setting_names_the_field_and_what_is_allowed(field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        ServeConfig(model_name="tiny", **{field: value})
+    assert str(err.value) == f"ServeConfig.{field}: {value!r} is not allowed; allowed: {allowed}"

@@ -50,18 +50,21 @@ class ServeConfig:
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
-        checks = {
-            "max_queue": self.max_queue >= 1,
-            "max_body_bytes": self.max_body_bytes >= 1024,
-            "body_timeout_s": self.body_timeout_s > 0,
-            "retry_after_s": self.retry_after_s >= 0,
-            "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
-            "workers": self.workers is None or self.workers >= 1,
-            "api_key": self.api_key is None or bool(self.api_key),
+        checks = {  # name: (holds, what is allowed)
+            "max_queue": (self.max_queue >= 1, ">= 1"),
+            "max_body_bytes": (self.max_body_bytes >= 1024, ">= 1024"),
+            "body_timeout_s": (self.body_timeout_s > 0, "> 0"),
+            "retry_after_s": (self.retry_after_s >= 0, ">= 0"),
+            "max_model_len": (self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
+            "workers": (self.workers is None or self.workers >= 1, ">= 1"),
+            "api_key": (self.api_key is None or bool(self.api_key), "a non-empty string"),
         }
-        for name, ok in checks.items():
+        for name, (ok, allowed) in checks.items():
             if not ok:
-                raise ValueError(f"ServeConfig.{name}: {getattr(self, name)!r} is not allowed")
+                raise ValueError(
+                    f"ServeConfig.{name}: {getattr(self, name)!r} is not allowed; allowed: "
+                    f"{allowed}"
+                )
 
 
 def _error(err: ApiError) -> JSONResponse:
