@@ -173,6 +173,8 @@ PROMPTS = [[5, 9, 11, 13], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 def test_models_health_and_metrics(srv):
     assert [m.id for m in srv.client().models.list()] == ["tiny"]
     assert http(srv.url + "/health").json() == {"status": "ok"}
+    head = http(srv.url + "/health", method="HEAD")
+    assert head.status == 200 and head.body == b""
     text = http(srv.url + "/metrics").body.decode()
     assert 'oxygen:serve_requests{state="waiting"}' in text and "oxygen:serve_max_queue 64" in text
 

@@ -287,7 +287,7 @@ def build_app(model, tokenizer, cfg: ServeConfig) -> FastAPI:
                            code="model_not_found")  # fmt: skip
         return server._model_card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with HEAD)
     async def health():
         return {"status": "ok"}
 
