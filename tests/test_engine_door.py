@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 from test_engine import in_threads
-from test_engine_loop import ENGINE, call
+from test_engine_loop import ENGINE, call, engines
 from test_hf_generate import tiny
 
+from oxygen_torch.config import load_config
 from oxygen_torch.engine import door as door_mod
 from oxygen_torch.engine.door import Door
 from oxygen_torch.engine.loop import Engine
@@ -271,3 +272,72 @@ def test_the_engine_launches_with_no_callers_python_inside(oxygen, monkeypatch):
         assert torch.equal(out[i], r), f"call {i}"
     assert len(seen["requests"]) == len(kws) and len(seen["launch"]) > 0
     assert not any(seen["launch"]) and not any(seen["requests"])
+
+
+def test_the_door_counts_its_callers_and_forgets_those_that_leave():
+    d = Door(launch_wait_s=60)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with d.caller():
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(5)
+    got = []
+
+    def wait_in_line():
+        with d.caller():
+            got.append(d.queued)
+
+    line = [threading.Thread(target=wait_in_line) for _ in range(3)]
+    for w in line:
+        w.start()
+    deadline = time.monotonic() + 5
+    while d.queued < 4 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert d.queued == 4  # the one inside and three waiting
+    release.set()
+    for w in [t, *line]:
+        w.join(5)
+    assert d.queued == 0 and sorted(got) == [1, 2, 3]
+    with pytest.raises(ValueError), d.caller():
+        raise ValueError("a caller that raises inside")
+    assert d.queued == 0
+
+
+@pytest.mark.parametrize("gather_ms, fills", [(200, False), (0, False), (200, True)])
+def test_an_idle_engine_waits_for_callers_at_the_door(oxygen, monkeypatch, gather_ms, fills):
+    """Callers at the front door (held there: DOOR.queued) and an idle engine: it waits up to
+    scheduler.burst_gather_ms before its first step, not at all with 0, and not when the calls
+    in hand already fill a step (kv.prefill_chunk_tokens below the prompt)."""
+    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    model = tiny("llama")
+    kw = call(7)
+    with torch.no_grad():
+        ref = model.generate(**kw)
+    kv = {"prefill_chunk_tokens": 2} if fills else {}
+    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": gather_ms}, kv=kv))
+    with torch.no_grad():
+        model.generate(**call(1))  # (the engine exists; idle now)
+    (eng,) = engines(model)
+    submitted, submit = [], Engine.submit
+
+    def timed_submit(self, group):
+        submitted.append(time.perf_counter())
+        return submit(self, group)
+
+    monkeypatch.setattr(Engine, "submit", timed_submit)
+    monkeypatch.setattr(door_mod.DOOR, "queued", 5)  # callers that never leave the door
+    n = len(eng.stats.timeline)
+    with torch.no_grad():
+        got = model.generate(**kw)
+    assert torch.equal(got, ref)
+    waited = eng.stats.timeline[n][0] - submitted[0]
+    if gather_ms and not fills:
+        assert waited >= 0.19, waited
+        assert eng.snapshot()["burst_waits"] >= 1
+    else:
+        assert waited < 0.15, waited

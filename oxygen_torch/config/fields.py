@@ -403,6 +403,11 @@ class SchedulerConfig:
     # every object of torch, transformers and the model, a 0.2-0.5 s pause of every thread
     # (engine/gc_watch.py)
     gc_freeze: bool = True
+    # an idle engine (no row running) that callers are queued at the front door for waits up
+    # to this long while they pass it, unless the calls in hand fill a step: a burst's first
+    # step then serves many rows, not the first caller's one row beside the others' front-door
+    # Python (on a GPU: the door applies there; 0: the engine launches at once)
+    burst_gather_ms: float = 20.0
 
     def __post_init__(self):
         _check_types(self, "scheduler")
@@ -423,6 +428,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler.gather_ms: {describe(self.gather_ms)} is out of range; allowed: "
                 "0.01 to 10000 (milliseconds)"
+            )
+        if not 0 <= self.burst_gather_ms <= 1000 or math.isnan(self.burst_gather_ms):
+            raise ValueError(
+                f"scheduler.burst_gather_ms: {describe(self.burst_gather_ms)} is out of range; "
+                "allowed: 0 to 1000 (milliseconds)"
             )
 
 

@@ -48,6 +48,7 @@ class Door:
         self._engines = threading.Condition(lock)  # engines wait here for the caller inside
         self._launching = 0  # engine threads launching a step, or waiting to
         self._inside = False  # a caller's front-door Python runs
+        self.queued = 0  # callers at the door: waiting, or inside (read without the lock)
         # while engines launch: when callers may come in again (launch_wait_s after the first
         # of them got in; None while they still wait for the caller inside)
         self._open_at: float | None = None
@@ -65,17 +66,23 @@ class Door:
         launch outlasts `launch_wait_s` (one that waits for the device, say: callers are not
         held for it)."""
         with self._callers:
-            while self._shut():
-                left = None
-                if self._launching and not self._inside and self._open_at is not None:
-                    left = self._open_at - time.monotonic()
-                self._callers.wait(left)
+            self.queued += 1
+            try:
+                while self._shut():
+                    left = None
+                    if self._launching and not self._inside and self._open_at is not None:
+                        left = self._open_at - time.monotonic()
+                    self._callers.wait(left)
+            except BaseException:  # (interrupted while it waited)
+                self.queued -= 1
+                raise
             self._inside = True
         try:
             yield
         finally:
             with self._callers:
                 self._inside = False
+                self.queued -= 1
                 self._engines.notify_all()  # (engines waiting to launch: few)
                 self._callers.notify()  # the next caller (one: hundreds may wait)
 
@@ -112,6 +119,11 @@ if hasattr(os, "register_at_fork"):
 
 def applies(device: torch.device) -> bool:
     return device.type == "cuda" or EVERY_DEVICE
+
+
+def queued(device: torch.device) -> int:
+    """Callers at the door (0 where the door does not apply)."""
+    return DOOR.queued if applies(device) else 0
 
 
 def caller(device: torch.device):
