@@ -23,21 +23,20 @@ log = logging.getLogger("oxygen_torch")
 _lock = threading.Lock()
 _installed = False
 _frozen = False
-_started: dict[int, float] = {}  # thread id -> when its collection started
+_began: float | None = None  # when the collection under way started (one runs at a time)
 # totals since the watch was installed: pause seconds (all generations), full collections
 pause_s = 0.0
 full = 0
 
 
 def _callback(phase: str, info: dict) -> None:
-    global pause_s, full
-    me = threading.get_ident()  # (a collection runs on the thread whose allocation set it off)
+    global pause_s, full, _began
     if phase == "start":
-        _started[me] = time.perf_counter()
+        _began = time.perf_counter()
         return
-    began = _started.pop(me, None)
-    if began is not None:
-        pause_s += time.perf_counter() - began
+    if _began is not None:
+        pause_s += time.perf_counter() - _began
+        _began = None
     if info.get("generation") == 2:
         full += 1
 

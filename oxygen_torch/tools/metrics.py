@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..engine import gc_watch
 from ..engine.stats import BALANCE_BUCKETS
 from ..engine.stats import METRICS as ENGINE
 from . import metrics_server
@@ -415,8 +416,6 @@ def _engine_metrics() -> Iterator[Metric]:
     )
     frac.add_metric([], gpu["idle_seconds"] / total if total else 0.0)
     yield from (busy, frac)
-    from ..engine import gc_watch
-
     if gc_watch.installed():  # (an engine was made: engine/gc_watch.py)
         pauses = CounterMetricFamily(
             PREFIX + "gc_pause_seconds",
