@@ -310,7 +310,7 @@ def test_the_door_counts_its_callers_and_forgets_those_that_leave():
 
 @pytest.mark.parametrize("gather_ms, fills", [(200, False), (0, False), (200, True)])
 def test_an_idle_engine_waits_for_callers_at_the_door(oxygen, monkeypatch, gather_ms, fills):
-    """Callers at the front door (held there: DOOR.queued) and an idle engine: it waits up to
+    """Calls on their way in (held there: DOOR.coming) and an idle engine: it waits up to
     scheduler.burst_gather_ms before its first step, not at all with 0, and not when the calls
     in hand already fill a step (kv.prefill_chunk_tokens below the prompt)."""
     monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
@@ -330,7 +330,7 @@ def test_an_idle_engine_waits_for_callers_at_the_door(oxygen, monkeypatch, gathe
         return submit(self, group)
 
     monkeypatch.setattr(Engine, "submit", timed_submit)
-    monkeypatch.setattr(door_mod.DOOR, "queued", 5)  # callers that never leave the door
+    monkeypatch.setattr(door_mod.DOOR, "coming", 5)  # calls that never arrive
     n = len(eng.stats.timeline)
     with torch.no_grad():
         got = model.generate(**kw)
@@ -341,3 +341,55 @@ def test_an_idle_engine_waits_for_callers_at_the_door(oxygen, monkeypatch, gathe
         assert eng.snapshot()["burst_waits"] >= 1
     else:
         assert waited < 0.15, waited
+
+
+def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxygen, monkeypatch):
+    """8 calls given at once whose way in (the read of their inputs, before the door) takes
+    10-80 ms each: an idle engine waits for them (DOOR.coming counts them from generate()'s
+    start), so its first step serves all 8 rows, and each call's tokens equal stock's; every
+    arrival is counted out again. Counting only the callers at the door, the first step
+    served the first caller alone."""
+    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    model = tiny("llama")
+    base = int(torch.randint(0, 1000, (1,)))
+    kws = [call(base + i) for i in range(8)]
+    rows = sum(kw["input_ids"].shape[0] for kw in kws)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": 1000}))
+    with torch.no_grad():
+        model.generate(**call(1))  # (the engine exists; idle now)
+    (eng,) = engines(model)
+    read = front.read_inputs
+    order = iter(range(8))
+    lock = threading.Lock()
+
+    def slow_read(c):
+        with lock:
+            i = next(order)
+        time.sleep(0.01 * (i + 1))
+        return read(c)
+
+    monkeypatch.setattr(front, "read_inputs", slow_read)
+    n = len(eng.stats.timeline)
+    out, errors = [None] * 8, []
+    start = threading.Barrier(8)
+
+    def run(i):
+        try:
+            start.wait(5)
+            with torch.no_grad():
+                out[i] = model.generate(**kws[i])
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    assert eng.stats.timeline[n][1] == rows, eng.stats.timeline[n : n + 3]
+    assert door_mod.DOOR.coming == 0

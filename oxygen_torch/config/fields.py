@@ -403,10 +403,11 @@ class SchedulerConfig:
     # every object of torch, transformers and the model, a 0.2-0.5 s pause of every thread
     # (engine/gc_watch.py)
     gc_freeze: bool = True
-    # an idle engine (no row running) that callers are queued at the front door for waits up
-    # to this long while they pass it, unless the calls in hand fill a step: a burst's first
-    # step then serves many rows, not the first caller's one row beside the others' front-door
-    # Python (on a GPU: the door applies there; 0: the engine launches at once)
+    # an idle engine (no row running) with generate() calls on their way in (from their start
+    # to their rows' submission) waits up to this long while they come, unless the calls in
+    # hand fill a step: a burst's first step then serves many rows, not the first caller's few
+    # beside the others' front-door Python (on a GPU: the door applies there; 0: the engine
+    # launches at once)
     burst_gather_ms: float = 20.0
 
     def __post_init__(self):

@@ -21,6 +21,12 @@ once on the H200: the first step began 0.3 s into the run).
 Callers' other Python (the user's own code around generate()) is not held back: the door only
 keeps oxygen's own per-call work out of the engine's launches.
 
+The door also counts the engine calls on their way in (`coming`: from generate()'s start to the
+submission of their rows), so that an idle engine can wait for a burst's callers before its
+first step (loop.py, `scheduler.burst_gather_ms`): callers still reading their inputs to the host
+or checking them are not at the door yet, and counting only those at it let the engine start a
+burst with a step of 6 rows while 250 callers were in their first Python (H200, 256 calls).
+
 Only for engines and calls on a GPU: on a CPU a step's ops compute with the interpreter lock
 released, callers' Python runs beside them on other cores, and a door would admit one caller a
 step (`applies`).
@@ -49,6 +55,9 @@ class Door:
         self._launching = 0  # engine threads launching a step, or waiting to
         self._inside = False  # a caller's front-door Python runs
         self.queued = 0  # callers at the door: waiting, or inside (read without the lock)
+        # engine calls on their way in: from generate()'s start to their rows' submission (the
+        # device read of their inputs and the checks before the door included)
+        self.coming = 0
         # while engines launch: when callers may come in again (launch_wait_s after the first
         # of them got in; None while they still wait for the caller inside)
         self._open_at: float | None = None
@@ -106,10 +115,32 @@ class Door:
                     self._open_at = None
                     self._callers.notify()
 
+    def arrive(self) -> "Arrival":
+        """A call on its way to an engine: counted in `coming` until its Arrival leaves."""
+        with self._callers:
+            self.coming += 1
+        return Arrival(self)
+
     def _reset(self) -> None:
         """After fork: the child's only thread holds nothing (a parent's thread may have held
         the lock at the fork)."""
         self.__init__(self.launch_wait_s)
+
+
+class Arrival:
+    """One call counted in Door.coming; leave() (idempotent) when its rows are submitted or it
+    takes another path."""
+
+    __slots__ = ("_door",)
+
+    def __init__(self, door: Door | None):
+        self._door = door
+
+    def leave(self) -> None:
+        d, self._door = self._door, None
+        if d is not None:
+            with d._callers:
+                d.coming = max(0, d.coming - 1)  # (max: a count reset by a fork)
 
 
 DOOR = Door()
@@ -124,6 +155,16 @@ def applies(device: torch.device) -> bool:
 def queued(device: torch.device) -> int:
     """Callers at the door (0 where the door does not apply)."""
     return DOOR.queued if applies(device) else 0
+
+
+def coming(device: torch.device) -> int:
+    """Engine calls on their way in (0 where the door does not apply)."""
+    return DOOR.coming if applies(device) else 0
+
+
+def arrive(device: torch.device) -> Arrival:
+    """DOOR.arrive() for a call on `device` (counts nothing where the door does not apply)."""
+    return DOOR.arrive() if applies(device) else Arrival(None)
 
 
 def caller(device: torch.device):

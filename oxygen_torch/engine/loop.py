@@ -261,17 +261,18 @@ class Engine(Rows, Delivery):
                 self._cond.wait(IDLE_S if not (self.running or self.waiting) else 0.005)
 
     def _gather_burst(self) -> None:
-        """An idle engine with callers at the front door waits while they pass it (asleep: the
-        interpreter lock is theirs), up to scheduler.burst_gather_ms, unless the calls in hand
-        already fill a step: otherwise the first caller of a burst gets a step of its own and
-        the others' front-door Python runs beside its launch, which then takes several times
-        its own time (on the H200 at 256 calls: one row, ~250 ms of wall for ~65 ms of CPU)."""
+        """An idle engine with calls on their way in (door.coming: from their generate()'s start
+        to their rows' submission) waits while they come (asleep: the interpreter lock is
+        theirs), up to scheduler.burst_gather_ms, unless the calls in hand already fill a step:
+        otherwise the first caller of a burst gets a step of its own and the others' Python runs
+        beside its launch, which then takes several times its own time (on the H200 at 256
+        calls: 6 rows, ~250 ms of wall for ~65 ms of CPU)."""
         wait_s = self.cfg.burst_gather_ms / 1000
         device = self.runner.device
-        if wait_s <= 0 or not door.queued(device):
+        if wait_s <= 0 or not door.coming(device):
             return
         deadline = time.monotonic() + wait_s
-        while door.queued(device) and time.monotonic() < deadline:
+        while door.coming(device) and time.monotonic() < deadline:
             with self._cond:
                 if self._closed:
                     return

@@ -475,9 +475,10 @@ def _call_seed() -> int:
 # --- the caller's side ------------------------------------------------------------------------
 
 
-def run(engine, p: Plan, entered: float | None = None):
+def run(engine, p: Plan, entered: float | None = None, arrival=None):
     """Submits the call's rows, waits (streaming in this thread), returns stock's output.
-    entered: perf_counter time of the generate() call (the engine counts the door's time)."""
+    entered: perf_counter time of the generate() call (the engine counts the door's time);
+    arrival: the call's count in door.coming, left once its rows are submitted."""
     _check_lockstep(engine, p)
     streamer = p.streamer
     if streamer is not None:  # (the user's code: outside the door)
@@ -486,6 +487,8 @@ def run(engine, p: Plan, entered: float | None = None):
     group = Group(p.requests, streaming=streamer is not None, cancel=current_task().cancel)
     group.entered = entered
     engine.submit(group)
+    if arrival is not None:
+        arrival.leave()
     sent = 0
     try:
         seen = 0

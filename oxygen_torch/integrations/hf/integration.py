@@ -22,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ... import _patching
 from ...config import OxygenConfig, load_config
-from ...engine import rank_plan
+from ...engine import door, rank_plan
 from ...engine.task import current as current_task
 from ...kv.pool import release_pools
 from . import batched, compat, engine_runner, front, graphs, oversubscribe, router
@@ -116,17 +116,23 @@ def _generate(self, *args, **kwargs):
     tp = rank_plan.tp_size(self) > 1
     merged = cfg.scheduler.merge and (not tp or _coordinated(self))
     # (tensor parallel: row groups one after another, the same on every rank)
-    call = gen._Call(self, args, kwargs)
     engine = merged and not tp and cfg.scheduler.engine
-    # the engine's calls read their inputs to the host once (each read waits for the steps
-    # queued on the stream), and the checks below use that copy
-    host = front.read_inputs(call) if engine else None
-    gen.validate(self, call, host[0] if host else None)  # before the call shares a step
-    if engine:
-        p = front.plan(self, args, kwargs, call, host)
-        if not isinstance(p, str):
-            return front.run(engine_runner.engine_for(self, cfg), p, entered)
-        front.note_reason(p)
+    # an idle engine waits for the calls on their way in (engine/door.py, `coming`)
+    arrival = door.arrive(self.device) if engine else None
+    try:
+        call = gen._Call(self, args, kwargs)
+        # the engine's calls read their inputs to the host once (each read waits for the steps
+        # queued on the stream), and the checks below use that copy
+        host = front.read_inputs(call) if engine else None
+        gen.validate(self, call, host[0] if host else None)  # before the call shares a step
+        if engine:
+            p = front.plan(self, args, kwargs, call, host)
+            if not isinstance(p, str):
+                return front.run(engine_runner.engine_for(self, cfg), p, entered, arrival)
+            front.note_reason(p)
+    finally:
+        if arrival is not None:
+            arrival.leave()
     verdict = oversubscribe.judge(self, cfg, call, merged and not tp)  # None: rows fit
     if verdict is not None and verdict.groups is not None:
         return oversubscribe.run(self, verdict, args, kwargs, _generate)
