@@ -144,6 +144,7 @@ def throughput(mode: str) -> dict:
         if DEVICE == "cuda":
             torch.cuda.reset_peak_memory_stats()
         churn = pool_churn()
+        t0 = time.perf_counter()
         out, dt = timed(lambda: model.generate(ids, **kw))
         churn = {k: v - churn[k] for k, v in pool_churn().items()}
     res = dict(
@@ -164,11 +165,44 @@ def throughput(mode: str) -> dict:
         from oxygen_torch.integrations.hf import graphs as hf_graphs
 
         res["kv_peak_mapped_GiB"] = round(kv_peak_bytes() / GIB, 2)
-        res["decode_graphs"] = hf_graphs.stats(model)
+        steps = engine_steps(model, t0)
+        if steps:  # the call ran as an engine request: its steps' figures
+            res["engine"] = steps
+        else:
+            res["decode_graphs"] = hf_graphs.stats(model)
     if churn:  # the global pool's page maps/unmaps during the timed call (~59 / ~37 us each)
         res["pool_maps_per_step"] = round(churn["num_maps"] / N, 1)
         res["pool_unmaps_per_step"] = round(churn["num_unmaps"] / N, 1)
     return res
+
+
+def engine_steps(model, since: float) -> dict:
+    """The timed call's engine steps (a call alone is an engine request): medians over its
+    decode steps of the period between launches, the launch's host time and the engine
+    thread's CPU in it, the GPU time and the GPU's idle time before a step (CUDA events), in
+    ms; {} when no engine served the model."""
+    from oxygen_torch.integrations.hf import engine_runner
+
+    eng = next(iter((engine_runner._engines.get(model) or {}).values()), None)
+    if eng is None:
+        return {}
+    tl = [x for x in eng.stats.timeline if x[0] >= since]
+    dec = [x for x in tl if x[1] == x[2]]  # decode steps (a token a row)
+
+    def med(xs):
+        xs = sorted(x for x in xs if x is not None)
+        return round(1e3 * xs[len(xs) // 2], 3) if xs else None
+
+    return dict(
+        steps=len(tl),
+        decode_steps=len(dec),
+        period_ms=med(b[0] - a[0] for a, b in zip(dec, dec[1:])),
+        launch_ms=med(x[4] for x in dec),
+        launch_cpu_ms=med(x[8] for x in dec),
+        gpu_ms=med(x[6] for x in dec),
+        gpu_idle_ms=med(x[7] for x in dec),
+        graphs=eng.runner.graphs.stats(),
+    )
 
 
 def capacity_kv_bytes(

@@ -167,8 +167,8 @@ def clear_prefix_cache() -> int:
 def decode_graph_stats(model) -> dict:
     """generate()'s decode graphs of `model`: held, captured, replays, failed signatures, and how
     they were compiled (whole forward by backend "oxygen", or RMSNorm / MLP / rotary only);
-    under "merged", the multi-task engine's merged decode graphs: held, captured, replays,
-    failed signatures."""
+    under "merged", the engine's merged decode graphs (by rows bucket): held, captured,
+    replays, padded replays, failed signatures, and how many were compiled whole or fused."""
     from .integrations.hf import batched, graphs
 
     return {**graphs.stats(model), "merged": batched.merged_graph_stats(model)}

@@ -16,7 +16,7 @@ from tiny_tokenizer import tiny_tokenizer
 
 import oxygen_torch
 from oxygen_torch.config import load_config
-from oxygen_torch.integrations.hf import PagedKVCache, engine_runner, front
+from oxygen_torch.integrations.hf import PagedKVCache, engine_runner, front, merged_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 
@@ -105,6 +105,33 @@ def test_no_per_call_python_per_step(oxygen, monkeypatch):
     (eng,) = engines(model)
     rows = eng.snapshot()["rows_per_step"]
     assert rows > 1.5, rows  # steps served several calls' rows at once
+
+
+@pytest.mark.parametrize("arch, whole", [("llama", True), ("qwen3", True), ("llama", False)])
+def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeypatch, arch, whole):
+    """The engine's decode steps replay graphs captured from the forward compiled whole by
+    backend "oxygen" (kv.decode_graph_compile; off: the RMSNorm / MLP / rotary modules
+    compiled), as a single call's decode graphs do: on CPU through the stand-in replays
+    (kv.cpu_decode_graphs "fuse"). 8 concurrent calls of 1-3 rows pass through several rows
+    buckets, each captured at once (whole: one compile, then sizes compiled symbolic); every
+    call's tokens and its float32 logits at every step equal stock's."""
+    monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", 0)
+    model = tiny(arch)
+    seeds = torch.randint(0, 10_000, (8,)).tolist()
+    kws = [dict(call(s), return_dict_in_generate=True, output_logits=True) for s in seeds]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    kv = {"cpu_decode_graphs": "fuse", "decode_graph_compile": whole}
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i].sequences, r.sequences), (arch, seeds[i])
+        for a, b in zip(out[i].logits, r.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
+    assert st["replays"] > 0 and st["failed"] == 0, st
+    assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
 
 
 @pytest.mark.parametrize("ending", ["eos", "penalty"])

@@ -19,6 +19,7 @@ from test_prefix_cache import BT, Counted, _prompts, _reference, _tokens
 from oxygen_torch import _patching
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv import pool as kv_pool
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
@@ -361,7 +362,8 @@ def test_cuda_cpu_tier_hit_gives_the_tokens_of_a_gpu_hit(arch, oxygen):
         torch.cuda.synchronize()
         gc.collect()
         chains = [row[p:].tolist() for row, p in zip(ids, (mask == 0).sum(1).tolist())]
-        ns = next(iter(pool.prefix._roots))
+        # this model's namespace (a model of an earlier test may have left its own in the pool)
+        (ns,) = [n for n in pool.prefix._roots if n[0] == hf_prefix._serial(model)]
         with pool.lock:
             blocks = pool.prefix.peek(ns, chains[1])
         idx = torch.tensor(blocks, device="cuda")

@@ -115,7 +115,7 @@ class Door:
                     self._open_at = None
                     self._callers.notify()
 
-    def arrive(self) -> "Arrival":
+    def arrive(self) -> Arrival:
         """A call on its way to an engine: counted in `coming` until its Arrival leaves."""
         with self._callers:
             self.coming += 1

@@ -26,13 +26,16 @@ def paged_step(
     scale: float | None = None,
     sliding_window: int = 0,
 ) -> Tensor:
-    """q: [B, Hq, 1, D], k/v: [B, Hkv, 1, D] -> [B, 1, Hq, D]: stores k/v at this step's slots
-    of the running decode-graph step's cache (oxygen_torch.context.lent_core) and attends over it.
-    sliding_window 0 = none."""
+    """q: [B, Hq, q, D], k/v: [B, Hkv, q, D] -> [B, q, Hq, D] (q is 1 in a single call's
+    decode graph; B is 1 in an engine's merged one, its rows' tokens packed): stores k/v at this
+    step's slots of the running decode-graph step's cache (oxygen_torch.context.lent_core) and
+    attends over it. sliding_window 0 = none."""
     core = context.lent_core()
     return core.step(layer, q, k, v, scale=scale, sliding_window=sliding_window or None)
 
 
 @paged_step.register_fake
 def _paged_step_fake(q, k, v, layer, scale=None, sliding_window=0):
-    return q.new_empty(q.shape[0], 1, q.shape[1], q.shape[3])
+    # [B, q, Hq, D]: q is 1 in a single call's decode graph; an engine's merged decode graph
+    # packs its R rows' tokens into one sequence ([1, Hq, R, D] -> [1, R, Hq, D])
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])

@@ -438,21 +438,23 @@ class _StepCache(PagedKVCache):
         super(PagedKVCache, self).__init__(layers=layers)
 
 
-def _forward(model, step: MergedStep, ids, pos, keep_idx):
-    """The model's own forward (not its __call__: the router would send it here again)."""
-    text = model.config.get_text_config(decoder=True)
-    cache = _StepCache(step, text)
+def _forward(model, step: MergedStep, ids, pos, keep_idx, forward=None, cache=None):
+    """The model's own forward (not its __call__: the router would send it here again), or
+    `forward` (a compiled twin of it) over `cache` (a _StepCache of `step`, else a new one)."""
+    if cache is None:
+        cache = _StepCache(step, model.config.get_text_config(decoder=True))
     name = compat.cache_arg(type(model))
-    forward = type(model).forward.__get__(model)
+    if forward is None:
+        forward = type(model).forward.__get__(model)
     return forward(
         input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True,
         logits_to_keep=keep_idx, return_dict=True, **{name: cache},
     )  # fmt: skip
 
 
-def _graph_forward(model, core, ids, pos):
+def _graph_forward(model, core, ids, pos, forward=None, cache=None):
     """A merged decode graph's forward over its static buffers (every logit kept)."""
-    return _forward(model, core, ids, pos, 0)
+    return _forward(model, core, ids, pos, 0, forward, cache)
 
 
 def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
@@ -497,13 +499,18 @@ def clear_graphs() -> None:
 
 
 def merged_graph_stats(model) -> dict:
-    """The merged decode graphs of `model`'s mergers, summed."""
+    """The merged decode graphs of `model`'s mergers and engines, summed."""
+    from . import engine_runner
+
     with _mergers_lock:
-        mergers = list(_mergers.get(model, {}).values())
-    total = {"graphs": 0, "captures": 0, "replays": 0, "padded": 0, "failed": 0}
-    for m in mergers:
-        for k, v in m.graphs.stats().items():
-            total[k] += v
+        held = [m.graphs for m in _mergers.get(model, {}).values()]
+    with engine_runner._engines_lock:
+        held += [e.runner.graphs for e in engine_runner._engines.get(model, {}).values()]
+    total = dict.fromkeys(("graphs", "captures", "replays", "padded", "failed", "compiled",
+                           "fused"), 0)  # fmt: skip
+    for g in held:
+        for k, v in g.stats().items():
+            total[k] = total.get(k, 0) + v
     return total
 
 

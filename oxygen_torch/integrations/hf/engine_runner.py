@@ -92,8 +92,17 @@ class HFRunner:
         with step.pool.lock:
             step.reserve(build=not replay)
         try:
-            with trace_guard.GUARD.step():  # (not beside a compile of ours)
-                logits = self._replay(model, step, rows, ids, pos) if replay else None
+            graph = self._pick(model, step, len(pos)) if replay else None
+            # a capture that compiles runs alone (trace_guard.py); any other step beside the
+            # other engines' steps, not beside a compile of ours
+            fuse_on = graph is not None and graph.runner is None and self._fuses()
+            with trace_guard.GUARD.compile() if fuse_on else trace_guard.GUARD.step():
+                logits = None
+                if graph is not None:
+                    whole = self.cfg.kv.decode_graph_compile
+                    play = self.graphs.play
+                    logits = play(graph, model, step, [ids], pos, _graph_forward, fuse_on, whole)
+                    self.replayed += logits is not None
                 if logits is None:
                     if replay:  # its capture failed before: eager after all
                         step.build()
@@ -104,18 +113,24 @@ class HFRunner:
         step.commit()
         return logits
 
+    def _fuses(self) -> bool:
+        """Whether a capture fuses its forward (kv.decode_graph_fusion; on a CPU only with
+        kv.cpu_decode_graphs "fuse")."""
+        kv = self.cfg.kv
+        here = self.device.type == "cuda" or kv.cpu_decode_graphs == "fuse"
+        return here and kv.decode_graph_fusion
+
     def _replayable(self, rows) -> bool:
         """A step of decodes only, with decode graphs on (kv.decode_graphs, on a GPU)."""
         if any(row.ids is not None for row in rows):
             return False
         return graphs.usable(self.device, self._proto_cache) and not rows[0].req.kv.debug
 
-    def _replay(self, model, step: MergedStep, rows, ids, pos):
+    def _pick(self, model, step: MergedStep, rows: int):
+        """The merged decode graph of this reserved step (None: its signature runs eagerly)."""
         need = max(len(c.seqs.blocks[0]) for c in step.cores)
         width = max(graphs.WIDTH_STEP, 1 << (need - 1).bit_length())
-        logits = self.graphs.run(model, step, width, [ids], pos, _graph_forward)
-        self.replayed += logits is not None
-        return logits
+        return self.graphs.pick(model, step, width, rows)
 
     def _eager(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor:
         keep, at = [], 0

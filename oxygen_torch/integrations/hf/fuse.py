@@ -55,12 +55,14 @@ def _compile(fn):
 
 
 @contextlib.contextmanager
-def compiled(model, forward, core, options=None):
+def compiled(model, forward, core, options=None, dynamic: bool | None = False):
     """Within: yields `forward` compiled whole by backend "oxygen" (module docstring); the
     compile itself happens at the first call. options: the call's CompileOptions (a
     compile_config naming backend "oxygen"), else the core's precision and fallback "error".
-    One compiled function per forward function and options, shared by the models of a class
-    (it holds no model: they stay collectable)."""
+    dynamic: torch.compile's (None, an engine's merged graphs: a second batch bucket compiles
+    the sizes symbolic, and later buckets reuse it, instead of one compile a bucket).
+    One compiled function per forward function, options and `dynamic`, shared by the models of
+    a class (it holds no model: they stay collectable)."""
     from ...compile import make_backend
 
     if options is None:
@@ -69,7 +71,7 @@ def compiled(model, forward, core, options=None):
         spec = {**options.as_dict(), "mode": "default"}
     func = getattr(forward, "__func__", None)
     bound = func is not None and getattr(forward, "__self__", None) is model
-    key = (func, "whole", repr(sorted(spec.items())))
+    key = (func, "whole", repr(sorted(spec.items())), dynamic)
     with _lock:
         fn = _compiled.get(key) if bound else None
         if fn is None:
@@ -77,7 +79,7 @@ def compiled(model, forward, core, options=None):
                 func if bound else forward,
                 backend=make_backend(spec),
                 fullgraph=True,
-                dynamic=False,
+                dynamic=dynamic,
             )
             if bound:  # anything else may hold its model: compiled for this capture only
                 _compiled[key] = fn
@@ -104,8 +106,9 @@ def _rope_modules(model) -> list[types.ModuleType]:
 
 
 @contextlib.contextmanager
-def fused(model, forward=None, core=None, options=None):
-    """Within: `model`'s fusible modules and rotary function run compiled (module docstring)."""
+def fused(model, forward=None, core=None, options=None, dynamic=False):
+    """Within: `model`'s fusible modules and rotary function run compiled (module docstring;
+    static shapes whatever `dynamic` says: one compile per class and shape)."""
     why = "a decode graph's capture runs the compiled twin (same math, fused kernels)"
     with _lock:  # one capture at a time: the group below is this capture's
         try:
