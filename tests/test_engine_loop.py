@@ -389,6 +389,58 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
     assert eng.stats.preemptions >= 1
 
 
+@pytest.mark.parametrize("cap", [8, 0])
+def test_lower_prompts_beside_a_higher_call_share_the_cap_of_a_step(oxygen, cap):
+    """scheduler.lower_prefill_tokens: three low-priority calls with 40-token prompts arrive
+    while a high-priority call decodes: in every step that serves the high call, the low
+    calls' prompt chunks take at most `cap` tokens together, and they still progress beside it
+    (0: no cap, a whole prompt joins a step). Every call's tokens equal stock's."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    high = dict(input_ids=torch.randint(3, 128, (1, 5), generator=g), max_new_tokens=60,
+                min_new_tokens=60, do_sample=False)  # fmt: skip
+    low = [dict(input_ids=torch.randint(3, 128, (1, 40), generator=g), max_new_tokens=4,
+                do_sample=False) for _ in range(3)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**high)] + [model.generate(**kw) for kw in low]
+    hf.apply(model, load_config(scheduler={"engine": True, "lower_prefill_tokens": cap}))
+    _generate(model, dict(high, max_new_tokens=2, min_new_tokens=2))  # the engine exists
+    (eng,) = engines(model)
+    steps, launch = [], eng._launch
+
+    def recorded(rows):  # (the high call in the step, the low calls' prompt tokens in it)
+        high_in = any(row.req.task.level > 0 for row in rows)
+        low_prompt = sum(row.n for row in rows if row.ids is not None and row.req.task.level == 0)
+        steps.append((high_in, low_prompt))
+        return launch(rows)
+
+    eng._launch = recorded
+    going = threading.Event()
+
+    class Going(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 4:  # the high call has 3 new tokens: the low calls come
+                going.set()
+
+    def run(i):
+        if i == 0:
+            with oxygen_torch.task(priority="high"):
+                return _generate(model, dict(high, streamer=Going()))
+        assert going.wait(60)
+        with oxygen_torch.task(priority="low"):
+            return _generate(model, low[i - 1])
+
+    out, errors = in_threads(run, [(i,) for i in range(4)])
+    assert not errors, errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(4))
+    beside = [n for high_in, n in steps if high_in and n]
+    if cap:
+        assert beside and max(beside) <= cap, steps
+    else:
+        assert max(beside, default=0) > 8, steps
+
+
 def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     from oxygen_torch.engine.stats import METRICS
 

@@ -383,6 +383,13 @@ class SchedulerConfig:
     # prefill is cut into chunks that fit beside the others' decode tokens
     max_step_tokens: int = 8192
     max_step_seqs: int = 256  # sequences one merged step serves at most
+    # while a call of a higher priority level is live (running or waiting), the prefill chunks
+    # of lower-level calls take at most this many tokens of a step together, so the higher
+    # calls' steps stay short (their time per token) and their prompts start sooner; lower calls
+    # still progress every step (never starved); 0 = no such cap. On the H200 (Llama-1.1B
+    # shape) a high row's slow steps under a trace were steps that carried a low call's prompt:
+    # 28.4 ms at P99 against 4.0 ms with no low load
+    lower_prefill_tokens: int = 256
     # how long a step waits for a call that has not submitted yet before it goes without it
     gather_ms: float = 5.0
     # merged decode steps (every row one token) replayed from CUDA graphs by batch-size bucket;
@@ -419,6 +426,11 @@ class SchedulerConfig:
                     f"scheduler.{name}: {describe(v)} is out of range; allowed: [0, 1]"
                 )
         _check_choice("scheduler", "policy", self.policy, ("wfq", "fcfs"))
+        if not 0 <= self.lower_prefill_tokens <= 1 << 20:
+            raise ValueError(
+                f"scheduler.lower_prefill_tokens: {describe(self.lower_prefill_tokens)} is out "
+                "of range; allowed: 0 (no cap) … 1048576"
+            )
         for name, top in (("max_step_tokens", 1 << 20), ("max_step_seqs", 1 << 16)):
             v = getattr(self, name)
             if not 1 <= v <= top:

@@ -5,7 +5,9 @@ The engine's rows are Requests (engine/request.py). A step takes, in this order:
 1. every row that decodes (its prompt is written and it still draws), up to max_step_seqs;
 2. prefill chunks of rows still writing their prompt (admitted ones first, then the waiting
    ones) in the policy's order (WFQ: the lowest virtual-token counter first), each cut to the
-   token budget left (max_step_tokens).
+   token budget left (max_step_tokens). While a row of a higher priority level is live, the
+   chunks of lower-level rows share at most `scheduler.lower_prefill_tokens` of a step: a
+   higher row's steps stay short, and a lower row still gets some of every step.
 
 KV blocks are counted before a row joins: when they are short, rows of a lower priority level
 (or the same level, younger) are preempted, their blocks freed and their tokens computed again
@@ -104,16 +106,25 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         [r for r in engine.waiting
          if r.pending == 0 and r.finished is None and not r.swapped and allowed(r)],
     )  # fmt: skip
+    cap, top = engine.cfg.lower_prefill_tokens, None
+    if cap and prefills:  # the highest level live: lower rows' chunks share `cap` tokens
+        top = max(r.task.level for rs in (engine.running, engine.waiting) for r in rs
+                  if r.finished is None)  # fmt: skip
     for r in prefills:
         if budget.tokens <= 0:
             break
         if id(r) in gone:
             continue
+        limit = cap if top is not None and r.task.level < top else None
+        if limit is not None and limit <= 0:
+            continue
         if budget.seqs <= 0 and not _make_room(engine, r, budget, rows):
             continue  # (a higher row further on may still find a lower one to preempt)
-        row = _chunk(engine, r, budget, rows)
+        row = _chunk(engine, r, budget, rows, limit)
         if row is not None:
             rows.append(row)
+            if limit is not None:
+                cap -= row.n
     return rows
 
 
@@ -145,9 +156,12 @@ def _preempt(engine, v: Request, budget: Budget, chosen: list[StepRow]) -> None:
         budget.seqs += 1
 
 
-def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow | None:
-    """A prefill chunk of `r` within the budget, preempting lower rows when KV is short. A
-    waiting row is admitted first (its KV, and what the prefix cache holds of its tokens)."""
+def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow],
+           limit: int | None = None) -> StepRow | None:  # fmt: skip
+    """A prefill chunk of `r` within the budget (and `limit` tokens), preempting lower rows
+    when KV is short. A waiting row is admitted first (its KV, and what the prefix cache holds
+    of its tokens)."""
+    tokens = budget.tokens if limit is None else min(budget.tokens, limit)
     if r.kv is None:
         whole = engine.kvs.blocks_for(None, len(r.prompt) + r.stop.max_new)
         if whole > engine.total_blocks():  # it could never hold its tokens, whoever else left
@@ -161,14 +175,14 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> StepRow
                 ),
             )
             return None
-        first = min(len(r.seq()), budget.tokens)
+        first = min(len(r.seq()), tokens)
         if engine.kvs.blocks_for(None, first) > budget.free and not _victims(engine, r):
             budget.free += engine.reclaim_kept()  # (ended rows kept for an output cache)
             if engine.kvs.blocks_for(None, first) > budget.free:
                 return None  # no room and no one to make it: it waits (not admitted)
         engine.admit(r)
     left = r.target - r.computed
-    n = min(left, budget.tokens)
+    n = min(left, tokens)
     blocks = engine.blocks_for(r, n)
     if blocks > budget.free:
         for v in reversed(_ordered(engine, _victims(engine, r))):

@@ -94,14 +94,18 @@ def load(path: str, dtype: str = "auto", device: str | None = None):
 
 
 def warm_up(model, pad: int) -> float:
-    """One short greedy call: the KV pool is made (its size bounds requests) and first-call
-    costs (compiles, graph captures) are paid before the first client. Returns seconds."""
+    """Short greedy calls of one and of two rows: the KV pool is made (its size bounds
+    requests) and first-call costs are paid before the first client (the engine's decode
+    graphs compile at one row, then their sizes symbolic at a second rows bucket; later
+    buckets only capture). Returns seconds."""
     import torch
 
     t0 = time.perf_counter()
-    ids = torch.full((1, 4), pad, device=model.device)
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    for rows in (1, 2):
+        ids = torch.full((rows, 4), pad, device=model.device)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                           do_sample=False)  # fmt: skip
     return time.perf_counter() - t0
 
 
