@@ -129,7 +129,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         policy = "fcfs" if mode == "oxygen_fcfs" else "wfq"
         oxygen_torch.enable(scheduler={"policy": policy})
     model = build_model()
-    rate = 4.0 if SMOKE else 8.0
+    rate = float(os.environ.get("BENCH_MULTITASK_RATE") or (4.0 if SMOKE else 8.0))
     cap_p, cap_n = (40, 24) if SMOKE else (2048, 1024)
     reqs = trace(seed, n, rate, cv, 0.2, model.config.vocab_size, cap_p, cap_n)
     if mode == "burst":  # three times the rate for the first 10 s
@@ -151,6 +151,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
+    out["rate"] = rate
     if oxygen:  # the engine's steps: how many, how full, the GPU's idle share between them
         st = oxygen_torch.engine_stats(model)
         out["steps"] = st.get("steps", 0)
@@ -323,6 +324,10 @@ def main() -> None:
     ap.add_argument("--cvs", nargs="*", type=float, default=[1.0, 4.0],
                     help="coefficients of variation of the arrivals")  # fmt: skip
     ap.add_argument("--requests", type=int, default=200, help="requests in a trace")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="mean arrivals a second of a trace (default 8: on the H200 the "
+                         "Llama-1.1B shape then runs ~12 tokens a step; raise it, with "
+                         "--requests, to keep the engine full)")  # fmt: skip
     ap.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
@@ -398,6 +403,10 @@ def main() -> None:
     if args.at_once:
         at_once(args)
         return
+    if args.rate is not None:  # (the modes' processes read it)
+        if not args.rate > 0:
+            ap.error(f"--rate: {args.rate} is not a positive number of arrivals a second")
+        os.environ["BENCH_MULTITASK_RATE"] = str(args.rate)
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)
