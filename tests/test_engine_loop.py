@@ -107,7 +107,7 @@ def test_no_per_call_python_per_step(oxygen, monkeypatch):
     assert rows > 1.5, rows  # steps served several calls' rows at once
 
 
-@pytest.mark.parametrize("arch, whole", [("llama", True), ("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize("arch, whole", [("llama", True), ("qwen3", True), ("mistral", True), ("gemma3", True), ("llama", False)])
 def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeypatch, arch, whole):
     """The engine's decode steps replay graphs captured from the forward compiled whole by
     backend "oxygen" (kv.decode_graph_compile; off: the RMSNorm / MLP / rotary modules
