@@ -16,6 +16,7 @@ from tiny_tokenizer import tiny_tokenizer
 
 import oxygen_torch
 from oxygen_torch.config import load_config
+from oxygen_torch.engine.sampling import Sampler
 from oxygen_torch.integrations.hf import PagedKVCache, engine_runner, front, merged_graphs
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
@@ -107,7 +108,10 @@ def test_no_per_call_python_per_step(oxygen, monkeypatch):
     assert rows > 1.5, rows  # steps served several calls' rows at once
 
 
-@pytest.mark.parametrize("arch, whole", [("llama", True), ("qwen3", True), ("mistral", True), ("gemma3", True), ("llama", False)])
+@pytest.mark.parametrize(
+    "arch, whole",
+    [("llama", True), ("qwen3", True), ("mistral", True), ("gemma3", True), ("llama", False)],
+)
 def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeypatch, arch, whole):
     """The engine's decode steps replay graphs captured from the forward compiled whole by
     backend "oxygen" (kv.decode_graph_compile; off: the RMSNorm / MLP / rotary modules
@@ -132,6 +136,46 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["replays"] > 0 and st["failed"] == 0, st
     assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
+
+
+def test_eos_held_back_before_min_new_tokens_as_stock_with_raw_logits_untouched(
+    oxygen, monkeypatch
+):
+    """Greedy calls whose EOS is the argmax before their min_new_tokens: stock suppresses it,
+    and so does the engine, in the logits themselves (no sampler, no float32 copy) when no row
+    of the step keeps anything; a call beside them that keeps its raw logits (output_logits)
+    gets them as stock's, its EOS not masked."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    kws = []
+    for rows in (1, 2, 3):
+        ids = torch.randint(3, 128, (rows, 7), generator=g)
+        with torch.no_grad():
+            first = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)[0, -1]
+        kws.append(dict(input_ids=ids, eos_token_id=int(first), min_new_tokens=4,
+                        max_new_tokens=9, do_sample=False))  # fmt: skip
+    kept = dict(kws[0], return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+        ref_kept = model.generate(**kept)
+    assert all(int(r[0, 7]) != kw["eos_token_id"] for r, kw in zip(ref, kws))  # held back
+    hf.apply(model, ENGINE)
+    calls, sampler = [], Sampler.__call__
+
+    def counted(self, logits, rows):
+        calls.append(len(rows))
+        return sampler(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
+    got = [_generate(model, kw) for kw in kws]
+    assert not calls, calls  # alone: the logits masked in place
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws + [kept]])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(got[i], r) and torch.equal(out[i], r), i
+    assert torch.equal(out[3].sequences, ref_kept.sequences)
+    for a, b in zip(out[3].logits, ref_kept.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ending", ["eos", "penalty"])

@@ -371,6 +371,17 @@ class Engine(Rows, Delivery):
         reqs = [row.req for row in kept]
         if all(r.plain or (r.plain is None and r.sampled >= r.stop.min_new) for r in reqs):
             return logits.argmax(-1), None
+        if all(r.plain is not False and not r.keep_logits for r in reqs):
+            # greedy rows with EOS suppressed until their min_new tokens, no scores or raw
+            # logits kept: the ids masked in the logits themselves (a graph's output buffer,
+            # rewritten by the next replay), not in a float32 copy of [K, V] (at 256 rows and
+            # a 128k vocabulary, 128 MiB written and read a step)
+            pairs = [(i, t) for i, r in enumerate(reqs) if r.sampled < r.stop.min_new
+                     for t in self._suppressed(r)]  # fmt: skip
+            if pairs:
+                at = upload([i for i, _ in pairs] + [t for _, t in pairs], logits.device)
+                logits[at[: len(pairs)], at[len(pairs) :]] = float("-inf")
+            return logits.argmax(-1), None
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
         return self.sampler(logits, samples)
 
