@@ -169,9 +169,12 @@ def decode_graph_stats(model) -> dict:
     they were compiled (whole forward by backend "oxygen", or RMSNorm / MLP / rotary only);
     under "merged", the engine's merged decode graphs (by rows bucket): held, captured,
     replays, padded replays, failed signatures, and how many were compiled whole or fused."""
-    from .integrations.hf import batched, graphs
+    from .integrations.hf import batched, engine_runner, graphs
 
-    return {**graphs.stats(model), "merged": batched.merged_graph_stats(model)}
+    merged = batched.merged_graph_stats(model)
+    for k, v in engine_runner.graph_stats(model).items():
+        merged[k] = merged.get(k, 0) + v
+    return {**graphs.stats(model), "merged": merged}
 
 
 def engine_stats(model=None) -> dict:

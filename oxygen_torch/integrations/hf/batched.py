@@ -499,13 +499,9 @@ def clear_graphs() -> None:
 
 
 def merged_graph_stats(model) -> dict:
-    """The merged decode graphs of `model`'s mergers and engines, summed."""
-    from . import engine_runner
-
+    """The merged decode graphs of `model`'s mergers, summed."""
     with _mergers_lock:
         held = [m.graphs for m in _mergers.get(model, {}).values()]
-    with engine_runner._engines_lock:
-        held += [e.runner.graphs for e in engine_runner._engines.get(model, {}).values()]
     total = dict.fromkeys(("graphs", "captures", "replays", "padded", "failed", "compiled",
                            "fused"), 0)  # fmt: skip
     for g in held:

@@ -141,24 +141,27 @@ class MergedDecodeGraph:
             self.ids[0, r:].zero_()
         return r
 
-    def run(self, model, forward, fuse_on: bool = False, compile_whole: bool = True):
+    def run(self, model, forward, fuse_on: bool = False, compile_whole: bool = True,
+            new_cache=None):  # fmt: skip
         """Replays (or warms up and captures on first use); the logits [rows, V]. The capture
         runs the forward compiled whole by backend "oxygen" when `fuse_on` and
-        `compile_whole`, else (or when that compile fails) with the fusible modules compiled
-        when `fuse_on`, else unfused; each failure warns once (as a single call's graphs do)."""
+        `compile_whole` (over the cache new_cache(core, model) makes), else (or when that
+        compile fails) with the fusible modules compiled when `fuse_on`, else unfused; each
+        failure warns once (as a single call's graphs do)."""
         if self.runner is not None:
             self.replays += 1
             return self.runner(self.ids, self.buf)[0]
         tries = []
         if fuse_on:
-            if compile_whole:
+            if compile_whole and new_cache is not None:
                 tries.append(("compiled", fuse.compiled))
             tries.append(("modules", fuse.fused))
         for how, fusion in tries:
             try:
                 bound = type(model).forward.__get__(model)
                 with fusion(model, bound, self.core, dynamic=None) as fn:
-                    logits = self._capture(model, forward, fn if how == "compiled" else None)
+                    whole = fn if how == "compiled" else None
+                    logits = self._capture(model, forward, whole, new_cache)
                 self.fusion = how
                 return logits
             except CaptureError:
@@ -170,10 +173,13 @@ class MergedDecodeGraph:
                 self.runner = None
         return self._capture(model, forward, None)
 
-    def _capture(self, model, forward, compiled) -> torch.Tensor:
+    def _capture(self, model, forward, compiled, new_cache=None) -> torch.Tensor:
         """Warm-up and capture of the step; `compiled`: the model's forward compiled whole (its
-        attention is oxygen::paged_step over this graph's core, lent while it runs)."""
-        cache = _step_cache(self.core, model) if compiled is not None else None
+        attention is oxygen::paged_step over this graph's core, lent while it runs), run on the
+        cache new_cache(core, model) makes."""
+        # the one cache object the warm-up and the capture both run on (a compiled forward
+        # guards on its inputs: a new object a run would be compiled again)
+        cache = new_cache(self.core, model) if compiled is not None else None
 
         def step(ids, buf):
             pos = self.positions.to(torch.int64).view(1, -1)
@@ -198,14 +204,6 @@ class MergedDecodeGraph:
         return self.runner(self.ids, self.buf)[0]
 
 
-def _step_cache(core: _GraphStep, model):
-    """The one cache object a compiled capture's warm-up and capture both run on (a compiled
-    forward guards on its inputs: a new object a run would be compiled again)."""
-    from .batched import _StepCache
-
-    return _StepCache(core, model.config.get_text_config(decoder=True))
-
-
 class MergedGraphs:
     """The merged decode graphs of one Merger."""
 
@@ -221,14 +219,12 @@ class MergedGraphs:
         self._checked: list = []  # the cores (weakly) the fingerprint was last checked for
         self._lock = threading.Lock()
 
-    def run(self, model, step: MergedStep, width: int, ids, pos, forward, fuse_on=False,
-            compile_whole=True):  # fmt: skip
+    def run(self, model, step: MergedStep, width: int, ids, pos, forward):
         """The logits [R, V] of the reserved decode `step` (R rows), or None when this
-        signature runs eagerly (its capture failed before: the step is not run). fuse_on,
-        compile_whole: how a capture fuses (MergedDecodeGraph.run)."""
+        signature runs eagerly (its capture failed before: the step is not run); captured
+        from the eager forward."""
         g = self.pick(model, step, width, len(pos))
-        return None if g is None else self.play(g, model, step, ids, pos, forward, fuse_on,
-                                                compile_whole)  # fmt: skip
+        return None if g is None else self.play(g, model, step, ids, pos, forward)
 
     def pick(self, model, step: MergedStep, width: int, rows: int):
         """The graph a decode step of `rows` rows and a table `width` wide replays (one not
@@ -267,16 +263,17 @@ class MergedGraphs:
             return g
 
     def play(self, g: MergedDecodeGraph, model, step: MergedStep, ids, pos, forward,
-             fuse_on=False, compile_whole=True):  # fmt: skip
+             fuse_on=False, compile_whole=True, new_cache=None):  # fmt: skip
         """The step's logits [R, V] through `g` (pick's), or None when its capture failed
-        (the signature runs eagerly from now on: the step is not run)."""
+        (the signature runs eagerly from now on: the step is not run). A capture fuses as
+        MergedDecodeGraph.run says."""
         key = (g.rows, g.width, id(step.pool))
         with g.lock:
             r = g.stage(step, ids, pos)
             fresh = g.runner is None
             try:
                 logits = g.run(model, forward, fuse_on=fresh and fuse_on,
-                               compile_whole=compile_whole)  # fmt: skip
+                               compile_whole=compile_whole, new_cache=new_cache)  # fmt: skip
             except CaptureError as failed:  # this signature stays eager; the step was done
                 with self._lock:
                     self.failed.add(key)
