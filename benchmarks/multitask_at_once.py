@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -261,12 +262,15 @@ def _profiled(name: str):
 
     extra = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
     with profile(activities=acts, experimental_config=extra) as prof:
+        t0 = time.perf_counter()
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     ka = prof.key_averages()
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     text = (
+        f"--- {name}: the device's time by part\n{parts_table(prof.events(), wall)}\n"
         f"--- {name}: by {sort}\n"
         + ka.table(sort_by=sort, row_limit=40, max_name_column_width=60)
         + f"\n--- {name}: by self CPU time\n"
@@ -284,6 +288,64 @@ def _profiled(name: str):
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)  # (the device tool returns files of bounded size)
         trace.unlink()
+
+
+# a kernel's part of a step, by its name (first match); Triton kernels of ours by their names
+# (triton_kernels/), Inductor's fused ones start with "triton_"
+PARTS = (
+    (
+        "attention",
+        re.compile(
+            r"_decode_kernel|_prefill_kernel|_dense_kernel|_combine_kernel|"
+            r"flash|fmha|attention",
+            re.I,
+        ),
+    ),  # fmt: skip
+    ("kv writes", re.compile(r"_append_kernel|_store|kv_write|_reset_scales|_amax", re.I)),
+    (
+        "matmuls",
+        re.compile(
+            r"gemm|cutlass|xmma|nvjet|cublas|splitk|sm90_|sm80_|matmul|_mm_|"
+            r"aten::(addmm|mm|bmm|linear)$",
+            re.I,
+        ),
+    ),  # fmt: skip
+    (
+        "logits, sampling",
+        re.compile(
+            r"argmax|topk|sort|softmax|cumsum|_sample_kernel|gumbel|"
+            r"index_put|masked_fill|scatter|gather",
+            re.I,
+        ),
+    ),  # fmt: skip
+    ("copies", re.compile(r"memcpy|memset|copy", re.I)),
+    ("fused elementwise (norms, rotary, activations)", re.compile(r"^triton_", re.I)),
+)
+
+
+def parts_table(events, wall_s: float | None = None) -> str:
+    """The device time of the kernels in `events` (torch.profiler's) by part of a step (PARTS;
+    the rest is "other"): total ms and share, and the share of `wall_s` the device was not
+    running them (the host's part, and the gaps); on a machine with no device, the CPU ops'."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    use = kernels or [e for e in events if e.device_type == DeviceType.CPU and not e.cpu_children]
+    total: dict[str, float] = {}
+    for e in use:
+        us = e.device_time_total if kernels else e.cpu_time
+        part = next((n for n, rx in PARTS if rx.search(e.name)), "other")
+        total[part] = total.get(part, 0.0) + us
+    whole = sum(total.values()) or 1.0
+    rows = ["| part | ms | share |", "|---|---|---|"]
+    for part, us in sorted(total.items(), key=lambda kv: -kv[1]):
+        rows.append(f"| {part} | {us / 1e3:.1f} | {100 * us / whole:.1f} % |")
+    what = "kernels" if kernels else "CPU ops (no device kernels recorded)"
+    tail = f"\n({len(use)} {what}, {whole / 1e3:.1f} ms in all"
+    if kernels and wall_s:
+        busy = min(1.0, whole / 1e6 / wall_s)
+        tail += f"; of {1e3 * wall_s:.1f} ms of wall, no kernel ran {100 * (1 - busy):.1f} %"
+    return "\n".join(rows) + tail + ")"
 
 
 def _compile_log(stop: bool = False):
