@@ -97,6 +97,34 @@ def worker(pool, seed: int, ops: int, live_max: int, lo: int, hi: int, errors: l
         errors.append(f"seed {seed}: {exc!r}")
 
 
+def random_trace(seed: int, threads: int = 4, ops: int = 3000, live_max: int = 40,
+                 lo: int = 512, hi: int = 45 * MiB) -> list[list]:  # fmt: skip
+    """The operations `threads` workers of `run` would make (each its own seeded stream of
+    random malloc/free, sizes log-uniform in [lo, hi], at most live_max blocks live), taken in a
+    seeded order: one deterministic trace for `replay` (["a" | "f", size, id, stream 0]), the
+    same on every machine and run, so that pool changes of a point or two can be judged."""
+    order = random.Random(seed)
+    rngs = [random.Random(seed * 1000 + k) for k in range(threads)]
+    live: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
+    left = [ops] * threads
+    trace, next_id = [], 0
+    while any(left):
+        k = order.choice([i for i in range(threads) if left[i]])
+        rng, mine = rngs[k], live[k]
+        left[k] -= 1
+        if mine and (rng.random() < 0.5 or len(mine) >= live_max):
+            i, n = mine.pop(rng.randrange(len(mine)))
+            trace.append(["f", n, i, 0])
+        else:
+            n = log_uniform(rng, lo, hi)
+            mine.append((next_id, n))
+            trace.append(["a", n, next_id, 0])
+            next_id += 1
+    for mine in live:
+        trace += [["f", n, i, 0] for i, n in mine]
+    return trace
+
+
 def replay(ops: list[list], capacity: int, hysteresis_us: int = 0) -> dict:
     """Replay an alloc/free trace (workloads.trace, or the recorded one) on a host pool, every
     block stamped at its malloc and checked at its free. The pool's figures at the end, with
