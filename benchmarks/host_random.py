@@ -125,31 +125,48 @@ def random_trace(seed: int, threads: int = 4, ops: int = 3000, live_max: int = 4
     return trace
 
 
-def replay(ops: list[list], capacity: int, hysteresis_us: int = 0) -> dict:
+def replay(ops: list[list], capacity: int, hysteresis_us: int = 0, op_ns: int = 0) -> dict:
     """Replay an alloc/free trace (workloads.trace, or the recorded one) on a host pool, every
     block stamped at its malloc and checked at its free. The pool's figures at the end, with
     `overwritten` (blocks whose content changed) and the mapped bytes after empty_cache().
     hysteresis_us 0: the pool's default (idle pages age by wall time, so the figures depend on
-    how fast the replay runs); 1: idle pages go at the next operation, whatever the speed."""
-    from oxygen_torch.pool import VirtualPool
+    how fast the replay runs); 1: idle pages go at the next operation, whatever the speed.
+    op_ns > 0: the pool's clock is the replay's, op_ns a operation (oxygen_set_virtual_clock):
+    the same decisions, so the same figures, on every run."""
+    from oxygen_torch.pool import VirtualPool, native
 
-    bad = 0
-    with VirtualPool(backend="host", capacity=capacity, hysteresis_us=hysteresis_us) as pool:
-        ptrs: dict[int, int] = {}
-        for op, size, i, stream in ops:
-            if op == "a":
-                ptrs[i] = p = pool.malloc(size, stream)
-                stamp(p, size, i)
-            elif i in ptrs:
-                p = ptrs.pop(i)
-                bad += not verify(p, size, i)
-                pool.free(p, size, stream)
-        s = pool.stats()
-        for p in ptrs.values():
-            pool.free(p)
-        pool.empty_cache()
-        s["overwritten"] = bad
-        s["mapped_after_empty_cache"] = pool.stats()["mapped_bytes"]
+    clock = native.lib().oxygen_set_virtual_clock if op_ns else None
+    if clock is not None:
+        clock(1 << 40)  # (any start: only differences are read)
+    try:
+        with VirtualPool(backend="host", capacity=capacity, hysteresis_us=hysteresis_us) as pool:
+            s = _replay(pool, ops, clock, op_ns)
+    finally:
+        if clock is not None:
+            clock(0)
+    return s
+
+
+def _replay(pool, ops: list[list], clock, op_ns: int) -> dict:
+    bad, now = 0, 1 << 40
+    ptrs: dict[int, int] = {}
+    for op, size, i, stream in ops:
+        if clock is not None:
+            now += op_ns
+            clock(now)
+        if op == "a":
+            ptrs[i] = p = pool.malloc(size, stream)
+            stamp(p, size, i)
+        elif i in ptrs:
+            p = ptrs.pop(i)
+            bad += not verify(p, size, i)
+            pool.free(p, size, stream)
+    s = pool.stats()
+    for p in ptrs.values():
+        pool.free(p)
+    pool.empty_cache()
+    s["overwritten"] = bad
+    s["mapped_after_empty_cache"] = pool.stats()["mapped_bytes"]
     return s
 
 

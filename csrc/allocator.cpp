@@ -445,6 +445,8 @@ void Allocator::before_capture() {
 }
 
 void Allocator::sweep() {
+  // (a replay on its own clock: its operations sweep, not the wall clock's thread)
+  if (g_virtual_now_ns.load(std::memory_order_relaxed)) return;
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock()) return;
   if (!active_captures_.empty()) refresh_captures();

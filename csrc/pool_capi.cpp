@@ -409,6 +409,11 @@ OXY_API void oxygen_capture_release(uint64_t token) {
   });
 }
 OXY_API int oxygen_capture_maybe_active() { return capture::maybe_active() ? 1 : 0; }
+// A replay's own clock, in ns (stats.h g_virtual_now_ns); 0: back to the steady clock. For
+// single-threaded replays of allocation traces (benchmarks, tests), not for running programs.
+OXY_API void oxygen_set_virtual_clock(uint64_t ns) {
+  g_virtual_now_ns.store(ns, std::memory_order_relaxed);
+}
 // Python's atexit: stop the background threads before the interpreter and the driver go away.
 OXY_API void oxygen_shutdown() {
   guarded("shutdown", [] {

@@ -22,7 +22,15 @@ inline void raise_peak(Counter& peak, std::uint64_t value) {
   }
 }
 
+// A replay's own clock (oxygen_set_virtual_clock; 0: the steady clock). While it is set, every
+// time the pools read (hysteresis, the recent peak's epochs, the host backend's events) is the
+// replay's, and the background sweeps skip: a single-threaded replay makes the same decisions
+// on every run, however fast it runs (benchmarks/host_random.py).
+extern std::atomic<std::uint64_t> g_virtual_now_ns;
+
 inline std::uint64_t now_ns() {
+  std::uint64_t v = g_virtual_now_ns.load(std::memory_order_relaxed);
+  if (v) return v;
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                         std::chrono::steady_clock::now().time_since_epoch())
                                         .count());

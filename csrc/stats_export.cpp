@@ -5,6 +5,8 @@
 
 namespace oxygen {
 
+std::atomic<std::uint64_t> g_virtual_now_ns{0};
+
 const char* stats_names() {
   return "allocated_bytes,peak_allocated_bytes,requested_bytes,live_blocks,num_allocs,num_frees,"
          "num_ooms,num_bad_frees,num_bad_sizes,num_size_mismatch,last_bad_pointer,capture_allocs,"

@@ -132,6 +132,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_capture_release": (None, [u64]),
         "oxygen_capture_maybe_active": (c.c_int, []),
         "oxygen_shutdown": (None, []),
+        "oxygen_set_virtual_clock": (None, [u64]),
         "oxygen_host_hold_events": (None, [c.c_int]),
         "oxygen_host_set_event_lag": (None, [u64]),
         "oxygen_host_set_create_delay": (None, [u64]),
