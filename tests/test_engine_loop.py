@@ -5,6 +5,7 @@ runs beside them, streamers see the returned tokens in order on the caller's thr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -136,6 +137,40 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["replays"] > 0 and st["failed"] == 0, st
     assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
+
+
+def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(
+    oxygen, monkeypatch, caplog
+):
+    """The whole-forward compile of the engine's decode graphs fails (here: raises at once):
+    the first capture falls back to the module fusion with one warning, and later rows buckets
+    do not try the compile again; every call's tokens equal stock's."""
+    from oxygen_torch.integrations.hf import fuse
+
+    monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", 0)
+    tried = []
+
+    @contextlib.contextmanager
+    def failing(*a, **k):
+        tried.append(1)
+        raise RuntimeError("no compile here")
+        yield  # (a generator: the context manager's shape)
+
+    monkeypatch.setattr(fuse, "compiled", failing)
+    model = tiny("llama")
+    kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    kv = {"cpu_decode_graphs": "fuse"}
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    st = oxygen_torch.decode_graph_stats(model)["merged"]
+    assert st["fused"] == st["graphs"] >= 2 and st["compiled"] == 0, st
+    assert len(tried) == 1, tried
+    assert sum("fusion (compiled) failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_eos_held_back_before_min_new_tokens_as_stock_with_raw_logits_untouched(

@@ -216,6 +216,9 @@ class MergedGraphs:
         self.padded = 0  # replays of a larger graph for a signature not captured yet
         self._asked: dict[tuple, int] = {}
         self.out_type = None  # the model's output class (what a replay's logits are given in)
+        # a whole-forward compile failed once: later captures go straight to the next fusion
+        # (each try of a compile that fails costs seconds)
+        self.compile_failed = False
         self._checked: list = []  # the cores (weakly) the fingerprint was last checked for
         self._lock = threading.Lock()
 
@@ -271,9 +274,12 @@ class MergedGraphs:
         with g.lock:
             r = g.stage(step, ids, pos)
             fresh = g.runner is None
+            whole = compile_whole and not self.compile_failed
             try:
-                logits = g.run(model, forward, fuse_on=fresh and fuse_on,
-                               compile_whole=compile_whole, new_cache=new_cache)  # fmt: skip
+                logits = g.run(model, forward, fuse_on=fresh and fuse_on, compile_whole=whole,
+                               new_cache=new_cache)  # fmt: skip
+                if fresh and fuse_on and whole and new_cache is not None:
+                    self.compile_failed = g.fusion != "compiled"
             except CaptureError as failed:  # this signature stays eager; the step was done
                 with self._lock:
                     self.failed.add(key)
