@@ -108,8 +108,8 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     )  # fmt: skip
     cap, top = engine.cfg.lower_prefill_tokens, None
     if cap and prefills:  # the highest level live: lower rows' chunks share `cap` tokens
-        top = max(r.task.level for rs in (engine.running, engine.waiting) for r in rs
-                  if r.finished is None)  # fmt: skip
+        top = max((r.task.level for rs in (engine.running, engine.waiting) for r in rs
+                   if r.finished is None), default=None)  # fmt: skip
     for r in prefills:
         if budget.tokens <= 0:
             break
