@@ -169,12 +169,10 @@ def decode_graph_stats(model) -> dict:
     they were compiled (whole forward by backend "oxygen", or RMSNorm / MLP / rotary only);
     under "merged", the engine's merged decode graphs (by rows bucket): held, captured,
     replays, padded replays, failed signatures, and how many were compiled whole or fused."""
-    from .integrations.hf import batched, engine_runner, graphs
+    from .integrations.hf import batched, engine_runner, graphs, merged_graphs
 
-    merged = batched.merged_graph_stats(model)
-    for k, v in engine_runner.graph_stats(model).items():
-        merged[k] = merged.get(k, 0) + v
-    return {**graphs.stats(model), "merged": merged}
+    held = batched.merged_graphs_of(model) + engine_runner.graphs_of(model)
+    return {**graphs.stats(model), "merged": merged_graphs.summed(held)}
 
 
 def engine_stats(model=None) -> dict:

@@ -372,22 +372,12 @@ def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxyge
 
     monkeypatch.setattr(front, "read_inputs", slow_read)
     n = len(eng.stats.timeline)
-    out, errors = [None] * 8, []
-    start = threading.Barrier(8)
 
-    def run(i):
-        try:
-            start.wait(5)
-            with torch.no_grad():
-                out[i] = model.generate(**kws[i])
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+    def run(kw):
+        with torch.no_grad():
+            return model.generate(**kw)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out, errors = in_threads(run, [(kw,) for kw in kws])
     assert not errors, errors
     for i, r in enumerate(ref):
         assert torch.equal(out[i], r), f"call {i}"

@@ -152,11 +152,6 @@ def applies(device: torch.device) -> bool:
     return device.type == "cuda" or EVERY_DEVICE
 
 
-def queued(device: torch.device) -> int:
-    """Callers at the door (0 where the door does not apply)."""
-    return DOOR.queued if applies(device) else 0
-
-
 def coming(device: torch.device) -> int:
     """Engine calls on their way in (0 where the door does not apply)."""
     return DOOR.coming if applies(device) else 0

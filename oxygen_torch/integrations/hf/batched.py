@@ -438,11 +438,17 @@ class _StepCache(PagedKVCache):
         super(PagedKVCache, self).__init__(layers=layers)
 
 
+def step_cache(step, model) -> _StepCache:
+    """The cache a merged forward runs on, over `step` (a MergedStep, or a merged decode
+    graph's core)."""
+    return _StepCache(step, model.config.get_text_config(decoder=True))
+
+
 def _forward(model, step: MergedStep, ids, pos, keep_idx, forward=None, cache=None):
     """The model's own forward (not its __call__: the router would send it here again), or
     `forward` (a compiled twin of it) over `cache` (a _StepCache of `step`, else a new one)."""
     if cache is None:
-        cache = _StepCache(step, model.config.get_text_config(decoder=True))
+        cache = step_cache(step, model)
     name = compat.cache_arg(type(model))
     if forward is None:
         forward = type(model).forward.__get__(model)
@@ -498,16 +504,10 @@ def clear_graphs() -> None:
                 m.graphs.clear()
 
 
-def merged_graph_stats(model) -> dict:
-    """The merged decode graphs of `model`'s mergers, summed."""
+def merged_graphs_of(model) -> list:
+    """The merged decode graphs (MergedGraphs) of `model`'s mergers."""
     with _mergers_lock:
-        held = [m.graphs for m in _mergers.get(model, {}).values()]
-    total = dict.fromkeys(("graphs", "captures", "replays", "padded", "failed", "compiled",
-                           "fused"), 0)  # fmt: skip
-    for g in held:
-        for k, v in g.stats().items():
-            total[k] = total.get(k, 0) + v
-    return total
+        return [m.graphs for m in _mergers.get(model, {}).values()]
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from ...kv.pool import get_pool
 from ...kv.transfer import to_device
 from . import graphs, merged_graphs, trace_guard
 from . import prefix as prefix_cache
-from .batched import _forward, _geometry, _graph_forward, _StepCache
+from .batched import _forward, _geometry, _graph_forward, step_cache
 from .cache import PagedKVCache
 
 ENGINE_MAX_GRAPHS = 48  # rows buckets x table widths the engine's decode steps go through
@@ -101,7 +101,7 @@ class HFRunner:
                 if graph is not None:
                     whole = self.cfg.kv.decode_graph_compile
                     logits = self.graphs.play(graph, model, step, [ids], pos, _graph_forward,
-                                              fuse_on, whole, _step_cache)  # fmt: skip
+                                              fuse_on, whole, step_cache)  # fmt: skip
                     self.replayed += logits is not None
                 if logits is None:
                     if replay:  # its capture failed before: eager after all
@@ -142,11 +142,6 @@ class HFRunner:
         n = len(pos)
         out = _forward(model, step, ids.view(1, -1), dev[:n].view(1, -1), dev[n:])
         return out.logits[0]
-
-
-def _step_cache(core, model) -> _StepCache:
-    """The cache a merged decode graph's compiled forward runs on (merged_graphs.py)."""
-    return _StepCache(core, model.config.get_text_config(decoder=True))
 
 
 def _vocab(model) -> int:
@@ -233,15 +228,10 @@ def close_all() -> None:
         e.close()
 
 
-def graph_stats(model) -> dict:
-    """The decode graphs of `model`'s engines, summed (MergedGraphs.stats)."""
+def graphs_of(model) -> list:
+    """The decode graphs (MergedGraphs) of `model`'s engines."""
     with _engines_lock:
-        held = [e.runner.graphs for e in _engines.get(model, {}).values()]
-    total: dict = {}
-    for g in held:
-        for k, v in g.stats().items():
-            total[k] = total.get(k, 0) + v
-    return total
+        return [e.runner.graphs for e in _engines.get(model, {}).values()]
 
 
 def engine_stats(model=None) -> dict:

@@ -87,6 +87,15 @@ def compiled(model, forward, core, options=None, dynamic: bool | None = False):
         yield functools.partial(fn, model) if bound else fn
 
 
+def tries(fuse_on: bool, whole: bool) -> list:
+    """The fusions a decode graph's capture tries in turn, (name, context manager) pairs: the
+    forward compiled whole (when `whole`), then the modules only; none when not `fuse_on` (the
+    capture then takes the eager forward)."""
+    if not fuse_on:
+        return []
+    return ([("compiled", compiled)] if whole else []) + [("modules", fused)]
+
+
 def fusible(model) -> list[str]:
     """Names of the module classes and functions `fused` compiles for this model."""
     names = {type(m).__name__ for m in model.modules() if type(m).__name__.endswith(_SUFFIXES)}

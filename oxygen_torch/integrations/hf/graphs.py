@@ -147,12 +147,7 @@ class DecodeGraph:
         that compile fails) with the fusible modules compiled, else unfused; each failure warns
         once. The step is idempotent, so a failed try leaves nothing to undo."""
         options = cache.compile_options
-        tries = []
-        if fuse_on:
-            if cache.cfg.kv.decode_graph_compile:
-                tries.append(("compiled", fuse.compiled))
-            tries.append(("modules", fuse.fused))
-        for how, fusion in tries:
+        for how, fusion in fuse.tries(fuse_on, cache.cfg.kv.decode_graph_compile):
             try:  # (no engine step beside the compile: trace_guard.py)
                 with trace_guard.GUARD.compile(), fusion(model, forward, core, options) as fn:
                     logits = self._warm_and_capture(fn, core)

@@ -151,12 +151,7 @@ class MergedDecodeGraph:
         if self.runner is not None:
             self.replays += 1
             return self.runner(self.ids, self.buf)[0]
-        tries = []
-        if fuse_on:
-            if compile_whole and new_cache is not None:
-                tries.append(("compiled", fuse.compiled))
-            tries.append(("modules", fuse.fused))
-        for how, fusion in tries:
+        for how, fusion in fuse.tries(fuse_on, compile_whole and new_cache is not None):
             try:
                 bound = type(model).forward.__get__(model)
                 with fusion(model, bound, self.core, dynamic=None) as fn:
@@ -320,3 +315,12 @@ class MergedGraphs:
             "compiled": sum(g.fusion == "compiled" for g in held),
             "fused": sum(g.fusion == "modules" for g in held),
         }
+
+
+def summed(held: list[MergedGraphs]) -> dict:
+    """The figures of several MergedGraphs (MergedGraphs.stats), summed."""
+    total = dict.fromkeys(MergedGraphs().stats(), 0)
+    for g in held:
+        for k, v in g.stats().items():
+            total[k] += v
+    return total
