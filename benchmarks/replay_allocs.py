@@ -4,10 +4,15 @@ hysteresis make of a real workload, on a CPU.
 A trace comes from `bench_multitask.py --at-once ... --torch-allocator --record-allocs` on the
 H200 (PyTorch's memory history of the model's build, the warm-up and the timed run, as
 `["a" | "f", size, id, stream, ns]` lines after a JSON header) or is the committed
-tests/data/generate_trace.jsonl.gz (no times: paced evenly). Each event is replayed at its
-recorded time (`--speed` scales the clock; the host backend's maps cost ~10 us, not the H200's
-~45-70 us, so the pace is the GPU run's, not the replay's own), on a host pool whose page size
-and hysteresis are the pool's defaults unless given.
+tests/data/generate_trace.jsonl.gz (no times: paced evenly at its recorded average rate, its
+header's seconds over its events). Each event is
+replayed at its recorded time on the pool's own clock (`oxygen_set_virtual_clock`: hysteresis
+and the pool's other time-based rules read the trace's time, so a replay makes the same
+decisions, and gives the same figures, on every machine and run, loaded or not); `--wall-clock`
+paces it on the real clock instead (busy-waiting; the figures then move with the machine's
+load). `--speed` scales the clock. A host pool whose page size and hysteresis are the pool's
+defaults unless given. "Mapped after 100 ms": on the replay's clock, 100 ms after the last
+event, one 512-byte malloc and free let the pool sweep (as its background thread would).
 
 Prints, for the whole trace and for its timed run: allocations, pages mapped and unmapped, the
 peak mapped and allocated bytes (fragmentation), and which allocation sizes caused the maps
@@ -42,7 +47,20 @@ def _cls(size: int) -> str:
 
 
 def replay(ops: list[list], hysteresis_ms: float, speed: float, timed_from: int | None,
-           even_ns: int = 2000, lend: bool = True) -> dict:  # fmt: skip
+           even_ns: int = 2000, lend: bool = True, wall: bool = False) -> dict:  # fmt: skip
+    from oxygen_torch.pool import native
+
+    clock = None if wall else native.lib().oxygen_set_virtual_clock
+    if clock is not None:
+        clock(1 << 40)  # (any start: only differences are read)
+    try:
+        return _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock)
+    finally:
+        if clock is not None:
+            clock(0)
+
+
+def _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock) -> dict:
     from oxygen_torch.pool import VirtualPool
 
     cause: Counter = Counter()
@@ -53,12 +71,15 @@ def replay(ops: list[list], hysteresis_ms: float, speed: float, timed_from: int 
         ptrs: dict[int, int] = {}
         t0 = time.perf_counter_ns()
         first = ops[0][4] if ops and len(ops[0]) > 4 else 0
-        mark = None
+        mark, at = None, 0
         for n, op in enumerate(ops):
             kind, size, i, stream = op[:4]
-            due = t0 + ((op[4] - first) / speed if len(op) > 4 else n * even_ns)
-            while time.perf_counter_ns() < due:  # busy-wait: sleep() is far too coarse
-                pass
+            at = round((op[4] - first) / speed) if len(op) > 4 else n * even_ns
+            if clock is not None:
+                clock((1 << 40) + at)
+            else:
+                while time.perf_counter_ns() < t0 + at:  # busy-wait: sleep() is far too coarse
+                    pass
             if n == timed_from:
                 mark = pool.stats()
                 pool.reset_peak()
@@ -71,7 +92,11 @@ def replay(ops: list[list], hysteresis_ms: float, speed: float, timed_from: int 
             elif i in ptrs:
                 pool.free(ptrs.pop(i), size, stream)
         end = pool.stats()
-        time.sleep(0.1)
+        if clock is not None:
+            clock((1 << 40) + at + 100_000_000)
+            pool.free(pool.malloc(512))
+        else:
+            time.sleep(0.1)
         after = pool.stats()
     base = mark or {k: 0 for k in end}
     for k in ("num_allocs", "num_maps", "num_unmaps"):
@@ -92,13 +117,20 @@ def main() -> None:
     ap.add_argument("--whole", action="store_true", help="figures of the whole trace, not the "
                     "timed run's")  # fmt: skip
     ap.add_argument("--no-lend", action="store_true", help="pool.lend_idle_pages false")
+    ap.add_argument("--wall-clock", action="store_true",
+                    help="pace the replay on the real clock, not the pool's own (figures then "
+                         "depend on the machine's load)")  # fmt: skip
     args = ap.parse_args()
     head, ops = load(args.trace)
     timed = None if args.whole else head.get("timed_from")
     print(json.dumps({k: v for k, v in head.items() if k != "workload"}))
     for h in args.hysteresis_ms:
-        r = replay(ops, h, args.speed, timed, lend=not args.no_lend)
-        print(json.dumps(dict(hysteresis_ms=h, lend=not args.no_lend, **r)), flush=True)
+        even = round(1e9 * head["seconds"] / head["events"]) if "seconds" in head else 2000
+        r = replay(ops, h, args.speed, timed, even_ns=even, lend=not args.no_lend,
+                   wall=args.wall_clock)  # fmt: skip
+        how = dict(hysteresis_ms=h, lend=not args.no_lend)
+        how["clock"] = "wall" if args.wall_clock else "trace"
+        print(json.dumps(dict(**how, **r)), flush=True)
 
 
 if __name__ == "__main__":
