@@ -46,11 +46,14 @@ run: $(STAMP)
 # Both runs always run, side by side (one core each on CI's 2-core machine: 32 minutes one after
 # the other, 21 together, 2026-12-04), the newest one's output printed after the oldest's; the target
 # fails if either fails (pytest's status 5, no tests collected, included). One torch thread per
-# run: two runs each spinning two OpenMP threads on two cores slow each other down.
+# run: two runs each spinning two OpenMP threads on two cores slow each other down. The newest
+# run is a process group of its own (a background job ignores Ctrl-C): interrupted, it goes too.
 NEWEST_LOG := $(NEWEST)/last-test.log
 test: $(STAMP) $(STAMP_NEWEST)
 	@status=0; \
-	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-newest > $(NEWEST_LOG) 2>&1 & newest=$$!; \
+	OMP_NUM_THREADS=1 setsid $(MAKE) --no-print-directory test-newest > $(NEWEST_LOG) 2>&1 & \
+	newest=$$!; \
+	trap 'kill -TERM -$$newest 2>/dev/null; exit 130' INT TERM; \
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-oldest || status=1; \
 	wait $$newest || status=1; \
 	cat $(NEWEST_LOG); \
