@@ -44,10 +44,11 @@ run: $(STAMP)
 	$(PY) examples/generate.py
 
 # Both runs always run, side by side (one core each on CI's 2-core machine: 32 minutes one after
-# the other, 18-21 together, 2026-12-04), the newest one's output printed after the oldest's; the target
-# fails if either fails (pytest's status 5, no tests collected, included). One torch thread per
-# run: two runs each spinning two OpenMP threads on two cores slow each other down. The newest
-# run is a process group of its own (a background job ignores Ctrl-C): interrupted, it goes too.
+# the other, 18-21 together, 2026-12-04), the newest one's output printed after the oldest's;
+# the target fails if either fails (pytest's status 5, no tests collected, included). One torch
+# thread per run: two runs each spinning two OpenMP threads on two cores slow each other down.
+# The newest run is a process group of its own (a background job ignores Ctrl-C): interrupted,
+# it goes too.
 NEWEST_LOG := $(NEWEST)/last-test.log
 test: $(STAMP) $(STAMP_NEWEST)
 	@status=0; \

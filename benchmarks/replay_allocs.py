@@ -5,8 +5,8 @@ A trace comes from `bench_multitask.py --at-once ... --torch-allocator --record-
 H200 (PyTorch's memory history of the model's build, the warm-up and the timed run, as
 `["a" | "f", size, id, stream, ns]` lines after a JSON header) or is the committed
 tests/data/generate_trace.jsonl.gz (no times: paced evenly at its recorded average rate, its
-header's seconds over its events). Each event is
-replayed at its recorded time on the pool's own clock (`oxygen_set_virtual_clock`: hysteresis
+header's seconds over its events). Each event is replayed at its recorded time on the pool's own
+clock (`oxygen_set_virtual_clock`: hysteresis
 and the pool's other time-based rules read the trace's time, so a replay makes the same
 decisions, and gives the same figures, on every machine and run, loaded or not); `--wall-clock`
 paces it on the real clock instead (busy-waiting; the figures then move with the machine's
