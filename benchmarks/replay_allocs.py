@@ -6,13 +6,13 @@ H200 (PyTorch's memory history of the model's build, the warm-up and the timed r
 `["a" | "f", size, id, stream, ns]` lines after a JSON header) or is the committed
 tests/data/generate_trace.jsonl.gz (no times: paced evenly at its recorded average rate, its
 header's seconds over its events). Each event is replayed at its recorded time on the pool's own
-clock (`oxygen_set_virtual_clock`: hysteresis
-and the pool's other time-based rules read the trace's time, so a replay makes the same
-decisions, and gives the same figures, on every machine and run, loaded or not); `--wall-clock`
-paces it on the real clock instead (busy-waiting; the figures then move with the machine's
-load). `--speed` scales the clock. A host pool whose page size and hysteresis are the pool's
-defaults unless given. "Mapped after 100 ms": on the replay's clock, 100 ms after the last
-event, one 512-byte malloc and free let the pool sweep (as its background thread would).
+clock (`oxygen_set_virtual_clock`: hysteresis and the pool's other time-based rules read the
+trace's time, so a replay makes the same decisions, and gives the same figures, on every machine
+and run, loaded or not); `--wall-clock` paces it on the real clock instead (busy-waiting; the
+figures then move with the machine's load). `--speed` scales the clock. A host pool whose page
+size and hysteresis are the pool's defaults unless given. "Mapped after 100 ms": on the replay's
+clock, 100 ms after the last event, one 512-byte malloc and free let the pool sweep (as its
+background thread would).
 
 Prints, for the whole trace and for its timed run: allocations, pages mapped and unmapped, the
 peak mapped and allocated bytes (fragmentation), and which allocation sizes caused the maps
