@@ -27,6 +27,7 @@ import math
 import random
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,27 @@ def random_trace(seed: int, threads: int = 4, ops: int = 3000, live_max: int = 4
     return trace
 
 
+CLOCK_START = 1 << 40  # where a replay's clock starts (any value: the pools read differences)
+
+
+@contextmanager
+def pool_clock(on: bool = True):
+    """While inside, the pools read a replay's clock (oxygen_set_virtual_clock): yields
+    set(ns), which moves it to ns after the start (None when not `on`: the steady clock).
+    Back to the steady clock on the way out."""
+    if not on:
+        yield None
+        return
+    from oxygen_torch.pool import native
+
+    clock = native.lib().oxygen_set_virtual_clock
+    clock(CLOCK_START)
+    try:
+        yield lambda ns: clock(CLOCK_START + ns)
+    finally:
+        clock(0)
+
+
 def replay(ops: list[list], capacity: int, hysteresis_us: int = 0, op_ns: int = 0) -> dict:
     """Replay an alloc/free trace (workloads.trace, or the recorded one) on a host pool, every
     block stamped at its malloc and checked at its free. The pool's figures at the end, with
@@ -133,27 +155,20 @@ def replay(ops: list[list], capacity: int, hysteresis_us: int = 0, op_ns: int = 
     how fast the replay runs); 1: idle pages go at the next operation, whatever the speed.
     op_ns > 0: the pool's clock is the replay's, op_ns a operation (oxygen_set_virtual_clock):
     the same decisions, so the same figures, on every run."""
-    from oxygen_torch.pool import VirtualPool, native
+    from oxygen_torch.pool import VirtualPool
 
-    clock = native.lib().oxygen_set_virtual_clock if op_ns else None
-    if clock is not None:
-        clock(1 << 40)  # (any start: only differences are read)
-    try:
-        with VirtualPool(backend="host", capacity=capacity, hysteresis_us=hysteresis_us) as pool:
-            s = _replay(pool, ops, clock, op_ns)
-    finally:
-        if clock is not None:
-            clock(0)
-    return s
+    with pool_clock(op_ns > 0) as clock, VirtualPool(
+        backend="host", capacity=capacity, hysteresis_us=hysteresis_us
+    ) as pool:  # fmt: skip
+        return _replay(pool, ops, clock, op_ns)
 
 
 def _replay(pool, ops: list[list], clock, op_ns: int) -> dict:
-    bad, now = 0, 1 << 40
+    bad = 0
     ptrs: dict[int, int] = {}
-    for op, size, i, stream in ops:
+    for n, (op, size, i, stream) in enumerate(ops, 1):
         if clock is not None:
-            now += op_ns
-            clock(now)
+            clock(n * op_ns)
         if op == "a":
             ptrs[i] = p = pool.malloc(size, stream)
             stamp(p, size, i)

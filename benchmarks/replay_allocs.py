@@ -31,6 +31,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from host_random import pool_clock  # (this folder)
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -48,16 +50,8 @@ def _cls(size: int) -> str:
 
 def replay(ops: list[list], hysteresis_ms: float, speed: float, timed_from: int | None,
            even_ns: int = 2000, lend: bool = True, wall: bool = False) -> dict:  # fmt: skip
-    from oxygen_torch.pool import native
-
-    clock = None if wall else native.lib().oxygen_set_virtual_clock
-    if clock is not None:
-        clock(1 << 40)  # (any start: only differences are read)
-    try:
+    with pool_clock(not wall) as clock:
         return _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock)
-    finally:
-        if clock is not None:
-            clock(0)
 
 
 def _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock) -> dict:
@@ -76,7 +70,7 @@ def _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock) -> dict
             kind, size, i, stream = op[:4]
             at = round((op[4] - first) / speed) if len(op) > 4 else n * even_ns
             if clock is not None:
-                clock((1 << 40) + at)
+                clock(at)
             else:
                 while time.perf_counter_ns() < t0 + at:  # busy-wait: sleep() is far too coarse
                     pass
@@ -93,7 +87,7 @@ def _replay(ops, hysteresis_ms, speed, timed_from, even_ns, lend, clock) -> dict
                 pool.free(ptrs.pop(i), size, stream)
         end = pool.stats()
         if clock is not None:
-            clock((1 << 40) + at + 100_000_000)
+            clock(at + 100_000_000)
             pool.free(pool.malloc(512))
         else:
             time.sleep(0.1)
