@@ -267,6 +267,16 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
         return ahead, sit
 
     monkeypatch.setattr(batched.Merger, "fetch", watched)
+    from oxygen_torch.engine.scheduler import StepScheduler
+
+    ahead_of, steps = StepScheduler._fetch_ahead, []  # steps: (calls chosen, calls that would sit)
+
+    def looked(self, step):
+        chosen, before = len(step.chosen), len(seen)
+        ahead_of(self, step)
+        steps.append((chosen, sum(sit for _, sit in seen[before:])))
+
+    monkeypatch.setattr(StepScheduler, "_fetch_ahead", looked)
     model, kws = _burst(64 * MiB, prefetch=distance)
     for s, kw in enumerate(kws):  # calls that end apart: a swapped call comes back beside others
         kw["max_new_tokens"] += 6 * s
@@ -277,7 +287,14 @@ def test_swapped_calls_come_back_ahead_of_their_step(oxygen, monkeypatch, distan
     if distance == 0:
         assert st.swaps_ahead == st.sat_out == 0 and not any(sit for _, sit in seen)
         return
-    assert st.swaps_ahead > 0 and st.sat_out > 0
+    assert st.swaps_ahead > 0
+    # Who sat out is decided per step: those whose copy still runs, unless that is every call
+    # the step chose (then it waits for their copies). Whether a swapped call comes back beside
+    # others or alone is the threads' timing (a loaded CI machine: alone, now and then).
+    assert st.sat_out == sum(sit for chosen, sit in steps if sit < chosen)
+    if not st.sat_out:
+        assert all(sit == chosen for chosen, sit in steps if sit)
+        return
     assert max(n for n, sit in seen if sit) <= distance - 1  # never more steps in a row
     if distance == 1:
         assert any(n == 1 and not sit for n, sit in seen)  # one step out, then taken
