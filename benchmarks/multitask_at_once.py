@@ -240,6 +240,9 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         if "gc_s" in after:  # the interpreter's collection pauses during the run (any thread)
             out["gc_ms"] = round(1e3 * (after["gc_s"] - before.get("gc_s", 0)), 1)
             out["gc_full"] = after["gc_full"] - before.get("gc_full", 0)
+        # an idle engine's wait for the burst's callers before its first step
+        out["burst_wait_ms"] = round(1e3 * (after.get("burst_wait_s", 0)
+                                            - before.get("burst_wait_s", 0)), 1)  # fmt: skip
         doors = after.get("doors", 0) - before.get("doors", 0)
         if doors:  # the callers' front door: generate() called -> rows submitted
             out["door_ms_mean"] = round(1e3 * (after["door_s"] - before.get("door_s", 0))

@@ -383,3 +383,58 @@ def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxyge
         assert torch.equal(out[i], r), f"call {i}"
     assert eng.stats.timeline[n][1] == rows, eng.stats.timeline[n : n + 3]
     assert door_mod.DOOR.coming == 0
+
+
+@pytest.mark.parametrize("cap", [10, 1])
+def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, cap):
+    """8 calls whose way in takes 30, 60 ... 240 ms: each passes well within
+    scheduler.burst_gather_ms (100 ms) of the one before, so the idle engine waits for all of
+    them and its first step serves every row (a fixed 100 ms wait ended with about four in). The
+    wait is bounded: with loop.BURST_CAP 1 it ends 100 ms after it began, with the later calls
+    still on their way. Tokens equal stock's either way."""
+    from oxygen_torch.engine import loop
+
+    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    monkeypatch.setattr(loop, "BURST_CAP", cap)
+    model = tiny("llama")
+    base = int(torch.randint(0, 1000, (1,)))
+    kws = [call(base + i) for i in range(8)]
+    rows = [kw["input_ids"].shape[0] for kw in kws]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": 100}))
+    with torch.no_grad():
+        model.generate(**call(1))  # (the engine exists; idle now)
+    (eng,) = engines(model)
+    read, lock, order = front.read_inputs, threading.Lock(), iter(range(8))
+    came: dict[int, int] = {}  # call (by its prompt's rows object) -> its place in the burst
+
+    def slow_read(c):
+        with lock:
+            i = next(order)
+            came[id(c.inputs)] = i
+        time.sleep(0.03 * (i + 1))
+        return read(c)
+
+    monkeypatch.setattr(front, "read_inputs", slow_read)
+    n, waits = len(eng.stats.timeline), eng.stats.burst_wait_s
+
+    def run(kw):
+        with torch.no_grad():
+            return model.generate(**kw)
+
+    out, errors = in_threads(run, [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    first = eng.stats.timeline[n][1]
+    waited = eng.stats.burst_wait_s - waits
+    if cap == 10:
+        assert first == sum(rows), eng.stats.timeline[n : n + 3]
+        assert 0.15 < waited < 1.0, waited
+    else:
+        by_place = [rows[i] for i, kw in sorted(
+            enumerate(kws), key=lambda x: came[id(x[1]["input_ids"])])]  # fmt: skip
+        assert by_place[0] <= first <= sum(by_place[:5]), (first, by_place)
+        assert waited < 0.16, waited
+    assert door_mod.DOOR.coming == 0

@@ -411,10 +411,11 @@ class SchedulerConfig:
     # (engine/gc_watch.py)
     gc_freeze: bool = True
     # an idle engine (no row running) with generate() calls on their way in (from their start
-    # to their rows' submission) waits up to this long while they come, unless the calls in
-    # hand fill a step: a burst's first step then serves many rows, not the first caller's few
-    # beside the others' front-door Python (on a GPU: the door applies there; 0: the engine
-    # launches at once)
+    # to their rows' submission) waits while they keep coming: until none has passed for this
+    # long, all have come, the calls in hand fill a step, or 10 times this long has gone by
+    # (engine/loop.py, BURST_CAP). A burst's first step then serves many rows, not the first
+    # callers' few beside the others' front-door Python (on a GPU: the door applies there; 0:
+    # the engine launches at once)
     burst_gather_ms: float = 20.0
 
     def __post_init__(self):
