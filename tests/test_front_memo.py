@@ -163,3 +163,42 @@ def test_the_engine_key_is_a_fresh_probes_for_each_configuration_and_dtype(oxyge
     for cfg in confs:
         assert engine_runner._engine_key(model, cfg) == probe(cfg)
         assert engine_runner._engine_key(model, cfg) not in keys
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_configs_remembered_state_follows_every_change(arch):
+    """front._state keeps each config's last key beside its values: after any change (a value
+    set, one of another type that compares equal, a list or dict changed in place, a nested
+    config's value, an attribute added or removed) it gives what a fresh look gives, and with
+    no change the same key as before."""
+    model = tiny(arch)
+    rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
+    gen_cfg, cfg = model.generation_config, model.config
+    gen_cfg.eos_token_id = [3, 7]
+    cfg.inner = T.PretrainedConfig(depth=2)  # a nested config (as composite models hold)
+    changes = [
+        lambda: setattr(gen_cfg, "top_k", rng.randint(1, 99)),
+        lambda: setattr(gen_cfg, "do_sample", rng.choice([True, 1, False, 0])),  # == each other
+        lambda: gen_cfg.eos_token_id.append(rng.randint(0, 99)),
+        lambda: setattr(gen_cfg, "custom_field", rng.random()),
+        lambda: gen_cfg.__dict__.pop("custom_field", None),
+        lambda: cfg.id2label.update({rng.randint(0, 9): "x"}),
+        lambda: setattr(cfg, "rope_theta", float(rng.randint(1, 10**6))),
+    ]
+    changes.append(lambda: setattr(cfg.inner, "depth", rng.randint(1, 9)))
+    for obj in (gen_cfg, cfg):
+        front._state(obj)  # (kept)
+    gen_cfg.do_sample = False
+    key = front._state(gen_cfg)
+    gen_cfg.do_sample = 0  # equal, of another type: another key
+    assert front._state(gen_cfg) != key
+    for _ in range(40):
+        before = {id(o): front._state(o) for o in (gen_cfg, cfg)}
+        rng.choice(changes)()
+        for obj in (gen_cfg, cfg):
+            fresh = front._state_of(vars(obj))[0]
+            assert front._state(obj) == fresh
+            assert front._state(obj) == fresh  # (again, from what was kept)
+        moved = [before[id(o)] != front._state(o) for o in (gen_cfg, cfg)]
+        assert moved == [before[id(o)] != front._state_of(vars(o))[0] for o in (gen_cfg, cfg)]
+    assert front._state(gen_cfg) is front._state(gen_cfg)  # unchanged: the kept key itself

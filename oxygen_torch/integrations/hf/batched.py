@@ -463,10 +463,11 @@ def _graph_forward(model, core, ids, pos, forward=None, cache=None):
     return _forward(model, core, ids, pos, 0, forward, cache)
 
 
-def _geometry(model) -> tuple[int, int, torch.dtype, torch.device]:
+def _geometry(model, text=None) -> tuple[int, int, torch.dtype, torch.device]:
     """(kv heads, head dim, dtype, device) of the model's K/V on this rank: what picks its KV
-    pool (a tensor-parallel plan splits the KV heads across its ranks)."""
-    text = model.config.get_text_config(decoder=True)
+    pool (a tensor-parallel plan splits the KV heads across its ranks). `text`: the model's text
+    config, when the caller has it."""
+    text = text if text is not None else model.config.get_text_config(decoder=True)
     param = next(model.parameters())
     return compat.local_kv_heads(model, text), compat.head_dim(text), param.dtype, param.device
 

@@ -156,10 +156,11 @@ _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {k
 _engines_lock = threading.Lock()
 
 
-def engine_for(model, cfg) -> Engine:
+def engine_for(model, cfg, text=None) -> Engine:
     """The engine of `model` for this configuration's KV pool, precision and tiles (one thread
-    each); a new one after a fork (threads do not cross fork) or after its close."""
-    key = _engine_key(model, cfg)
+    each); a new one after a fork (threads do not cross fork) or after its close. `text`: the
+    model's text config, when the caller has it."""
+    key = _engine_key(model, cfg, text)
     made = False
     with _engines_lock:
         group = _engines.setdefault(model, {})
@@ -196,11 +197,11 @@ def _stop_orphans() -> None:
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(cfg, ...): key}
 
 
-def _engine_key(model, cfg) -> tuple:
+def _engine_key(model, cfg, text=None) -> tuple:
     """Which engine of `model` serves `cfg`: its KV pool, precision and tiles, read off a probe
     cache once per configuration and geometry (a probe costs ~0.4 ms, every call otherwise)."""
-    text = model.config.get_text_config(decoder=True)
-    geometry = _geometry(model)
+    text = text if text is not None else model.config.get_text_config(decoder=True)
+    geometry = _geometry(model, text)
     # by identity (hashing a configuration walks all its fields); the entry keeps its objects,
     # so their ids are not reused while it lives
     memo_key = (id(cfg), id(text), text.num_hidden_layers, geometry)

@@ -85,10 +85,11 @@ class Plan:
         self.host_ids = host_ids  # ids on the host (the streamer's first put)
 
 
-def plan(model, args: tuple, kwargs: dict, call=None, host=None) -> Plan | str:
+def plan(model, args: tuple, kwargs: dict, call=None, host=None, text=None) -> Plan | str:
     """The call's engine requests, or the reason it runs on the per-call path. `call`: the
     call's generate._Call (what it asks of its model: a cache of its own, use_cache=False...),
-    made here when not given. `host`: read_inputs(call), when read already."""
+    made here when not given. `host`: read_inputs(call), when read already. `text`: the model's
+    text config, when the caller has it."""
     if len(args) > 1:
         return "positional arguments after the inputs"
     if compat.cache_arg(type(model)) is None:
@@ -99,8 +100,9 @@ def plan(model, args: tuple, kwargs: dict, call=None, host=None) -> Plan | str:
     stock = gen._stock_reason(model, call)
     if stock is not None:
         return stock
-    text = model.config.get_text_config(decoder=True)
-    if model.device.type == "cuda" and compat.head_dim(text) not in SUPPORTED_HEAD_DIMS:
+    text = text if text is not None else model.config.get_text_config(decoder=True)
+    device = model.device  # (a walk over the model's parameters: once)
+    if device.type == "cuda" and compat.head_dim(text) not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {compat.head_dim(text)} (no kernel)"
     if model._forward_hooks or model._forward_pre_hooks:
         return "forward hooks on the model"
@@ -118,8 +120,8 @@ def plan(model, args: tuple, kwargs: dict, call=None, host=None) -> Plan | str:
         return "inputs other than a 2-D tensor of token ids"
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         return "empty inputs"
-    if ids.device != model.device:
-        return f"inputs on {ids.device}, the model on {model.device}"
+    if ids.device != device:
+        return f"inputs on {ids.device}, the model on {device}"
     mask = kwargs.get("attention_mask")
     if mask is not None and not isinstance(mask, torch.Tensor):
         return "an attention_mask other than a tensor"
@@ -247,27 +249,91 @@ def _plain(v) -> bool:
 _SCALAR_TYPES = frozenset((type(None), bool, int, float, str))
 
 
+_states: dict[int, tuple] = {}  # id(object) -> what _state last found (see there)
+_STATES_SIZE = 64
+
+
 def _state(obj) -> tuple:
     """What an object's attributes hold, as a key: scalars as themselves with their type (no
     repr: most of a config's ~60 attributes), nested configs by their own attributes (a
-    composite config's repr serialises it to JSON: 4.5 ms for Gemma3's), others by repr."""
+    composite config's repr serialises it to JSON: 4.5 ms for Gemma3's), others by repr.
+
+    The last key of each object is kept beside its attributes' values and types: when the
+    object holds the same ones again (compared in C: the same objects, or equal ones of the
+    same types) and its other values (lists, dicts, nested configs: changed in place or not)
+    give the same parts again, that key is the answer, in a fifth of the time."""
+    attrs = vars(obj)
+    values = tuple(attrs.values())
+    types = tuple(map(type, values))
+    hit = _states.get(id(obj))
+    if hit is not None:
+        ref, names, old_values, old_types, parts, key = hit
+        try:
+            same = (
+                ref() is obj and old_types == types and old_values == values
+                and names == tuple(attrs)
+            )  # fmt: skip
+        except Exception:  # noqa: BLE001 - a value whose == is not a truth value (a tensor)
+            same = False
+        if same and all(_part(values[i]) == p for i, p in parts):
+            return key
+    key, parts = _state_of(attrs)
+    try:
+        ref = weakref.ref(obj)
+    except TypeError:  # (an object weak references cannot name: not kept)
+        return key
+    if len(_states) >= _STATES_SIZE:
+        _states.clear()
+    _states[id(obj)] = (ref, tuple(attrs), values, types, parts, key)
+    return key
+
+
+def _part(v):
     from transformers import PretrainedConfig
 
-    out = []
-    for k, v in sorted(vars(obj).items()):
+    return _state(v) if isinstance(v, PretrainedConfig) else repr(v)
+
+
+def _state_of(attrs: dict) -> tuple[tuple, tuple]:
+    """(the key of these attributes, [(position, part)] of their values other than scalars)."""
+    out, parts = [], []
+    for i, (k, v) in enumerate(attrs.items()):
         t = type(v)
         if t in _SCALAR_TYPES:
             out.append((k, t, v))
-        elif isinstance(v, PretrainedConfig):
-            out.append((k, _state(v)))
         else:
-            out.append((k, repr(v)))
-    return tuple(out)
+            part = _part(v)
+            parts.append((i, part))
+            out.append((k, part))
+    out.sort(key=lambda x: x[0])
+    return tuple(out), tuple(parts)
+
+
+class _Kept:
+    """A resolved generation config the memo keeps (never handed out: _copy makes the calls'
+    own), with the names of its attributes other than scalars."""
+
+    __slots__ = ("gc", "deep")
+
+    def __init__(self, gc):
+        self.gc = _copy(gc)
+        self.deep = tuple(k for k, v in vars(self.gc).items() if type(v) not in _SCALAR_TYPES)
 
 
 def _copy(gc):
     """copy.deepcopy(gc), in a fifth of its time: a generation config's attributes are mostly
-    plain values, shared; the others (lists, dicts, objects) are deep-copied."""
+    plain values, shared; the others (lists, dicts, objects) are deep-copied. A _Kept one: its
+    scalars in one update, the others (named there) deep-copied."""
+    if isinstance(gc, _Kept):
+        kept, cls = gc.gc, type(gc.gc)
+        if hasattr(cls, "__deepcopy__") or hasattr(cls, "__setstate__"):
+            return copy.deepcopy(kept)
+        new = cls.__new__(cls)
+        attrs = new.__dict__
+        attrs.update(kept.__dict__)
+        for k in gc.deep:
+            attrs[k] = copy.deepcopy(attrs[k])
+        return new
     cls = type(gc)
     if hasattr(cls, "__deepcopy__") or hasattr(cls, "__setstate__"):
         return copy.deepcopy(gc)
@@ -306,7 +372,7 @@ def _prepare(model, prepare, given, gen_kw: dict):
         gc, model_kw = prepare(given, **gen_kw)
         with _memo_lock:
             memo = _memo.setdefault(model, OrderedDict())
-            memo[key] = (_copy(gc), {k: v for k, v in model_kw.items()
+            memo[key] = (_Kept(gc), {k: v for k, v in model_kw.items()
                                              if k != "attention_mask"})  # fmt: skip
             while len(memo) > _MEMO_SIZE:
                 memo.popitem(last=False)
@@ -341,11 +407,14 @@ def _unsupported(gc) -> str | None:
 def _requests(ids: torch.Tensor, host_ids, host_mask, gc, kwargs: dict) -> Plan | str:
     """ids: the call's as given (the output starts with them); host_ids / host_mask: on the
     host."""
-    host_mask = host_mask.to(torch.bool)
-    real = host_mask.numpy()  # (numpy: a call's few small host ops, ~10x cheaper than torch's)
-    if bool((real[:, :-1] & ~real[:, 1:]).any()):
+    # (numpy: a call's few small host ops, ~10x cheaper than torch's)
+    if host_mask.dtype not in (torch.bool, torch.long, torch.int):
+        host_mask = host_mask.to(torch.bool)  # (a float mask: numpy may not hold its dtype)
+    real = host_mask.numpy().astype(bool, copy=False)
+    full = bool(real.all())  # (no padding: the checks below have nothing to find)
+    if not full and bool((real[:, :-1] & ~real[:, 1:]).any()):
         return "padding after real tokens (right padding or holes)"
-    if not bool(real.any(axis=1).all()):
+    if not full and not bool(real.any(axis=1).all()):
         return "a row with no real token"
     n = gc._oxygen_expand
     eos = (
@@ -368,13 +437,14 @@ def _requests(ids: torch.Tensor, host_ids, host_mask, gc, kwargs: dict) -> Plan 
     # the ids the repetition penalty starts from: the row as given, or without its left padding
     penalised = [None] * ids.shape[0]
     if settings["repetition_penalty"] != 1.0:
-        penalised = [host_ids[b][host_mask[b]] if compat.penalty_skips_padding() else host_ids[b]
+        keep = torch.from_numpy(real)
+        penalised = [host_ids[b][keep[b]] if compat.penalty_skips_padding() else host_ids[b]
                      for b in range(ids.shape[0])]  # fmt: skip
     rows_np = host_ids.numpy()
     base = _call_seed()  # (last: a call sent to the per-call path draws nothing from the RNG)
     requests = []
     for b in range(ids.shape[0]):
-        prompt = rows_np[b][real[b]].tolist()
+        prompt = rows_np[b].tolist() if full else rows_np[b][real[b]].tolist()
         for k in range(n):
             seed = (base + 0x9E3779B9 * (b * n + k)) & ((1 << 63) - 1)
             params = SamplingParams(**settings, seed=seed)
@@ -395,7 +465,7 @@ def _requests(ids: torch.Tensor, host_ids, host_mask, gc, kwargs: dict) -> Plan 
     rows = ids.repeat_interleave(n, dim=0) if n > 1 else ids
     p = Plan(rows, gc, requests, pad, kwargs.get("streamer"),
              host_ids.repeat_interleave(n, dim=0) if n > 1 else host_ids)  # fmt: skip
-    p.padded = not bool(host_mask.all())
+    p.padded = not full
     return p
 
 

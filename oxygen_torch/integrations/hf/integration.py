@@ -74,8 +74,10 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def uses_oxygen(model) -> bool:
-    text = model.config.get_text_config(decoder=True)
+def uses_oxygen(model, text=None) -> bool:
+    """Whether `model` attends through oxygen. `text`: its text config, when the caller has it
+    (get_text_config costs ~20 us through transformers' attribute hooks)."""
+    text = text if text is not None else model.config.get_text_config(decoder=True)
     return getattr(text, "_attn_implementation", None) == NAME
 
 
@@ -108,7 +110,8 @@ def _get_correct_attn_implementation(self, requested_attention=None, is_init_che
 def _generate(self, *args, **kwargs):
     """generate() on oxygen's paged cache where it would run on a DynamicCache (generate.py)."""
     entered = time.perf_counter()
-    if not uses_oxygen(self):
+    text = self.config.get_text_config(decoder=True)  # (once a call: each look costs ~20 us)
+    if not uses_oxygen(self, text):
         _not_on_oxygen(self)
         return _state.generate(self, *args, **kwargs)
     router.ensure(self)
@@ -126,9 +129,10 @@ def _generate(self, *args, **kwargs):
         host = front.read_inputs(call) if engine else None
         gen.validate(self, call, host[0] if host else None)  # before the call shares a step
         if engine:
-            p = front.plan(self, args, kwargs, call, host)
+            p = front.plan(self, args, kwargs, call, host, text)
             if not isinstance(p, str):
-                return front.run(engine_runner.engine_for(self, cfg), p, entered, arrival)
+                eng = engine_runner.engine_for(self, cfg, text)
+                return front.run(eng, p, entered, arrival)
             front.note_reason(p)
     finally:
         if arrival is not None:
