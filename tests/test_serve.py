@@ -30,7 +30,7 @@ from oxygen_torch.integrations.hf import engine_runner, front
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.tools.serve.app import ServeConfig, build_app
-from oxygen_torch.tools.serve.command import load, warm_up
+from oxygen_torch.tools.serve.command import load, serve_overrides, warm_up
 from oxygen_torch.tools.serve.http import HttpConfig, bind, server
 
 # words the chat template uses are in the tokenizer's vocabulary ("abcdef" marks the reply)
@@ -41,7 +41,7 @@ TEMPLATE = (
 EOS = 2
 # 8 MiB of arena: 255 blocks of 16 tokens (4,080 tokens) under the model's 8,192 positions, so
 # a long request meets the KV pool's limit first
-OXYGEN = {"scheduler": {"engine": True}, "kv": {"arena_bytes": 8 << 20}}
+OXYGEN = "kv.arena_bytes:8388608"  # (--conf's form: beside the server's own defaults)
 MODEL_LEN = 8192
 
 
@@ -93,7 +93,7 @@ def loaded(ckpt):
     """oxygen enabled with the engine, the checkpoint loaded as `serve` loads it."""
     _patching.forget_warnings()
     oxygen_torch.disable()  # (an earlier file's enable() with another configuration)
-    oxygen_torch.enable(**OXYGEN)
+    oxygen_torch.enable(**serve_overrides(OXYGEN))
     try:
         model, tok = load(str(ckpt), "float32", "cpu")
         assert model.config._attn_implementation == "oxygen"
@@ -177,6 +177,20 @@ def test_models_health_and_metrics(srv):
     assert head.status == 200 and head.body == b""
     text = http(srv.url + "/metrics").body.decode()
     assert 'oxygen:serve_requests{state="waiting"}' in text and "oxygen:serve_max_queue 64" in text
+
+
+def test_the_server_defaults_give_way_to_the_configuration(monkeypatch, srv):
+    """serve turns the engine on and wakes streams at most every 10 ms unless --conf,
+    OXYGEN_CONF or the file says otherwise (the running server: its defaults)."""
+    assert oxygen_torch.active_config().scheduler.stream_interval_ms == 10
+    monkeypatch.delenv("OXYGEN_CONF", raising=False)
+    monkeypatch.delenv("OXYGEN_CONFIG_FILE", raising=False)
+    assert serve_overrides("") == {"scheduler.engine": True, "scheduler.stream_interval_ms": 10}
+    got = serve_overrides("scheduler.stream_interval_ms:0,kv.block_tokens:32")
+    assert got == {"scheduler.stream_interval_ms": 0, "kv.block_tokens": 32,
+                   "scheduler.engine": True}  # fmt: skip
+    monkeypatch.setenv("OXYGEN_CONF", "scheduler.engine:false,scheduler.stream_interval_ms:3")
+    assert serve_overrides("") == {}
 
 
 @pytest.mark.parametrize("as_text", [False, True])

@@ -417,6 +417,13 @@ class SchedulerConfig:
     # callers' few beside the others' front-door Python (on a GPU: the door applies there; 0:
     # the engine launches at once)
     burst_gather_ms: float = 20.0
+    # a streaming generate() call (a streamer: one put a step in stock) is woken for its new
+    # tokens at most this often: its first token at once, then the tokens of the steps since
+    # its last wake together (one put each, in order), and at its end at once. Each wake is the
+    # caller's Python under the interpreter lock beside the engine's launches: hundreds of
+    # streams woken every step slow every step. 0: every step (stock's cadence); `serve` uses
+    # 10 unless set
+    stream_interval_ms: float = 0.0
 
     def __post_init__(self):
         _check_types(self, "scheduler")
@@ -442,6 +449,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler.gather_ms: {describe(self.gather_ms)} is out of range; allowed: "
                 "0.01 to 10000 (milliseconds)"
+            )
+        if not 0 <= self.stream_interval_ms <= 10000 or math.isnan(self.stream_interval_ms):
+            raise ValueError(
+                f"scheduler.stream_interval_ms: {describe(self.stream_interval_ms)} is out of "
+                "range; allowed: 0 to 10000 (milliseconds)"
             )
         if not 0 <= self.burst_gather_ms <= 1000 or math.isnan(self.burst_gather_ms):
             raise ValueError(

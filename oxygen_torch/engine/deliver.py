@@ -84,10 +84,21 @@ class Delivery:
             self.last.index_fill_(0, upload(slots, self.runner.device), pad)
         if isinstance(self.policy, policies.WFQ) and self.running:
             self.policy.reweigh([r.account for r in self.running])
-        for g in touched:  # a caller wakes for its tokens only when it streams them, or at its end
+        # a caller wakes for its tokens only when it streams them (its first at once, then at
+        # most every scheduler.stream_interval_ms), or at its end
+        interval = self.cfg.stream_interval_ms / 1000
+        held = self._held
+        if held:  # streams whose interval has passed since their last wake, new tokens or not
+            touched.update(g for g in held if now - g.told_at >= interval)
+        for g in touched:
             if g.done:
                 self._groups.discard(g)
                 self._kept = [r for r in self._kept if r.group is not g]  # (the caller's now)
+            elif interval and g.told_at is not None and now - g.told_at < interval:
+                held.add(g)
+                continue
+            held.discard(g)
+            g.told_at = now
             g.notify()
 
     def _observe(self, f: Inflight, now: float) -> None:

@@ -122,6 +122,7 @@ class Engine(Rows, Delivery):
         self._turn = 0
         self._kept: list[Request] = []  # ended rows holding KV for their unfinished call
         self._suspects: dict[Group, Exception] = {}  # calls of a failed step, to run alone
+        self._held: set[Group] = set()  # streams with tokens not yet told (stream_interval_ms)
         self._last_done: float | None = None  # when the last step's tokens were read
         self._prev_end = None  # the last step's end event (CUDA): the GPU's gap to the next
         gc_watch.install()
@@ -353,6 +354,7 @@ class Engine(Rows, Delivery):
         for g in groups:
             g.fail(err)
         self._groups.clear()
+        self._held.clear()
 
     # --- one step -------------------------------------------------------------------------------
 

@@ -118,6 +118,7 @@ class Group:
         self.cancelled = False
         self.version = 0  # bumped at each delivery (the caller's wait predicate)
         self.entered: float | None = None  # perf_counter when its generate() was called
+        self.told_at: float | None = None  # monotonic time of its last wake for new tokens
 
     @property
     def done(self) -> bool:

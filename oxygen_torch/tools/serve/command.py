@@ -12,8 +12,9 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EPILOG = """\
 The oxygen configuration comes from OXYGEN_CONFIG_FILE (YAML), OXYGEN_CONF ("key:value,...")
-and --conf (same form, highest precedence). The server turns scheduler.engine on unless one of
-them sets it. The API key can also be given as OXYGEN_API_KEY (a flag shows in `ps`).
+and --conf (same form, highest precedence). The server turns scheduler.engine on, and wakes
+streams at most every 10 ms (scheduler.stream_interval_ms: 10), unless one of them sets it.
+The API key can also be given as OXYGEN_API_KEY (a flag shows in `ps`).
 
   python -m oxygen_torch serve ./Llama-3.2-1B-Instruct --port 8000 --max-queue 128
   curl -s 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -67,15 +68,31 @@ def parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def configure_oxygen(conf: str):
-    """enable() with --conf over OXYGEN_CONF / the file; scheduler.engine on unless set."""
+# what the server sets unless the configuration does: the engine, and streams woken at most
+# every 10 ms (a chunk holds the tokens of the steps since the last: hundreds of streams woken
+# every step would take the interpreter lock from the engine's launches)
+SERVE_DEFAULTS = {"scheduler.engine": True, "scheduler.stream_interval_ms": 10.0}
+
+
+def serve_overrides(conf: str) -> dict:
+    """enable()'s overrides: --conf, and SERVE_DEFAULTS where neither it nor OXYGEN_CONF nor
+    the file sets the key."""
     import oxygen_torch
     from oxygen_torch.config import parse_conf_string
 
     overrides = parse_conf_string(conf) if conf else {}
-    if "scheduler.engine" not in oxygen_torch.load_config(**overrides).sources:
-        overrides["scheduler.engine"] = True
-    return oxygen_torch.enable(**overrides)
+    given = oxygen_torch.load_config(**overrides).sources
+    for key, value in SERVE_DEFAULTS.items():
+        if key not in given:
+            overrides[key] = value
+    return overrides
+
+
+def configure_oxygen(conf: str):
+    """enable() with --conf over OXYGEN_CONF / the file, and the server's defaults."""
+    import oxygen_torch
+
+    return oxygen_torch.enable(**serve_overrides(conf))
 
 
 def load(path: str, dtype: str = "auto", device: str | None = None):
