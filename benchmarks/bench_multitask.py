@@ -383,8 +383,26 @@ def main() -> None:
         "tests/data/generate_trace.jsonl.gz, each event with its time): the workload the pool "
         "meets, for replays on the host backend",
     )
+    ap.add_argument(
+        "--front-door",
+        action="store_true",
+        help="what one generate() call costs its caller before any forward: stock's generate() "
+        "up to its first forward beside oxygen's front door up to its rows' submission (µs; "
+        "--shape; on CPU with --shape tiny)",
+    )
     ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.front_door:
+        import multitask_at_once as mo
+
+        dev = "cpu" if args.shape == "tiny" or not torch.cuda.is_available() else "cuda"
+        r = mo.front_door(args.shape, dev)
+        print(f"front door, {r['shape']} on {r['device']}, 1 row x {r['prompt']} tokens: "
+              f"oxygen {r['oxygen_us']} µs, stock's generate() to its first forward "
+              f"{r['stock_us']} µs, {r['ratio']}x")  # fmt: skip
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "front_door.json").write_text(json.dumps(r))
+        return
     if args.once:
         import multitask_at_once as mo
 

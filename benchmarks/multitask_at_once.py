@@ -482,3 +482,58 @@ def _pool_counters() -> dict:
 def _held() -> int:
     """Peak GPU memory held (after enable(), the pool's peak mapped bytes answer this)."""
     return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
+
+
+class _FirstForward(Exception):
+    """Raised by a stubbed forward: stock's generate() got as far as its first forward."""
+
+
+def front_door(shape: str, device: str, prompt: int = 200, calls: int = 50,
+               repeats: int = 40) -> dict:  # fmt: skip
+    """What one generate() call costs its caller before any forward, in µs (min over `repeats`
+    rounds of `calls` calls, one thread): stock transformers' generate() up to its first
+    forward (its model's forward stubbed to raise there), beside oxygen's front door up to the
+    submission of the call's rows (after enable(); the engine's run stubbed). A 1-row greedy
+    call of `prompt` tokens, 4 new tokens asked. Each of the 64-256 callers of `--at-once`
+    runs this under the interpreter lock before its rows reach the engine."""
+    import timeit
+
+    from oxygen_torch.config import load_config
+    from oxygen_torch.integrations.hf import front
+    from oxygen_torch.integrations.hf import integration as hf
+
+    model = build(shape, device)
+    ids = torch.randint(1, SHAPES[shape]["vocab_size"], (1, prompt), device=device)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+              do_sample=False)  # fmt: skip
+
+    def stopped(*_a, **_k):
+        raise _FirstForward
+
+    def stock_call():
+        try:
+            model.generate(**kw)
+        except _FirstForward:
+            pass
+
+    def timed(fn) -> float:
+        with torch.no_grad():
+            fn()
+            best = min(timeit.repeat(fn, number=calls, repeat=repeats))
+        return 1e6 * best / calls
+
+    model.forward = stopped  # (an instance attribute: stock's generate() calls it)
+    stock = timed(stock_call)
+    del model.forward
+    hf.apply(model, load_config(scheduler={"engine": True}))
+    with torch.no_grad():
+        model.generate(**kw)  # (the engine made; the memo warm)
+    run = front.run
+    front.run = lambda engine, plan, entered=None, arrival=None: plan
+    try:
+        ours = timed(lambda: model.generate(**kw))
+    finally:
+        front.run = run
+    return {"stock_us": round(stock, 1), "oxygen_us": round(ours, 1),
+            "ratio": round(ours / stock, 3), "prompt": prompt, "shape": shape,
+            "device": device}  # fmt: skip
