@@ -291,10 +291,10 @@ class Engine(Rows, Delivery):
             if tokens >= self.step_tokens:
                 return
             time.sleep(0.0005)
-            now, was = door.coming(device), coming
-            if new or now < was:  # a caller passed (or took another path): wait for the next
+            if new:  # a caller of this engine passed: wait for the next (door.coming counts
+                # every engine's callers: another model's burst keeps this one no longer)
                 deadline = min(cap, max(deadline, time.monotonic() + gap))
-            seen, coming = seen + len(new), now
+            seen, coming = seen + len(new), door.coming(device)
         self.stats.burst_waits += 1
         self.stats.burst_wait_s += time.monotonic() - start
 
