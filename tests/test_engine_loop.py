@@ -875,24 +875,10 @@ def test_a_model_that_goes_takes_its_engine_thread_and_kv_pool_with_it(oxygen):
     assert torch.equal(_generate(again, call(5)), ref)
 
 
-class Timed(Recorder):
-    """A streamer that notes when each put came."""
-
-    def __init__(self):
-        super().__init__()
-        self.at = []
-
-    def put(self, value):
-        import time
-
-        self.at.append(time.monotonic())
-        super().put(value)
-
-
-def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen):
+def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen, monkeypatch):
     """scheduler.stream_interval_ms 80: a streaming call's first token comes at once (a wake
-    of its own), later ones in wakes at least ~80 ms apart, each holding the steps since the
-    last (one put a step, in order); the tokens are stock's, and the end comes with the last."""
+    of its own), later ones in wakes about 80 ms apart, each holding the steps since the last
+    (one put a step, in order); the tokens are stock's, and the end comes with the last."""
     import time
 
     model = tiny("llama")
@@ -902,18 +888,25 @@ def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen):
         ref = model.generate(**kw)
     hf.apply(model, load_config(scheduler={"engine": True, "stream_interval_ms": 80}))
     _generate(model, dict(kw, max_new_tokens=2))  # (the engine made: its first steps' costs)
-    rec = Timed()
+    wakes, stream = [], front._stream  # wakes: (when, columns put) of each look at the tokens
+
+    def looked(streamer, group, pad, sent, final=False):
+        upto = stream(streamer, group, pad, sent, final)
+        if upto > sent:
+            wakes.append((time.monotonic(), upto - sent))
+        return upto
+
+    monkeypatch.setattr(front, "_stream", looked)
+    rec = Recorder()
     began = time.monotonic()
     out = _generate(model, dict(kw, streamer=rec))
     took = time.monotonic() - began
     assert torch.equal(out, ref)
     assert rec.ended and torch.equal(rec.puts[0], ids)
     assert torch.equal(torch.stack([p.view(-1) for p in rec.puts[1:]], 1), out[:, 6:])
-    wakes = [[rec.at[1]]]  # puts of one wake come back to back; wakes are >= 80 ms apart
-    for a, b in zip(rec.at[1:], rec.at[2:]):
-        (wakes[-1] if b - a < 0.03 else wakes.append([]) or wakes[-1]).append(b)
-    assert len(wakes[0]) == 1, [len(w) for w in wakes]  # the first token: at once
-    assert len(wakes) >= 2 and sum(map(len, wakes)) == 48
-    assert len(wakes) <= 2 + took / 0.08, (len(wakes), took)
-    gaps = [b[0] - a[0] for a, b in zip(wakes, wakes[1:])]
-    assert min(gaps) > 0.05, gaps
+    sizes = [n for _, n in wakes]
+    assert sizes[0] == 1, sizes  # the first token: at once
+    assert len(wakes) >= 2 and sum(sizes) == 48
+    assert len(wakes) <= 2 + took / 0.08, (sizes, took)  # (each wake after the first: 80 ms on)
+    gaps = sorted(b[0] - a[0] for a, b in zip(wakes, wakes[1:]))
+    assert gaps[len(gaps) // 2] > 0.06, gaps  # (a late wake shortens the gap after it)

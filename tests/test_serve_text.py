@@ -129,3 +129,46 @@ def test_steps_the_event_loop_has_not_taken_yet_join_one_chunk():
         assert (admission.waiting, admission.running) == (0, 1)
     finally:
         loop.close()
+
+
+def _bpe():
+    """A byte-level BPE tokenizer trained here on a little text (special tokens included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["héllo wörld, ünïcode — text 漢字 and emoji 🙂 " * 3, "the quick brown fox"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["wordlevel", "bpe"])
+def test_the_fast_decoder_is_the_tokenizers_own_decode(kind):
+    """text.decoder(tok): the Rust tokenizer's decode for a fast tokenizer whose class keeps
+    transformers' decoding, giving what tok.decode(ids, skip_special_tokens=True,
+    clean_up_tokenization_spaces=False) gives on random ids (special tokens and split
+    characters among them); a class that changes decoding keeps its own decode."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    from oxygen_torch.tools.serve.text import decoder
+
+    tok = tiny_tokenizer() if kind == "wordlevel" else _bpe()
+    rng = random.Random(random.randrange(1 << 30))
+    fast = decoder(tok)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))]
+        want = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert fast(ids) == want, ids
+
+    class Own(type(tok)):
+        def _decode(self, token_ids, **kw):
+            return "own:" + super()._decode(token_ids, **kw)
+
+    own = Own(tokenizer_object=tok.backend_tokenizer)
+    assert decoder(own)([3, 4]) == own.decode([3, 4], skip_special_tokens=True)
+    assert decoder(own)([3, 4]).startswith("own:")

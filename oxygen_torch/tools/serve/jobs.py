@@ -114,16 +114,23 @@ class Job:
     # --- the worker thread ---------------------------------------------------------------
 
     def put(self, value: torch.Tensor) -> None:
-        if self.cancelled.is_set():
-            raise ClientLeft()
         if not self.prompt_seen:  # generate() puts the prompt first
+            if self.cancelled.is_set():
+                raise ClientLeft()
             self.prompt_seen = True
             return
+        self.oxygen_put_ids(value.view(-1).tolist())
+
+    def oxygen_put_ids(self, column: list[int]) -> None:
+        """A step's new tokens, one per row (the engine's front door calls this, not put(),
+        for the tokens after the prompt: no tensor made and read back a step)."""
+        if self.cancelled.is_set():
+            raise ClientLeft()
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             self.admission.started()
         rows = self.call.rows
-        deltas = [row.add(t) for row, t in zip(rows, value.view(-1).tolist())]
+        deltas = [row.add(t) for row, t in zip(rows, column)]
         if self.stream and any(deltas):
             self._add_text(deltas)
         if all(r.finish for r in rows) and any(r.stopped for r in rows):
