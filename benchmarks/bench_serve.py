@@ -18,7 +18,9 @@ process for in-process):
   inprocess  the same trace as generate() threads in one process, timed by a streamer
 
 Per mode and rate: generated tok/s (first arrival to last answer), per class TTFT and TPOT P50 /
-P99 and mean request time, failures. Rates rise until the stream mode's TTFT P99 passes
+P99 and mean request time, failures, and the serving process's CPU time per generated token
+(every thread: the engine's, the requests', the event loop's; in-process, the trace's client
+threads too). Rates rise until the stream mode's TTFT P99 passes
 --ttft-limit. The goals (issue 33): the server within 10 % of in-process throughput at the same
 rate; streaming adds at most 1 ms to TPOT P50 (the stream mode's beside in-process's).
 """
@@ -126,6 +128,16 @@ def run_trace(reqs: list[dict], one) -> tuple[list[dict], float]:
     return results, time.monotonic() - start
 
 
+def with_cpu(out: dict, cpu_s: float) -> dict:
+    """The serving process's CPU time (every thread: the engine's, the requests', the event
+    loop's) per generated token, µs: what the host spends beside the GPU's work. In-process it
+    includes the trace's own client threads."""
+    tokens = out["tok_per_s"] * out["seconds"]
+    if tokens > 0 and cpu_s == cpu_s:
+        out["cpu_us_per_token"] = round(1e6 * cpu_s / tokens, 1)
+    return out
+
+
 def summarize(mode: str, rate: float, results: list[dict], took: float) -> dict:
     ok = [r for r in results if r.get("ok")]
     out = dict(
@@ -158,6 +170,16 @@ def summarize(mode: str, rate: float, results: list[dict], took: float) -> dict:
 # --- the server side and in-process --------------------------------------------------------
 
 
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process, every thread; NaN where /proc is missing."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     """`python -m oxygen_torch serve` on a free loopback port, until close()."""
 
@@ -179,6 +201,10 @@ class ServerProcess:
                 self.url = m.group(1)
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain its output
 
+    def cpu_s(self) -> float:
+        """The server process's CPU time so far, every thread (Linux: /proc)."""
+        return process_cpu_s(self.proc.pid)
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -187,8 +213,9 @@ class ServerProcess:
             self.proc.kill()
 
 
-def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tuple[list, float]:
-    """The trace as generate() threads in this process, the engine on (as `serve` sets it)."""
+def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tuple:
+    """The trace as generate() threads in this process, the engine on (as `serve` sets it):
+    (results, seconds, this process's CPU seconds in the timed run)."""
     import torch
 
     from oxygen_torch.tools.serve.command import configure_oxygen, load
@@ -211,7 +238,9 @@ def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tupl
                     tpot=tpot, done=time.monotonic() - t0)  # fmt: skip
 
     run_trace(warm, one)
-    return run_trace(reqs, one)
+    cpu = process_cpu_s()
+    results, took = run_trace(reqs, one)
+    return results, took, process_cpu_s() - cpu
 
 
 def requests(args, rate: float) -> tuple[list[dict], list[dict]]:
@@ -234,10 +263,11 @@ def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[di
         run_trace(warm, lambda r, s: send(server.url, "bench", r, True, s))
         for mode in modes:
             stream = mode == "stream"
+            cpu = server.cpu_s()
             results, took = run_trace(
                 reqs, lambda r, s, stream=stream: send(server.url, "bench", r, stream, s)
             )
-            out.append(summarize(mode, rate, results, took))
+            out.append(with_cpu(summarize(mode, rate, results, took), server.cpu_s() - cpu))
     finally:
         server.close()
     return out
@@ -291,9 +321,11 @@ def show(r: dict) -> None:
                 )
             )
             parts.append(f"{cls}{timed} request mean {c['mean_done_s']} s")
+    cpu = f" | host CPU {r['cpu_us_per_token']} µs/token" if "cpu_us_per_token" in r else ""
     print(
-        head + " | " + " | ".join(parts) + (f" | {r['first_error']}" if "first_error" in r else "")
-    )
+        head + " | " + " | ".join(parts) + cpu
+        + (f" | {r['first_error']}" if "first_error" in r else "")
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -318,8 +350,9 @@ def main() -> None:
     args.requests = args.requests or (12 if args.smoke else 200)
     if args.run_inprocess:
         reqs, warm = requests(args, args.rates[0])
-        results, took = inprocess(Path(args.run_inprocess), reqs, warm, args.conf)
-        print(json.dumps(summarize("inprocess", args.rates[0], results, took)), flush=True)
+        results, took, cpu = inprocess(Path(args.run_inprocess), reqs, warm, args.conf)
+        out = with_cpu(summarize("inprocess", args.rates[0], results, took), cpu)
+        print(json.dumps(out), flush=True)
         return
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp), args.smoke)
