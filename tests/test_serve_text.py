@@ -172,3 +172,34 @@ def test_the_fast_decoder_is_the_tokenizers_own_decode(kind):
     own = Own(tokenizer_object=tok.backend_tokenizer)
     assert decoder(own)([3, 4]) == own.decode([3, 4], skip_special_tokens=True)
     assert decoder(own)([3, 4]).startswith("own:")
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+@pytest.mark.parametrize("stop", [(), ("é ✓", "zz")])
+def test_tokens_taken_a_wake_at_a_time_give_what_one_at_a_time_gives(kind, stop):
+    """add_many() over random runs of tokens (the steps since a stream's last wake) gives the
+    text, the deltas joined, the ids and the finish that add() token by token gives: with
+    characters split over tokens, an EOS inside a run, max_tokens inside a run, and tokens
+    after the end (the engine's padding)."""
+    rng = random.Random(random.randrange(1 << 30))
+    tok = Bytes() if kind == "bytes" else _bpe()
+    eos = EOS if kind == "bytes" else tok.convert_tokens_to_ids("</s>")
+    for _ in range(30):
+        text = "".join(rng.choice("ab é✓漢🙂 ") for _ in range(rng.randrange(1, 30)))
+        ids = list(text.encode()) if kind == "bytes" else tok.encode(text)
+        if rng.random() < 0.4:
+            ids.insert(rng.randrange(len(ids) + 1), eos)
+        ids += [rng.randrange(200) for _ in range(rng.randrange(4))]  # (after an end)
+        max_tokens = rng.randint(1, len(ids) + 2)
+        prompt = list(b"> ") if kind == "bytes" else tok.encode("> ")
+        rows = [ChoiceText(tok, prompt, max_tokens, stop, frozenset([eos])) for _ in range(2)]
+        one = [rows[0].add(t) for t in ids] + [rows[0].end()]
+        runs, i = [], 0
+        while i < len(ids):
+            n = rng.randint(1, 6)
+            runs.append(rows[1].add_many(ids[i : i + n]))
+            i += n
+        runs.append(rows[1].end())
+        a, b = rows
+        assert "".join(runs) == "".join(one) == b.text == a.text, (ids, max_tokens)
+        assert (a.ids, a.finish, a.stopped) == (b.ids, b.finish, b.stopped)

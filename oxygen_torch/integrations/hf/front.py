@@ -616,19 +616,19 @@ def _check_lockstep(engine, p: Plan) -> None:
 def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) -> int:
     """Puts every complete column of new tokens after the `sent` first: column j once every
     row has its token j or has ended (then pad, as stock). A streamer with an `oxygen_put_ids`
-    method (the server's jobs) gets each column as a list of ints, not a tensor it would read
-    back to a list."""
+    method (the server's jobs) gets them all in one call, each column a list of ints, not a
+    tensor a column that it would read back to a list."""
     reqs = group.requests
     live = [len(r.out) for r in reqs if r.finished is None]
     upto = min(live) if live else max(len(r.out) for r in reqs)
     if final:
         upto = max(len(r.out) for r in reqs)
+    cols = [[r.out[j] if j < len(r.out) else pad for r in reqs] for j in range(sent, upto)]
     put_ids = getattr(streamer, "oxygen_put_ids", None)
-    for j in range(sent, upto):
-        col = [r.out[j] if j < len(r.out) else pad for r in reqs]
-        if put_ids is not None:
-            put_ids(col)
-        else:
+    if put_ids is not None and cols:
+        put_ids(cols)
+    else:
+        for col in cols:
             streamer.put(torch.tensor(col, dtype=torch.long))
     return max(sent, upto)
 

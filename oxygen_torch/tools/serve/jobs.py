@@ -119,18 +119,19 @@ class Job:
                 raise ClientLeft()
             self.prompt_seen = True
             return
-        self.oxygen_put_ids(value.view(-1).tolist())
+        self.oxygen_put_ids([value.view(-1).tolist()])
 
-    def oxygen_put_ids(self, column: list[int]) -> None:
-        """A step's new tokens, one per row (the engine's front door calls this, not put(),
-        for the tokens after the prompt: no tensor made and read back a step)."""
+    def oxygen_put_ids(self, columns: list[list[int]]) -> None:
+        """The new tokens of the steps since the last wake: a column a step, a token a row
+        (the engine's front door calls this, not put(), for the tokens after the prompt: no
+        tensor made and read back, one decode a row and wake)."""
         if self.cancelled.is_set():
             raise ClientLeft()
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
             self.admission.started()
         rows = self.call.rows
-        deltas = [row.add(t) for row, t in zip(rows, column)]
+        deltas = [row.add_many([c[i] for c in columns]) for i, row in enumerate(rows)]
         if self.stream and any(deltas):
             self._add_text(deltas)
         if all(r.finish for r in rows) and any(r.stopped for r in rows):

@@ -91,6 +91,28 @@ class ChoiceText:
             return self.end()
         return self._release(len(self.text) - self.hold)
 
+    def add_many(self, tokens: list[int]) -> str:
+        """add() of each token, the texts joined, decoding once: a streamed row woken for the
+        steps since its last wake (scheduler.stream_interval_ms) decodes once a wake, not twice
+        a token. A row with stop strings takes them one by one (where the text first holds
+        one decides the tokens it counts)."""
+        if len(tokens) == 1 or self.stop or not self.incremental:
+            return "".join(self.add(t) for t in tokens)
+        for t in tokens:
+            if self.finish is not None:
+                break  # (ended at an EOS or max_tokens: the rest is the engine's padding)
+            self.ids.append(t)
+            if t in self.eos:
+                self.text += self._delta(final=True)
+                self.finish = "stop"
+                return self._release(len(self.text))
+            self.seq.append(t)
+            if len(self.ids) >= self.max_tokens:
+                return self.end()
+        if self.finish is None:
+            self.text += self._delta()
+        return self._release(len(self.text) - self.hold)
+
     def end(self) -> str:
         """The row ended (it reached max_tokens, or its call returned: the engine matched a
         stop string or an EOS the row did not see as one): what is left to send."""
