@@ -203,3 +203,77 @@ def test_tokens_taken_a_wake_at_a_time_give_what_one_at_a_time_gives(kind, stop)
         a, b = rows
         assert "".join(runs) == "".join(one) == b.text == a.text, (ids, max_tokens)
         assert (a.ids, a.finish, a.stopped) == (b.ids, b.finish, b.stopped)
+
+
+def test_posts_from_many_threads_reach_the_loop_in_order_in_few_wakes():
+    """jobs.Poster: items posted from worker threads reach their queues on the event loop, each
+    queue's in the order posted, none lost; items posted while the loop has not run yet share
+    one wake-up of it."""
+    import asyncio
+    import threading
+
+    from oxygen_torch.tools.serve.jobs import poster_for
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        queues = asyncio.run_coroutine_threadsafe(_queues(16), loop).result(5)
+        poster = poster_for(loop)
+        assert poster_for(loop) is poster
+        rng = random.Random(random.randrange(1 << 30))
+        plans = [[rng.randrange(16) for _ in range(300)] for _ in range(8)]
+
+        def work(t):
+            for n, q in enumerate(plans[t]):
+                poster.post(queues[q], (t, n))
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(10)
+        got = asyncio.run_coroutine_threadsafe(_drain(queues), loop).result(5)
+        for q in range(16):
+            want = [(t, n) for t in range(8) for n, x in enumerate(plans[t]) if x == q]
+            mine = got[q]
+            assert sorted(mine) == sorted(want)
+            for t in range(8):  # each thread's items to a queue: in its order
+                seq = [n for tt, n in mine if tt == t]
+                assert seq == sorted(seq)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+    idle = asyncio.new_event_loop()  # a loop that has not run since: every post, one wake
+    try:
+        queues = idle.run_until_complete(_queues(3))
+        poster = poster_for(idle)
+        for n in range(60):
+            poster.post(queues[n % 3], n)
+        assert poster.wakes == 1 and all(q.empty() for q in queues)
+        got = idle.run_until_complete(_drain(queues))
+        assert got == [list(range(k, 60, 3)) for k in range(3)]
+        poster.post(queues[0], "next")  # (drained: the next post wakes the loop again)
+        assert poster.wakes == 2
+    finally:
+        idle.close()
+
+
+async def _queues(n):
+    import asyncio
+
+    return [asyncio.Queue() for _ in range(n)]
+
+
+async def _drain(queues):
+    import asyncio
+
+    await asyncio.sleep(0.05)
+    out = []
+    for q in queues:
+        items = []
+        while not q.empty():
+            items.append(q.get_nowait())
+        out.append(items)
+    return out

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -95,12 +96,55 @@ class Call:
         return ids.to(device), mask.to(device)
 
 
+class Poster:
+    """Hands items from worker threads to one event loop: the items posted before the loop runs
+    go in one wake-up of it (a step's tokens reach many streams at once: one write to the
+    loop's self-pipe and one callback, not one of each per stream)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+        self.wakes = 0  # loop wake-ups asked for (tests, figures)
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            first = not self._items
+            self._items.append((queue, item))
+        if first:
+            self.wakes += 1
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop has closed (server shutting down): nobody listens
+                with self._lock:
+                    self._items.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:  # (in the order posted: each queue's items keep theirs)
+            queue.put_nowait(item)
+
+
+_posters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its Poster
+_posters_lock = threading.Lock()
+
+
+def poster_for(loop: asyncio.AbstractEventLoop) -> Poster:
+    with _posters_lock:
+        p = _posters.get(loop)
+        if p is None:
+            p = _posters[loop] = Poster(loop)
+        return p
+
+
 class Job:
     """The streamer of one call, and the bridge from its worker thread to the event loop."""
 
     def __init__(self, call: Call, admission: Admission, loop: asyncio.AbstractEventLoop,
                  stream: bool):  # fmt: skip
         self.call, self.admission, self.loop, self.stream = call, admission, loop, stream
+        self._poster = poster_for(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         # text not yet taken by the event loop: steps that come while the loop is busy join one
@@ -191,10 +235,7 @@ class Job:
             self._post(("text", None))
 
     def _post(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop has closed (server shutting down): nobody listens
-            pass
+        self._poster.post(self.queue, item)
 
     # --- the event loop ------------------------------------------------------------------
 
