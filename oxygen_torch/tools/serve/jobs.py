@@ -111,8 +111,8 @@ class Poster:
         with self._lock:
             first = not self._items
             self._items.append((queue, item))
+            self.wakes += first
         if first:
-            self.wakes += 1
             try:
                 self.loop.call_soon_threadsafe(self._drain)
             except RuntimeError:  # the loop has closed (server shutting down): nobody listens
