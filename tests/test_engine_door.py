@@ -343,77 +343,29 @@ def test_an_idle_engine_waits_for_callers_at_the_door(oxygen, monkeypatch, gathe
         assert waited < 0.15, waited
 
 
-def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxygen, monkeypatch):
-    """8 calls given at once whose way in (the read of their inputs, before the door) takes
-    10-80 ms each: an idle engine waits for them (DOOR.coming counts them from generate()'s
-    start), so its first step serves all 8 rows, and each call's tokens equal stock's; every
-    arrival is counted out again. Counting only the callers at the door, the first step
-    served the first caller alone."""
+def _slow_burst(monkeypatch, gather_ms: float, spacing_s: float):
+    """8 calls given at once on an idle engine (the door on this CPU), the i-th of them to
+    read its inputs (before the door) taking (i + 1) * spacing_s; each call's tokens checked
+    against stock's. Returns (the engine, the calls' rows in the order they came, the engine's
+    timeline length and burst_wait_s before the burst)."""
     monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
     model = tiny("llama")
     base = int(torch.randint(0, 1000, (1,)))
     kws = [call(base + i) for i in range(8)]
-    rows = sum(kw["input_ids"].shape[0] for kw in kws)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
-    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": 1000}))
-    with torch.no_grad():
-        model.generate(**call(1))  # (the engine exists; idle now)
-    (eng,) = engines(model)
-    read = front.read_inputs
-    order = iter(range(8))
-    lock = threading.Lock()
-
-    def slow_read(c):
-        with lock:
-            i = next(order)
-        time.sleep(0.01 * (i + 1))
-        return read(c)
-
-    monkeypatch.setattr(front, "read_inputs", slow_read)
-    n = len(eng.stats.timeline)
-
-    def run(kw):
-        with torch.no_grad():
-            return model.generate(**kw)
-
-    out, errors = in_threads(run, [(kw,) for kw in kws])
-    assert not errors, errors
-    for i, r in enumerate(ref):
-        assert torch.equal(out[i], r), f"call {i}"
-    assert eng.stats.timeline[n][1] == rows, eng.stats.timeline[n : n + 3]
-    assert door_mod.DOOR.coming == 0
-
-
-@pytest.mark.parametrize("cap", [10, 1])
-def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, cap):
-    """8 calls whose way in takes 30, 60 ... 240 ms: each passes well within
-    scheduler.burst_gather_ms (100 ms) of the one before, so the idle engine waits for all of
-    them and its first step serves every row (a fixed 100 ms wait ended with about four in). The
-    wait is bounded: with loop.BURST_CAP 1 it ends 100 ms after it began, with the later calls
-    still on their way. Tokens equal stock's either way."""
-    from oxygen_torch.engine import loop
-
-    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
-    monkeypatch.setattr(loop, "BURST_CAP", cap)
-    model = tiny("llama")
-    base = int(torch.randint(0, 1000, (1,)))
-    kws = [call(base + i) for i in range(8)]
-    rows = [kw["input_ids"].shape[0] for kw in kws]
-    with torch.no_grad():
-        ref = [model.generate(**kw) for kw in kws]
-    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": 100}))
+    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": gather_ms}))
     with torch.no_grad():
         model.generate(**call(1))  # (the engine exists; idle now)
     (eng,) = engines(model)
     read, lock, order = front.read_inputs, threading.Lock(), iter(range(8))
-    came: dict[int, int] = {}  # call (by its prompt's rows object) -> its place in the burst
+    came: dict[int, int] = {}  # call (by its prompt's ids object) -> its place in the burst
 
     def slow_read(c):
         with lock:
             i = next(order)
             came[id(c.inputs)] = i
-        time.sleep(0.03 * (i + 1))
+        time.sleep(spacing_s * (i + 1))
         return read(c)
 
     monkeypatch.setattr(front, "read_inputs", slow_read)
@@ -427,14 +379,39 @@ def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, c
     assert not errors, errors
     for i, r in enumerate(ref):
         assert torch.equal(out[i], r), f"call {i}"
+    by_place = [kw["input_ids"].shape[0]
+                for kw in sorted(kws, key=lambda kw: came[id(kw["input_ids"])])]  # fmt: skip
+    return eng, by_place, n, waits
+
+
+def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxygen, monkeypatch):
+    """8 calls given at once whose way in (the read of their inputs, before the door) takes
+    10-80 ms each: an idle engine waits for them (DOOR.coming counts them from generate()'s
+    start), so its first step serves all 8 rows, and each call's tokens equal stock's; every
+    arrival is counted out again. Counting only the callers at the door, the first step
+    served the first caller alone."""
+    eng, rows, n, _ = _slow_burst(monkeypatch, gather_ms=1000, spacing_s=0.01)
+    assert eng.stats.timeline[n][1] == sum(rows), eng.stats.timeline[n : n + 3]
+    assert door_mod.DOOR.coming == 0
+
+
+@pytest.mark.parametrize("cap", [10, 1])
+def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, cap):
+    """8 calls whose way in takes 30, 60 ... 240 ms: each passes well within
+    scheduler.burst_gather_ms (100 ms) of the one before, so the idle engine waits for all of
+    them and its first step serves every row (a fixed 100 ms wait ended with about four in). The
+    wait is bounded: with loop.BURST_CAP 1 it ends 100 ms after it began, with the later calls
+    still on their way. Tokens equal stock's either way."""
+    from oxygen_torch.engine import loop
+
+    monkeypatch.setattr(loop, "BURST_CAP", cap)
+    eng, by_place, n, waits = _slow_burst(monkeypatch, gather_ms=100, spacing_s=0.03)
     first = eng.stats.timeline[n][1]
     waited = eng.stats.burst_wait_s - waits
     if cap == 10:
-        assert first == sum(rows), eng.stats.timeline[n : n + 3]
+        assert first == sum(by_place), eng.stats.timeline[n : n + 3]
         assert 0.15 < waited < 1.0, waited
     else:
-        by_place = [rows[i] for i, kw in sorted(
-            enumerate(kws), key=lambda x: came[id(x[1]["input_ids"])])]  # fmt: skip
         assert by_place[0] <= first <= sum(by_place[:5]), (first, by_place)
         assert waited < 0.16, waited
     assert door_mod.DOOR.coming == 0
