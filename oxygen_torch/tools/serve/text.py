@@ -50,7 +50,7 @@ class ChoiceText:
     def __init__(self, tokenizer, prompt_ids: list[int], max_tokens: int,
                  stop: tuple[str, ...] = (), eos: frozenset[int] = frozenset(),
                  incremental: bool = True):  # fmt: skip
-        self.tok, self.max_tokens, self.stop, self.eos = tokenizer, max_tokens, stop, eos
+        self.max_tokens, self.stop, self.eos = max_tokens, stop, eos
         self._decode = decoder(tokenizer)
         self.incremental = incremental or bool(stop)  # stop strings are found as text comes
         self.ids: list[int] = []  # generated, the EOS that ended it included
