@@ -335,6 +335,59 @@ def test_a_pool_without_a_tier_drops_as_before(host_pool):
     assert len(pc) == 0 and pool.manager.num_used == 0 and pc.stats()["demoted"] == 0
 
 
+def _seq_blocks(pool, seed: int, n: int) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    tokens = _tokens(seed, n * BT)
+    with pool.lock:
+        blocks = pool.manager.allocate(n)
+    return tokens, blocks, _fill(pool, blocks)
+
+
+@pytest.mark.parametrize("tier", [True, False])
+def test_a_long_insert_into_a_full_cache_makes_its_room_in_one_go(host_pool, tier):
+    """A sequence past the budget makes room once (one eviction, one transfer down), not a
+    block at a time: 64 calls of ~450 tokens ending together into a full cache took 3.9-6.5 s
+    that way on the H200. What goes is still the coldest (chain heads last); the new sequence
+    is all kept; demoted blocks come back byte-exact."""
+    pool = host_pool
+    if tier:
+        pool.cpu_tier(4 * MiB)
+    pc = pool.prefix_cache(8 * MiB)
+    pc.budget = 6
+    calls = []
+    evict = pc.evict
+    pc.evict = lambda n, protect=frozenset(): calls.append(n) or evict(n, protect)
+    a, a_blocks, a_data = _seq_blocks(pool, 1, 4)
+    b, b_blocks, _ = _seq_blocks(pool, 2, 4)
+    with pool.lock:
+        assert pc.insert("ns", a, a_blocks) == 4 and calls == []
+        pool.manager.decref(a_blocks)  # A's call ended: only the cache holds its blocks
+        assert pc.insert("ns", b, b_blocks) == 4
+        pool.manager.decref(b_blocks)
+    assert calls == [2] and pc.num_hot == 6
+    assert pc.peek("ns", b) == b_blocks  # the new sequence whole
+    # two of A's blocks went (down to the tier, or dropped leaves first); its head stayed
+    hot_a = [nd.block for nd in pc._walk("ns", a) if nd.slot is None]
+    assert len(hot_a) == 2 and a_blocks[0] in hot_a
+    assert _held(pc, "ns", a) == (4 if tier else 2)
+    c, c_blocks, _ = _seq_blocks(pool, 3, 8)  # longer than the budget: its first 6 kept
+    with pool.lock:
+        assert pc.insert("ns", c, c_blocks) == 6
+        pool.manager.decref(c_blocks)
+    assert calls == [2, 6] and pc.num_hot == 6 and pc.peek("ns", c) == c_blocks[:6]
+    if not tier:
+        assert pc.peek("ns", a) == pc.peek("ns", b) == [] and len(pc) == 6
+        assert pc.stats()["demoted"] == 0 and pool.manager.num_used == 6
+        return
+    assert pool.tier.stats()["migrations_down"] == 2  # one transfer down per insert
+    assert _held(pc, "ns", a) == 4 and _held(pc, "ns", b) == 4  # cold, not dropped
+    with pool.lock:
+        pc.budget = 16
+        assert pc.promote("ns", [a]) == 4
+        back = pc.peek("ns", a)
+    for cache, data in zip((*pool.storage.k, *pool.storage.v), a_data):
+        assert torch.equal(cache.index_select(0, torch.tensor(back)), data)
+
+
 # --- on the GPU, for the lead ------------------------------------------------------------------
 
 

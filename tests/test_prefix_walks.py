@@ -53,15 +53,36 @@ def _truth(pc, ns, tokens, cold: bool = False) -> list[int]:
     return out
 
 
+def _reclaimable_truth(pc) -> tuple[int, set[int]]:
+    """PrefixCache.reclaimable() and _free_subtrees() from the node dict alone, children before
+    parents (ids grow with insertion): a node is busy when a sequence shares its block or a
+    descendant's."""
+    refcount, busy = pc.manager.refcount, set()
+    for node in sorted(pc._by_id.values(), key=lambda n: -n.id):
+        if node.id in busy or (node.slot is None and refcount(node.block) > 1):
+            busy.add(node.id)
+            busy.add(node.parent)
+    hot = [n for n in pc._by_id.values() if n.slot is None]
+    drop = sum(n.id not in busy for n in hot)
+    single = sum(refcount(n.block) == 1 for n in hot)
+    leaves = sum(n.slot is not None and not n.children for n in pc._by_id.values())
+    return max(drop, min(single, pc.tier.num_free + leaves)), set(pc._by_id) - busy
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_mutation_leaves_a_stale_walk(tier_pool, seed):
+    """Also: the hot nodes' index and reclaimable() stay true to the node dict, sequences
+    holding (sharing) cached blocks now and then."""
     pool, pc, rng = tier_pool, tier_pool.prefix, random.Random(seed)
     system = _tokens(100 + seed, 3 * BT)
     rows = [system + _tokens(200 + 10 * seed + i, rng.randrange(BT, 4 * BT)) for i in range(5)]
     rows.append(_tokens(300 + seed, 2 * BT + 3))  # shares nothing
     hits = misses = 0
+    held: list[int] = []  # blocks a running sequence shares with the cache
     for step in range(120):
-        op = rng.choice(["insert", "lookup", "lookup", "demote", "drop", "evict", "promote"])
+        op = rng.choice(
+            ["insert", "lookup", "lookup", "demote", "drop", "evict", "promote", "hold"]
+        )
         if step % 40 == 39:
             op = "clear"
         row = rng.choice(rows)
@@ -81,6 +102,17 @@ def test_no_mutation_leaves_a_stale_walk(tier_pool, seed):
                 pc.promote("ns", [row, rng.choice(rows)])
             elif op == "clear":
                 pc.clear()
+            elif op == "hold":  # a sequence starts on the row's cached blocks, or one ends
+                if held and rng.random() < 0.5:
+                    pool.manager.decref(held)
+                    held = []
+                else:
+                    got = pc.peek("ns", row)  # its tail only at times (a window's row)
+                    got = got[rng.randrange(len(got)) :] if got else got
+                    pool.manager.incref(got)
+                    held += got
+            assert pc._hot_nodes == {i: n for i, n in pc._by_id.items() if n.slot is None}, step
+            assert (pc.reclaimable(), pc._free_subtrees()) == _reclaimable_truth(pc), (step, op)
             want = _truth(pc, "ns", row)
             assert pc.peek("ns", row) == want, (step, op)
             assert pc.lookup("ns", row) == want, (step, op)
@@ -88,6 +120,8 @@ def test_no_mutation_leaves_a_stale_walk(tier_pool, seed):
             assert (pc.counts["hits"], pc.counts["misses"]) == (hits, misses)
             assert len(pc._nodes) == len(pc._by_id)
     assert hits > 10 and misses > 10  # the script found both
+    with pool.lock:
+        pool.manager.decref(held)
 
 
 def test_a_walk_remembered_before_an_insert_goes_on_past_its_end(tier_pool):

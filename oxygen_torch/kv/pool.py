@@ -26,6 +26,8 @@ from .tier import CPUTier
 
 MiB = 1 << 20
 GiB = 1 << 30
+# the blocks' heat (kv/heat.py) counts a step's reads every this many steps, halved every 64 steps
+HEAT_EVERY = 4
 _HOST_DEFAULT_BYTES = 4 * GiB  # virtual only: host pages are mapped as blocks are used
 
 
@@ -112,7 +114,7 @@ class KVPool:
                     storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering, moves
                 )
                 if tier.num_slots > 0:
-                    self.tier, self.heat = tier, Heat(self.storage.num_blocks)
+                    self.tier, self.heat = tier, Heat(self.storage.num_blocks, 16, HEAT_EVERY)
                     if self.prefix is not None:  # its blocks given back go cold from now on
                         self.prefix.attach(self.tier, self.heat)
                 else:

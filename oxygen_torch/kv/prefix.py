@@ -59,6 +59,7 @@ class PrefixCache:
         self.manager, self.block_tokens, self.budget = manager, block_tokens, budget
         self._nodes: dict[tuple, _Node] = {}  # (parent id, token tuple) -> node
         self._by_id: dict[int, _Node] = {}
+        self._hot_nodes: dict[int, _Node] = {}  # nodes holding a device block (not in a tier)
         self._roots: dict[Hashable, int] = {}  # namespace -> root id (a node with no block)
         self._next_id = 0
         self._pinned: set[int] = set()  # nodes a promotion is bringing up: not given back
@@ -185,23 +186,34 @@ class PrefixCache:
         block instead; past the budget, cold blocks make room or the rest is not kept."""
         if self.budget <= 0:
             return 0
-        now, added, path = self.tick(), 0, set()
+        now, added = self.tick(), 0
         parent, bt = self._root(ns), self.block_tokens
-        walked, version = self._walk(ns, tokens), self.version
-        for i in range(min(len(tokens) // bt, len(blocks))):
-            if i < len(walked) and self.version == version:  # (an eviction may have cut it)
+        count = min(len(tokens) // bt, len(blocks))
+        walked = self._walk(ns, tokens)[:count]
+        # room for the blocks this sequence adds or warms past the budget, made in one go (one
+        # order of the cache, one move down to the tier), not a block at a time: a sequence of
+        # a thousand new blocks into a full cache took seconds that way (64 ending calls of ~450
+        # tokens, 256 MiB, a 1B shape on the H200: 3.9-6.5 s after their last step)
+        need = count - len(walked) + sum(node.slot is not None for node in walked)
+        if need > 0 and self.num_hot + need > self.budget:
+            # (no more than the hot blocks: asking past them would drop cold ones for nothing)
+            over = min(self.num_hot + need - self.budget, self.num_hot)
+            self.evict(over, protect={nd.id for nd in walked})
+            walked = self._walk(ns, tokens)[:count]  # (the protected chain is all still there)
+        for i in range(count):
+            if i < len(walked):
                 node = walked[i]
                 key = node.key
             else:
                 key = (parent, tuple(tokens[i * bt : (i + 1) * bt]))
                 node = self._nodes.get(key)
-            if node is None or node.slot is not None:
-                if self.num_hot >= self.budget and not self.evict(1, protect=path):
-                    break
+            if (node is None or node.slot is not None) and self.num_hot >= self.budget:
+                break  # (what eviction could not make room for is not kept)
             if node is None:
                 node = _Node(self._new_id(), key, parent, blocks[i], now)
                 self.manager.incref([node.block])
                 self._nodes[key], self._by_id[node.id] = node, node
+                self._hot_nodes[node.id] = node
                 if parent in self._by_id:
                     self._by_id[parent].children.add(node.id)
                 self._added()
@@ -210,9 +222,9 @@ class PrefixCache:
                 self.manager.incref([blocks[i]])
                 self.tier.release([node.slot])
                 node.block, node.slot = blocks[i], None
+                self._hot_nodes[node.id] = node
                 self._cold -= 1
             node.hist.touch(now)
-            path.add(node.id)
             parent = node.id
         self.counts["inserted"] += added
         return added
@@ -250,6 +262,7 @@ class PrefixCache:
         self.tier.release(slots)
         for node, block in zip(nodes, blocks):
             node.block, node.slot, node.promoted = block, None, True
+            self._hot_nodes[node.id] = node
         self._cold -= len(nodes)
         self.counts["promoted"] += len(nodes)
         return len(nodes)
@@ -271,8 +284,8 @@ class PrefixCache:
             return 0
         skip = set(protect) | self._pinned
         free = [
-            nd for nd in self._by_id.values()
-            if nd.slot is None and nd.id not in skip and self.manager.refcount(nd.block) == 1
+            nd for nd in self._hot_nodes.values()
+            if nd.id not in skip and self.manager.refcount(nd.block) == 1
         ]  # fmt: skip
         nodes = self._order(free)[:n]
         if len(nodes) > self.tier.num_free:
@@ -288,6 +301,7 @@ class PrefixCache:
         blocks = [nd.block for nd in nodes]
         for nd, slot in zip(nodes, self.tier.down(blocks)):
             nd.block, nd.slot, nd.promoted = COLD, slot, False
+            del self._hot_nodes[nd.id]
         self.manager.decref(blocks, after=self.tier.fence())  # freed behind the copy
         if self.heat is not None:
             self.heat.forget(blocks)
@@ -330,6 +344,7 @@ class PrefixCache:
     def _remove(self, nid: int) -> _Node:
         """Takes node nid out (a leaf): its device reference or tier slot goes back."""
         node = self._by_id.pop(nid)
+        self._hot_nodes.pop(nid, None)
         del self._nodes[node.key]
         self._removed()
         parent = self._by_id.get(node.parent)
@@ -342,27 +357,36 @@ class PrefixCache:
             self.manager.decref([node.block])
         return node
 
+    def _busy(self) -> set[int]:
+        """Ids of the nodes a sequence shares (a device block with another reference) and of
+        their ancestors: every other node's block and its descendants' only the cache holds.
+        Walks up from the shared hot nodes only (a cold node is never shared): the engine asks
+        every step (reclaimable), and the cold zone may hold thousands of nodes."""
+        busy: set[int] = set()
+        refcount, by_id = self.manager.refcount, self._by_id
+        for node in self._hot_nodes.values():
+            if refcount(node.block) > 1:
+                while node is not None and node.id not in busy:
+                    busy.add(node.id)
+                    node = by_id.get(node.parent)
+        return busy
+
     def _free_subtrees(self) -> set[int]:
         """Ids of nodes whose block and every descendant's block only the cache holds."""
-        busy: set[int] = set()
-        for node in sorted(self._by_id.values(), key=lambda n: -n.id):  # children first
-            shared = node.slot is None and self.manager.refcount(node.block) > 1
-            if node.id in busy or shared:
-                busy.add(node.id)
-                if node.parent in self._by_id:
-                    busy.add(node.parent)
-        return set(self._by_id) - busy
+        return set(self._by_id) - self._busy()
 
     def reclaimable(self) -> int:
         """Device blocks the cache would give back if the pool needed them."""
-        drop = sum(self._by_id[i].slot is None for i in self._free_subtrees())
+        busy = self._busy()
+        drop = sum(i not in busy for i in self._hot_nodes)
         if self.tier is None:
             return drop
-        single = sum(
-            n.slot is None and self.manager.refcount(n.block) == 1 for n in self._by_id.values()
-        )
-        leaves = sum(n.slot is not None and not n.children for n in self._by_id.values())
-        return max(drop, min(single, self.tier.num_free + leaves))
+        refcount = self.manager.refcount
+        single = sum(refcount(n.block) == 1 for n in self._hot_nodes.values())
+        room = self.tier.num_free
+        if room < single:  # (the cold leaves' count matters only then: it walks the cold zone)
+            room += sum(n.slot is not None and not n.children for n in self._by_id.values())
+        return max(drop, min(single, room))
 
     def evict(self, n: int, protect: set[int] = frozenset()) -> int:
         """Gives back up to n device blocks only the cache holds: down to the tier when there
@@ -390,6 +414,7 @@ class PrefixCache:
         n, self._cold = len(self._by_id), 0
         self._nodes.clear()
         self._by_id.clear()
+        self._hot_nodes.clear()
         self._removed()
         if slots:
             self.tier.release(slots)
