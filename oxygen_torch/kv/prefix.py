@@ -38,6 +38,7 @@ from collections.abc import Hashable, Sequence
 from .. import _patching
 from .block_manager import BlockManager, KVCacheFull
 from .lruk import AccessHistory
+from .transfer import int64
 
 COLD = -1  # node.block of a node whose K/V is in a tier slot
 WALKS = 32  # walks memoized (rows of the last calls); a batch larger than this just re-walks
@@ -269,13 +270,16 @@ class PrefixCache:
 
     def _order(self, nodes: list[_Node]) -> list[_Node]:
         """Hot nodes coldest first (heat counter, then LRU-K); chain heads after all others."""
-        heat = self.heat
-
-        def key(n: _Node):
-            counter = int(heat.counter[n.block]) if heat is not None else 0
-            return n.parent not in self._by_id, counter, n.hist.key()
-
-        return sorted(nodes, key=key)
+        heat, by_id = self.heat, self._by_id
+        if heat is None or not nodes:
+            counters = [0] * len(nodes)
+        else:  # one gather of the counters, not a tensor index per node
+            counters = heat.counter[int64([n.block for n in nodes])].tolist()
+        keyed = sorted(
+            range(len(nodes)),
+            key=lambda i: (nodes[i].parent not in by_id, counters[i], nodes[i].hist.key()),
+        )
+        return [nodes[i] for i in keyed]
 
     def demote(self, n: int, protect: set[int] = frozenset()) -> int:
         """Moves up to n hot blocks only the cache holds down to the tier, coldest first (cold
