@@ -145,6 +145,10 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    import multitask_at_once as mo  # (beside this script)
+
+    t0, compiles = time.perf_counter(), mo._compile_log()
+    captured = mo._graphs(model).get("captures", 0) if oxygen else 0
     if mode == "generate_batch":
         results, oom, took = run_batch(model, reqs)
     else:
@@ -159,7 +163,35 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         busy, idle = st.get("gpu_s", 0.0), st.get("gpu_idle_s", 0.0)
         out["gpu_idle"] = round(idle / (busy + idle), 3) if busy + idle else None
         out["per_call"] = st.get("per_call", {})
+        out["slow_steps"] = slow_steps(mo._timeline(model, since=t0))
+        out["graph_captures"] = mo._graphs(model).get("captures", 0) - captured
+    if compiles is not None:  # Triton kernels built in the timed run: (at ms, took ms, kernel)
+        out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name[:80])
+                           for t, d, name in compiles]  # fmt: skip
+        mo._compile_log(stop=True)
     return out
+
+
+SLOW_MS = 15.0  # a step this long is a slow one: a high row's token waits through all of it
+
+
+def slow_steps(timeline: list, limit: int = 40) -> dict:
+    """The engine's steps of the timed run whose period (its start to the next one's, less the
+    GPU's idle before the next one: an idle engine's waits for arrivals are not a slow step)
+    passed SLOW_MS: how many, their ms, and the longest `limit` as (start ms, period ms, GPU idle
+    after it ms, rows, tokens, choose / launch / complete ms, GPU ms, collection pause ms):
+    where a slow token's time went."""
+    periods = []
+    for a, b in zip(timeline, timeline[1:]):
+        idle = b[7] or 0.0
+        periods.append((b[0] - a[0] - idle, idle, a))
+    slow = sorted((p for p in periods if p[0] >= SLOW_MS), key=lambda p: -p[0])
+    return dict(
+        steps=len(timeline), slow=len(slow), slow_ms=round(sum(p[0] for p in slow), 1),
+        median_ms=round(statistics.median(p[0] for p in periods), 3) if periods else None,
+        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[9])
+                 for p, idle, a in slow[:limit]],
+    )  # fmt: skip
 
 
 def summarize(mode, seed, cv, results, oom, took, peak, n) -> dict:
@@ -276,6 +308,8 @@ def at_once(args) -> None:
                 )
                 rows.append(r)
                 print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
+                if os.environ.get("OUT"):  # as it goes: a call cut short keeps the runs done
+                    Path(os.environ["OUT"], "at_once.json").write_text(json.dumps(rows))
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
         "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms | "
@@ -444,6 +478,8 @@ def main() -> None:
                 rows.append(spawn(mode, seed, cv, args.requests))
                 print(f"[{mode} seed {seed} cv {cv}: {time.time() - t:.0f}s] "
                       f"{json.dumps(rows[-1])[:400]}", flush=True)  # fmt: skip
+                if os.environ.get("OUT"):  # as it goes: a call cut short keeps the runs done
+                    Path(os.environ["OUT"], "bench_multitask.json").write_text(json.dumps(rows))
     md = table(rows) + "\n\n" + goals(rows)
     print("\n" + md)
     out = os.environ.get("OUT")
