@@ -5,6 +5,7 @@ against the processed probabilities (a chi-square test on a small vocabulary).""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -78,6 +79,39 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own():
     suppressed = Sampler(V, torch.device("cpu"))
     toks, sc = suppressed(logits[-1:], [RowSample(SamplingParams(), 0, 0, (int(tokens[-1]),))])
     assert sc[0, int(tokens[-1])] == float("-inf") and int(toks[0]) != int(tokens[-1])
+
+
+@pytest.mark.cuda
+def test_a_step_of_every_processor_on_the_gpu_does_not_wait_for_the_stream():
+    """Every setting in one batch on CUDA: the scores equal the CPU's, and the call returns
+    while the stream is still busy (its host values go through pinned memory: a pageable copy
+    waits for the stream, and the engine could not prepare a step while the GPU ran one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
+    gen = torch.Generator().manual_seed(11)
+    names = list(SETTINGS) + ["greedy"]
+    params = [SETTINGS.get(n, SamplingParams()) for n in names] * 8
+    rows = [RowSample(p, 3, r, (1,) if r % 3 == 0 else ()) for r, p in enumerate(params)]
+    logits = torch.randn(len(params), V, generator=gen) * 2
+    held = held_tokens(len(params), gen)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        sampler = Sampler(V, torch.device(dev))
+        for r in range(len(params)):
+            sampler.start_row(r, held[r])
+        on = logits.to(dev)
+        sampler(on, rows)  # (warm: Triton's draw compiled, the host allocator's blocks made)
+        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda._sleep(1 << 30)  # the stream busy for ~0.5 s
+        t0 = time.perf_counter()
+        tokens, scores = sampler(on, rows)
+        out[dev] = (time.perf_counter() - t0, tokens.cpu(), scores.cpu())
+    host_s, tokens, scores = out["cuda"]
+    torch.testing.assert_close(scores, out["cpu"][2], rtol=1e-5, atol=1e-5)
+    greedy = [r for r, p in enumerate(params) if not p.do_sample]
+    assert tokens[greedy].tolist() == out["cpu"][1][greedy].tolist()
+    assert host_s < 0.1, f"the sampler waited {host_s:.3f} s for the stream"
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
