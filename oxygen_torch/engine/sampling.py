@@ -99,7 +99,10 @@ class Sampler:
         transformers' penalty reads input_ids). tokens: 1-D ids on any device."""
         seen = self._mask(slot + 1)
         seen[slot] = False
-        seen[slot, tokens.to(self.device, torch.int64)] = True
+        ids = tokens.to(torch.int64)
+        seen[
+            slot, _upload(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
+        ] = True
 
     def note(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Penalised rows' new tokens join their masks (device ops only)."""
