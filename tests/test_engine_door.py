@@ -347,7 +347,8 @@ def _slow_burst(monkeypatch, gather_ms: float, spacing_s: float):
     """8 calls given at once on an idle engine (the door on this CPU), the i-th of them to
     read its inputs (before the door) taking (i + 1) * spacing_s; each call's tokens checked
     against stock's. Returns (the engine, the calls' rows in the order they came, the engine's
-    timeline length and burst_wait_s before the burst)."""
+    timeline length and burst_wait_s before the burst; its burst_wait_max_s is the burst's
+    longest wait)."""
     monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
     model = tiny("llama")
     base = int(torch.randint(0, 1000, (1,)))
@@ -370,6 +371,7 @@ def _slow_burst(monkeypatch, gather_ms: float, spacing_s: float):
 
     monkeypatch.setattr(front, "read_inputs", slow_read)
     n, waits = len(eng.stats.timeline), eng.stats.burst_wait_s
+    eng.stats.burst_wait_max_s = 0.0
 
     def run(kw):
         with torch.no_grad():
@@ -401,7 +403,8 @@ def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, c
     scheduler.burst_gather_ms (100 ms) of the one before, so the idle engine waits for all of
     them and its first step serves every row (a fixed 100 ms wait ended with about four in). The
     wait is bounded: with loop.BURST_CAP 1 it ends 100 ms after it began, with the later calls
-    still on their way. Tokens equal stock's either way."""
+    still on their way (the engine may wait again after that step, while the rest pass: the
+    longest wait is the bounded one). Tokens equal stock's either way."""
     from oxygen_torch.engine import loop
 
     monkeypatch.setattr(loop, "BURST_CAP", cap)
@@ -413,5 +416,7 @@ def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, c
         assert 0.15 < waited < 1.0, waited
     else:
         assert by_place[0] <= first <= sum(by_place[:5]), (first, by_place)
-        assert waited < 0.16, waited
+        # (waiting for all of them would take >= 0.21 s: the last passes 0.24 s in, the first
+        # 0.03 s; 0.2 leaves a loaded machine's sleeps their slack)
+        assert eng.stats.burst_wait_max_s < 0.2, eng.stats.burst_wait_max_s
     assert door_mod.DOOR.coming == 0

@@ -83,6 +83,7 @@ class EngineStats:
     door_max_s: float = 0.0
     burst_waits: int = 0  # an idle engine waited for callers at the door (burst_gather_ms)
     burst_wait_s: float = 0.0  # how long, in all
+    burst_wait_max_s: float = 0.0  # the longest one
     rows: deque = field(default_factory=lambda: deque(maxlen=1024))  # rows a step, the last
     # the last steps' [start, rows, tokens, choose s, launch s, complete s (of the step
     # before), GPU s, the GPU's idle s before it, the engine thread's CPU s in the launch]
@@ -143,7 +144,7 @@ class Engine(Rows, Delivery):
             "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
             "gpu_s": st.gpu_s, "gpu_idle_s": st.gpu_idle_s,
             "door_s": st.door_s, "doors": st.doors, "burst_waits": st.burst_waits,
-            "burst_wait_s": st.burst_wait_s,
+            "burst_wait_s": st.burst_wait_s, "burst_wait_max_s": st.burst_wait_max_s,
             "running": len(self.running), "waiting": len(self.waiting),
             "rows_per_step": sum(rows) / len(rows),
         }  # fmt: skip
@@ -295,8 +296,10 @@ class Engine(Rows, Delivery):
                 # every engine's callers: another model's burst keeps this one no longer)
                 deadline = min(cap, max(deadline, time.monotonic() + gap))
             seen, coming = seen + len(new), door.coming(device)
-        self.stats.burst_waits += 1
-        self.stats.burst_wait_s += time.monotonic() - start
+        took, st = time.monotonic() - start, self.stats
+        st.burst_waits += 1
+        st.burst_wait_s += took
+        st.burst_wait_max_s = max(st.burst_wait_max_s, took)
 
     def _step_failed(self, rows: list[StepRow], err: Exception) -> None:
         """A step raised before it was launched (its KV reservations undone): a step of one
