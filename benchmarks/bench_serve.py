@@ -9,8 +9,10 @@
 The trace is benchmarks/traces.py's (gamma arrivals, ~20 % high priority, log-normal chat
 lengths; min_tokens = max_tokens so every request makes exactly its tokens), on a random-weight
 checkpoint written to a temporary directory (a word-level tokenizer built offline, no EOS) or on
---checkpoint. Modes, at each rate (one server per rate, warmed up, for both server modes; a fresh
-process for in-process):
+--checkpoint. Modes, at each rate (one server per rate for both server modes, a fresh process
+for in-process; each warmed up by a few short requests at once and then, unless
+--no-warm-trace, by the trace itself untimed, so no timed mode captures decode graphs the
+other then reuses):
 
   stream     the server, stream: true. TTFT: request sent to first text chunk; TPOT: (last chunk
              - first chunk) / (tokens - 1), per request
@@ -219,7 +221,8 @@ class ServerProcess:
             self.proc.kill()
 
 
-def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tuple:
+def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str,
+              warm_trace: bool = False) -> tuple:  # fmt: skip
     """The trace as generate() threads in this process, the engine on (as `serve` sets it):
     (results, seconds, this process's CPU seconds in the timed run)."""
     import torch
@@ -249,6 +252,8 @@ def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str) -> tupl
                     tpot=tpot, done=time.monotonic() - t0)  # fmt: skip
 
     run_trace(warm, one)
+    if warm_trace:  # the trace once untimed: its decode graphs' rows buckets and widths
+        run_trace(reqs, one)
     cpu = process_cpu_s()
     results, took = run_trace(reqs, one)
     return results, took, process_cpu_s() - cpu
@@ -272,6 +277,10 @@ def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[di
     server = ServerProcess(ckpt, args)
     try:
         run_trace(warm, lambda r, s: send(server.url, "bench", r, True, s))
+        if args.warm_trace:  # the trace once untimed: the first timed mode captured the decode
+            # graphs of the trace's rows buckets and widths, and the second ran on them (H200,
+            # rate 64: streamed 0.77x not streamed, the streamed run first)
+            run_trace(reqs, lambda r, s: send(server.url, "bench", r, False, s))
         for mode in modes:
             stream = mode == "stream"
             cpu = server.cpu_s()
@@ -286,24 +295,28 @@ def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[di
 
 def run_inprocess(ckpt: Path, args, rate: float) -> dict:
     """In its own process (the engine and the pool are the process's)."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--run-inprocess",
-        str(ckpt),
-        "--rates",
-        str(rate),
-        "--requests",
-        str(args.requests),
-        "--seed",
-        str(args.seed),
-        "--cv",
-        str(args.cv),
-        "--warm",
-        str(args.warm),
-        "--conf",
-        args.conf,
-    ] + (["--smoke"] if args.smoke else [])
+    cmd = (
+        [
+            sys.executable,
+            __file__,
+            "--run-inprocess",
+            str(ckpt),
+            "--rates",
+            str(rate),
+            "--requests",
+            str(args.requests),
+            "--seed",
+            str(args.seed),
+            "--cv",
+            str(args.cv),
+            "--warm",
+            str(args.warm),
+            "--conf",
+            args.conf,
+        ]
+        + (["--smoke"] if args.smoke else [])
+        + ([] if args.warm_trace else ["--no-warm-trace"])
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200,
                           env=child_env())  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -355,13 +368,19 @@ def main() -> None:
         "--conf", default="", help="oxygen configuration for both sides (OXYGEN_CONF form)"
     )
     p.add_argument("--json", help="also write the results here")
+    p.add_argument(
+        "--no-warm-trace", dest="warm_trace", action="store_false",
+        help="skip the untimed run of the trace before the timed modes (each server's, and the "
+        "in-process one's: the decode graphs its rows and lengths need captured beforehand)",
+    )  # fmt: skip
     p.add_argument("--run-inprocess", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.rates = args.rates or ([4.0, 8.0] if args.smoke else [2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
     args.requests = args.requests or (12 if args.smoke else 200)
     if args.run_inprocess:
         reqs, warm = requests(args, args.rates[0])
-        results, took, cpu = inprocess(Path(args.run_inprocess), reqs, warm, args.conf)
+        results, took, cpu = inprocess(Path(args.run_inprocess), reqs, warm, args.conf,
+                                       args.warm_trace)  # fmt: skip
         out = with_cpu(summarize("inprocess", args.rates[0], results, took), cpu)
         print(json.dumps(out), flush=True)
         return
