@@ -18,6 +18,7 @@ from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats
 from oxygen_torch.kv.attention import gather_blocks
 from oxygen_torch.kv.heat import HOT, Heat
+from oxygen_torch.kv.lruk import NEVER
 from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
 from oxygen_torch.kv.swap import swap_out
 from oxygen_torch.tools import metrics
@@ -47,6 +48,23 @@ def test_heat_counters_saturate_decay_and_order_lru_k():
     assert heat.coldest([1, 2, 3, 4, 5], 5) == [2, 4, 5, 1, 3]
     heat.forget([3])
     assert heat.coldest([1, 3], 1) == [3]
+    before = [heat.key(b) for b in range(8)]
+    heat.touch(torch.tensor([-1, 8, 99]))  # ids outside the pool (padding): nothing counted
+    assert [heat.key(b) for b in range(8)] == before
+
+
+def test_heat_sampled_every_nth_step_counts_that_step_only():
+    """touch_every 4 (the pool's HEAT_EVERY): the 1st-3rd touches count nothing, the 4th
+    counts its blocks at clock 1; sweeps count touches that counted."""
+    heat = Heat(8, sweep_every=2, touch_every=4)
+    for blocks in ([1], [2], [3]):
+        heat.touch(torch.tensor(blocks))
+    assert heat.clock == 0 and all(heat.key(b)[0] == 0 for b in (1, 2, 3))
+    heat.touch(torch.tensor([[4, 4, 0]]))
+    assert heat.clock == 1 and heat.key(4) == (1, NEVER, 1)
+    for _ in range(4):
+        heat.touch(torch.tensor([4]))
+    assert heat.clock == 2 and heat.key(4)[0] == 1  # 2 counted, then halved by the 2nd's sweep
 
 
 @pytest.fixture

@@ -36,10 +36,10 @@ class Heat:
         if self._steps % self.touch_every:
             return
         self.clock += 1
-        last = self.counter.shape[0] - 1
         # no unique(): a repeated id gathers and writes back the same values; out-of-range ids
         # (padding) land on the guard block, reset below
-        ids = blocks.reshape(-1).to(torch.int64).clamp_(0, last)
+        ids = blocks.reshape(-1).to(torch.int64)
+        ids = ids.masked_fill_((ids < 0) | (ids >= self.counter.shape[0]), 0)
         counts = self.counter.index_select(0, ids).add_(1).clamp_(max=HOT)
         self.counter.index_copy_(0, ids, counts)
         times = self.times.index_select(0, ids)
