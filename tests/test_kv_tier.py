@@ -49,8 +49,9 @@ def test_heat_counters_saturate_decay_and_order_lru_k():
     heat.forget([3])
     assert heat.coldest([1, 3], 1) == [3]
     before = [heat.key(b) for b in range(8)]
-    heat.touch(torch.tensor([-1, 8, 99]))  # ids outside the pool (padding): nothing counted
-    assert [heat.key(b) for b in range(8)] == before
+    table = torch.tensor([-1, 8, 99])
+    heat.touch(table)  # ids outside the pool (padding): nothing counted, the table unchanged
+    assert [heat.key(b) for b in range(8)] == before and table.tolist() == [-1, 8, 99]
 
 
 def test_heat_sampled_every_nth_step_counts_that_step_only():

@@ -39,7 +39,7 @@ class Heat:
         # no unique(): a repeated id gathers and writes back the same values; out-of-range ids
         # (padding) land on the guard block, reset below
         ids = blocks.reshape(-1).to(torch.int64)
-        ids = ids.masked_fill_((ids < 0) | (ids >= self.counter.shape[0]), 0)
+        ids = ids.masked_fill((ids < 0) | (ids >= self.counter.shape[0]), 0)  # (not in place)
         counts = self.counter.index_select(0, ids).add_(1).clamp_(max=HOT)
         self.counter.index_copy_(0, ids, counts)
         times = self.times.index_select(0, ids)
