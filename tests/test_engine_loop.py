@@ -905,7 +905,9 @@ def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen, monkeypatch)
     assert rec.ended and torch.equal(rec.puts[0], ids)
     assert torch.equal(torch.stack([p.view(-1) for p in rec.puts[1:]], 1), out[:, 6:])
     sizes = [n for _, n in wakes]
-    assert sizes[0] == 1, sizes  # the first token: at once
+    # the first token: at once (the caller may wake a step or two after it on a loaded machine;
+    # an 80 ms wait would hold ~36 of this tiny model's steps)
+    assert sizes[0] <= 4, sizes
     assert len(wakes) >= 2 and sum(sizes) == 48
     assert len(wakes) <= 2 + took / 0.08, (sizes, took)  # (each wake after the first: 80 ms on)
     gaps = sorted(b[0] - a[0] for a, b in zip(wakes, wakes[1:]))
