@@ -142,7 +142,4 @@ class Rows:
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
-    t = transfer.int64(values)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return transfer.to_device(transfer.int64(values), device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.transfer import to_device
 from ..triton_kernels.sampling import sample_rows, sample_rows_ref
 
 _MASK64 = (1 << 64) - 1
@@ -101,7 +102,7 @@ class Sampler:
         seen[slot] = False
         ids = tokens.to(torch.int64)
         seen[
-            slot, _upload(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
+            slot, to_device(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
         ] = True
 
     def note(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -136,16 +137,16 @@ class Sampler:
         k = len(rows)
         return draw(scores, both[:k], both[k:].bool()), scores
 
-    # Every host value a step hands the GPU goes through pinned memory: a copy from pageable
-    # memory makes the host wait for the stream first (CUDA's rule for pageable host-to-device
-    # copies), so the engine could not prepare step n+1 while the GPU ran step n (H200, 64
-    # sampling rows: a decode step's launch 3.48 ms of host against greedy's 1.1-1.3 ms).
+    # Every host value a step hands the GPU goes through pinned memory (kv/transfer.py
+    # to_device): a copy from pageable memory waits for the stream, so the engine could not
+    # prepare step n+1 while the GPU ran step n (H200, 64 sampling rows: a decode step's launch
+    # 3.48 ms of host against greedy's 1.1-1.3 ms).
 
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        return _upload(torch.tensor(values, dtype=torch.int64), self.device)
+    def _ints(self, values: list) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.int64), self.device)
 
     def _floats(self, values: list) -> torch.Tensor:
-        return _upload(torch.tensor(values, dtype=torch.float32), self.device)
+        return to_device(torch.tensor(values, dtype=torch.float32), self.device)
 
     def _penalise(self, scores: torch.Tensor, rows: list[RowSample], pen: list[int]) -> None:
         """transformers' RepetitionPenaltyLogitsProcessor on the rows that ask: a held token's
@@ -194,14 +195,6 @@ class Sampler:
             mp = self._floats([[params[i].min_p] for i in m_rows])
             cut = mp * probs.amax(dim=-1, keepdim=True)
             scores.index_copy_(0, idx, sub.masked_fill(probs < cut, neg))
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`: through pinned memory on a GPU (an asynchronous copy, the
-    caching host allocator keeps the buffer until it is done)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _kernel_ok(t: torch.Tensor) -> bool:

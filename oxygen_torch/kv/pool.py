@@ -114,7 +114,8 @@ class KVPool:
                     storages, nbytes, self.key.device, disk_path, disk_bytes, fp8_lowering, moves
                 )
                 if tier.num_slots > 0:
-                    self.tier, self.heat = tier, Heat(self.storage.num_blocks, 16, HEAT_EVERY)
+                    heat = Heat(self.storage.num_blocks, 64 // HEAT_EVERY, HEAT_EVERY)
+                    self.tier, self.heat = tier, heat
                     if self.prefix is not None:  # its blocks given back go cold from now on
                         self.prefix.attach(self.tier, self.heat)
                 else:
