@@ -17,12 +17,15 @@ other then reuses):
   stream     the server, stream: true. TTFT: request sent to first text chunk; TPOT: (last chunk
              - first chunk) / (tokens - 1), per request
   whole      the server, not streamed: only the request's whole time
+  stream_1p  stream and whole against `serve --one-process` (the model in the HTTP server's own
+  whole_1p   process): what the engine process of its own gains
   inprocess  the same trace as generate() threads in one process, timed by a streamer
 
 Per mode and rate: generated tok/s (first arrival to last answer), per class TTFT and TPOT P50 /
-P99 and mean request time, failures, and the serving process's CPU time per generated token
-(every thread: the engine's, the requests', the event loop's; in-process, the trace's client
-threads too). Rates rise until the stream mode's TTFT P99 passes
+P99 and mean request time, failures, and the serving processes' CPU time per generated token
+(every thread of the server and its engine process: the engine's, the requests', the event
+loop's; in-process, the trace's client threads too; `engine_cpu_us_per_token`: the engine
+process's alone). Rates rise until the stream mode's TTFT P99 passes
 --ttft-limit. The goals (issue 33): the server within 10 % of in-process throughput at the same
 rate; streaming adds at most 1 ms to TPOT P50 (the stream mode's beside in-process's).
 """
@@ -50,6 +53,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, vocab_size=1024)  # fmt: skip
 CLASSES = ("high", "low")
+SPLIT, ONE = ("stream", "whole"), ("stream_1p", "whole_1p")  # the server's modes by its kind
 
 
 def make_checkpoint(path: Path, smoke: bool) -> Path:
@@ -130,13 +134,15 @@ def run_trace(reqs: list[dict], one) -> tuple[list[dict], float]:
     return results, time.monotonic() - start
 
 
-def with_cpu(out: dict, cpu_s: float) -> dict:
-    """The serving process's CPU time (every thread: the engine's, the requests', the event
+def with_cpu(out: dict, cpu_s: float, engine_s: float | None = None) -> dict:
+    """The serving processes' CPU time (every thread: the engine's, the requests', the event
     loop's) per generated token, µs: what the host spends beside the GPU's work. In-process it
-    includes the trace's own client threads."""
+    includes the trace's own client threads. `engine_s`: the engine process's part."""
     tokens = out["tok_per_s"] * out["seconds"]
     if tokens > 0 and cpu_s == cpu_s:
         out["cpu_us_per_token"] = round(1e6 * cpu_s / tokens, 1)
+        if engine_s:
+            out["engine_cpu_us_per_token"] = round(1e6 * engine_s / tokens, 1)
     return out
 
 
@@ -182,6 +188,18 @@ def process_cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The process's child processes (Linux: /proc)."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
 def child_env() -> dict:
     """This environment with the repository first on PYTHONPATH (what was there kept after it)."""
     path = [str(HERE.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -191,10 +209,10 @@ def child_env() -> dict:
 class ServerProcess:
     """`python -m oxygen_torch serve` on a free loopback port, until close()."""
 
-    def __init__(self, ckpt: Path, args):
+    def __init__(self, ckpt: Path, args, one_process: bool = False):
         cmd = [sys.executable, "-m", "oxygen_torch", "serve", str(ckpt), "--port", "0",
                "--model-name", "bench", "--log-level", "warning", "--max-queue", "100000",
-               "--conf", args.conf]  # fmt: skip
+               "--conf", args.conf] + (["--one-process"] if one_process else [])  # fmt: skip
         env = child_env()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)  # fmt: skip
@@ -209,9 +227,11 @@ class ServerProcess:
                 self.url = m.group(1)
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain its output
 
-    def cpu_s(self) -> float:
-        """The server process's CPU time so far, every thread (Linux: /proc)."""
-        return process_cpu_s(self.proc.pid)
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU time so far of the server and its engine process, every thread, and of the
+        engine process alone (Linux: /proc)."""
+        engine = sum(process_cpu_s(c) for c in children(self.proc.pid))
+        return process_cpu_s(self.proc.pid) + engine, engine
 
     def close(self) -> None:
         self.proc.terminate()
@@ -235,7 +255,7 @@ def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str,
     # the server's own warm-up first (1 row, then 2: the decode graphs compile, their sizes
     # symbolic), then the trace's: without it the first in-process run compiled in its timed
     # part (H200, rate 16: TTFT P50 2.1 s against the server's 89 ms)
-    warm_up(model, Served(model, tokenizer).pad)
+    warm_up(model, Served.of(model, tokenizer).pad)
 
     def one(req: dict, start: float) -> dict:
         import oxygen_torch
@@ -268,13 +288,14 @@ def requests(args, rate: float) -> tuple[list[dict], list[dict]]:
     return reqs, warm
 
 
-def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[dict]:
+def run_server_modes(ckpt: Path, args, rate: float, modes: list[str],
+                     one_process: bool = False) -> list[dict]:  # fmt: skip
     """One server for the rate, warmed up once; the modes one after the other against it."""
     out = []
     reqs, warm = requests(args, rate)
     if not modes:
         return out
-    server = ServerProcess(ckpt, args)
+    server = ServerProcess(ckpt, args, one_process)
     try:
         run_trace(warm, lambda r, s: send(server.url, "bench", r, True, s))
         if args.warm_trace:  # the trace once untimed: the first timed mode captured the decode
@@ -282,12 +303,14 @@ def run_server_modes(ckpt: Path, args, rate: float, modes: list[str]) -> list[di
             # rate 64: streamed 0.77x not streamed, the streamed run first)
             run_trace(reqs, lambda r, s: send(server.url, "bench", r, False, s))
         for mode in modes:
-            stream = mode == "stream"
-            cpu = server.cpu_s()
+            stream = mode.startswith("stream")
+            cpu, engine = server.cpu_s()
             results, took = run_trace(
                 reqs, lambda r, s, stream=stream: send(server.url, "bench", r, stream, s)
             )
-            out.append(with_cpu(summarize(mode, rate, results, took), server.cpu_s() - cpu))
+            cpu_after, engine_after = server.cpu_s()
+            out.append(with_cpu(summarize(mode, rate, results, took), cpu_after - cpu,
+                                engine_after - engine))  # fmt: skip
     finally:
         server.close()
     return out
@@ -337,7 +360,7 @@ def show(r: dict) -> None:
         if c:
             timed = (
                 ""
-                if r["mode"] == "whole"
+                if r["mode"].startswith("whole")
                 # a whole answer has no token times
                 else (
                     f" TTFT P50/P99 {c['ttft_p50_ms']}/{c['ttft_p99_ms']} ms, TPOT "
@@ -346,6 +369,8 @@ def show(r: dict) -> None:
             )
             parts.append(f"{cls}{timed} request mean {c['mean_done_s']} s")
     cpu = f" | host CPU {r['cpu_us_per_token']} µs/token" if "cpu_us_per_token" in r else ""
+    if "engine_cpu_us_per_token" in r:
+        cpu += f" (engine process {r['engine_cpu_us_per_token']})"
     print(
         head + " | " + " | ".join(parts) + cpu
         + (f" | {r['first_error']}" if "first_error" in r else "")
@@ -362,7 +387,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm", type=int, default=4, help="warm-up requests before each mode")
     p.add_argument("--modes", nargs="+", default=["stream", "whole", "inprocess"],
-                   choices=["stream", "whole", "inprocess"])  # fmt: skip
+                   choices=["stream", "whole", "stream_1p", "whole_1p", "inprocess"])  # fmt: skip
     p.add_argument("--ttft-limit", type=float, default=1.0, help="s: stop rising past this P99")
     p.add_argument(
         "--conf", default="", help="oxygen configuration for both sides (OXYGEN_CONF form)"
@@ -388,7 +413,8 @@ def main() -> None:
         ckpt = Path(args.checkpoint) if args.checkpoint else make_checkpoint(Path(tmp), args.smoke)
         everything = []
         for rate in args.rates:
-            rows = run_server_modes(ckpt, args, rate, [m for m in args.modes if m != "inprocess"])
+            rows = run_server_modes(ckpt, args, rate, [m for m in args.modes if m in SPLIT])
+            rows += run_server_modes(ckpt, args, rate, [m for m in args.modes if m in ONE], True)
             if "inprocess" in args.modes:
                 rows.append(run_inprocess(ckpt, args, rate))
             for r in rows:

@@ -167,6 +167,15 @@ def wait_for(cond, seconds: float = 20.0) -> bool:
     return cond()
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie too: exited, its parent not yet told)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
 PROMPTS = [[5, 9, 11, 13], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 import test_serve as ts
-from test_serve import Reply, Running, Slow, blocks_in_use, http, wait_for
+from test_serve import Reply, Running, Slow, blocks_in_use, http, process_gone, wait_for
 
 from oxygen_torch.tools.serve.app import ServeConfig, build_app
 from oxygen_torch.tools.serve.protocol import Request, Sampling
@@ -305,15 +305,16 @@ def test_the_command_serves_and_wants_its_api_key(ckpt):
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:
-        url, said = None, []
+        url, engine, said = None, None, []
         deadline = time.monotonic() + 120
         while url is None and time.monotonic() < deadline and proc.poll() is None:
             try:
                 said.append(lines.get(timeout=1))
             except queue.Empty:
                 continue
-            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1 .*engine on", said[-1]):
-                url = m.group(1)
+            if m := re.search(r"on (http://127\.0\.0\.1:\d+)/v1 .*engine process (\d+), "
+                              r"engine on", said[-1]):  # fmt: skip
+                url, engine = m.group(1), int(m.group(2))
         assert url, "".join(said)[-3000:]
         c = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=60)
         with pytest.raises(openai.AuthenticationError):
@@ -332,6 +333,9 @@ def test_the_command_serves_and_wants_its_api_key(ckpt):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+    # the engine's process ends with the server's (its pipe closed): none left behind
+    gone = engine is None or wait_for(lambda: process_gone(engine), 30)
+    assert gone, f"engine process {engine} is still running"
 
 
 class HeldTokenizer:
@@ -355,7 +359,7 @@ def test_a_long_prompt_being_tokenised_holds_up_no_other_request(loaded):
     """An 8 MiB text prompt took ~7 s to tokenise under one lock, and every request waited."""
     model, tok = loaded
     held = HeldTokenizer(tok, "w9 w9 w9")
-    served = Served(model, held)
+    served = Served.of(model, held)
     long = threading.Thread(target=served.encode, args=(Request(Sampling(), prompts=[held.held]),))
     long.start()
     try:
@@ -379,7 +383,7 @@ def test_a_saved_truncation_is_reset_before_any_request(loaded):
     model, _ = loaded
     tok = tiny_tokenizer(128)
     tok.backend_tokenizer.enable_truncation(4)  # as a checkpoint's tokenizer.json may say
-    served = Served(model, tok)
+    served = Served.of(model, tok)
     assert tok.backend_tokenizer.truncation is None
     got = served.encode(Request(Sampling(), prompts=["w5 " * 50]))
     assert got == [[5] * 50]

@@ -7,8 +7,10 @@
 
 A request is checked (protocol.py), admitted (at most ``max_queue`` waiting for a first token,
 else 429 with Retry-After), tokenised on a thread, checked against the model's context and the
-KV pool (400 naming the limit), then run as one generate() call on a worker thread (jobs.py).
-The server watches the client while the call runs: a client that leaves ends its call at the
+KV pool (400 naming the limit), then run as one generate() call: in the engine process
+(engine.py, what the command runs: the model's steps do not share an interpreter lock with the
+HTTP side) or on a worker thread of this process (jobs.py's ThreadRunner, `build_app`). The
+server watches the client while the call runs: a client that leaves ends its call at the
 engine's next step. Every refusal is OpenAI's error object with a 4xx status; a 5xx means the
 server failed, never that the client sent something wrong.
 """
@@ -20,7 +22,6 @@ import contextlib
 import hmac
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .answers import Answer, error_event
-from .jobs import Admission, Job
+from .jobs import Admission, Job, ThreadRunner, describe
 from .protocol import ApiError, Limits, chat_request, completion_request, parse_json
 from .served import Served
 
@@ -73,16 +74,19 @@ def _error(err: ApiError) -> JSONResponse:
 
 def _from_generate(err: BaseException) -> ApiError:
     """What generate() raised, as the client's answer."""
-    # KV errors by name: the engine's and the pool's classes (kv/, engine/) are not this layer's
-    if type(err).__name__ in ("KVCacheFull", "KVBudgetError"):
-        return ApiError(400, f"the request does not fit the KV pool: {err}")
-    if isinstance(err, (ValueError, TypeError)):  # transformers refusing the settings
-        return ApiError(400, f"generate() refused the request: {str(err)[:500]}")
-    if type(err).__name__ == "OutOfMemoryError":
+    kind, name, message = describe(err)
+    if kind == "kv":
+        return ApiError(400, f"the request does not fit the KV pool: {message}")
+    if kind == "value":  # transformers refusing the settings
+        return ApiError(400, f"generate() refused the request: {message[:500]}")
+    if kind == "oom":
         return ApiError(503, "the device is out of memory; retry later",
                         headers={"Retry-After": "1"})  # fmt: skip
-    log.error("generate() failed", exc_info=err)
-    return ApiError(500, f"the server failed: {type(err).__name__}")
+    if kind == "gone":
+        return ApiError(503, message)
+    if kind == "other" and name == type(err).__name__:  # (the engine process logs its own)
+        log.error("generate() failed", exc_info=err)
+    return ApiError(500, f"the server failed: {name}")
 
 
 async def _read_body(request: Request, cfg: ServeConfig) -> bytes:
@@ -133,18 +137,23 @@ async def _next_or_left(job: Job, request: Request):
     return None
 
 
+def worker_count(cfg: ServeConfig) -> int:
+    """generate() threads: cfg.workers, else a step's rows plus the queue (this process's
+    oxygen configuration: the engine's, where the threads run)."""
+    import oxygen_torch
+
+    active = oxygen_torch.active_config()
+    seqs = active.scheduler.max_step_seqs if active is not None else 256
+    return cfg.workers or seqs + cfg.max_queue
+
+
 class Server:
-    """The app's state: the model, the admission counter, the worker threads, live jobs."""
+    """The app's state: what it knows of the model, the admission counter, the runner that runs
+    the calls (ThreadRunner, or engine.EngineProcess)."""
 
-    def __init__(self, model, tokenizer, cfg: ServeConfig):
-        import oxygen_torch
-
-        self.cfg, self.served = cfg, Served(model, tokenizer, cfg.max_model_len)
+    def __init__(self, served: Served, runner, cfg: ServeConfig):
+        self.cfg, self.served, self.runner = cfg, served, runner
         self.admission = Admission(cfg.max_queue, cfg.retry_after_s)
-        active = oxygen_torch.active_config()
-        seqs = active.scheduler.max_step_seqs if active is not None else 256
-        self.executor = ThreadPoolExecutor(cfg.workers or seqs + cfg.max_queue, "serve")
-        self.jobs: set[Job] = set()
         self.started = int(time.time())
 
     def authorize(self, request: Request) -> None:
@@ -168,6 +177,8 @@ class Server:
             raise ApiError(404, f"model: {req.model[:100]!r} does not exist here; this server "
                            f"serves {self.cfg.model_name!r}", param="model",
                            code="model_not_found")  # fmt: skip
+        if (gone := self.runner.alive()) is not None:
+            raise ApiError(503, gone)
         self.admission.enter()
         try:
             call = await asyncio.to_thread(self._prepare, req)
@@ -176,11 +187,7 @@ class Server:
             raise
         job = Job(call, self.admission, asyncio.get_running_loop(), req.sampling.stream)
         answer = Answer(call, self.cfg.model_name, chat, req.sampling.return_token_ids)
-        self.jobs.add(job)
-        future = asyncio.get_running_loop().run_in_executor(
-            self.executor, job.run, self.served.model, self.served.pad
-        )
-        future.add_done_callback(lambda _: self.jobs.discard(job))
+        self.runner.start(job)
         first = await _next_or_left(job, request)
         if first is None:
             return Response(status_code=499)  # nobody reads it: the client has gone
@@ -235,14 +242,19 @@ class Server:
                 "owned_by": "oxygen_torch", "max_model_len": self.served.max_model_len}  # fmt: skip
 
     def close(self) -> None:
-        for job in list(self.jobs):
-            job.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()
 
 
 def build_app(model, tokenizer, cfg: ServeConfig) -> FastAPI:
-    """The app over `model` (already on its device, oxygen applied) and its tokenizer."""
-    server = Server(model, tokenizer, cfg)
+    """The app over `model` (already on its device, oxygen applied) and its tokenizer, the calls
+    run on worker threads of this process."""
+    served = Served.of(model, tokenizer, cfg.max_model_len)
+    return app_for(Server(served, ThreadRunner(model, served.pad, worker_count(cfg)), cfg))
+
+
+def app_for(server: Server) -> FastAPI:
+    """The FastAPI app of `server`; its runner is closed when the app shuts down."""
+    cfg = server.cfg
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -289,13 +301,16 @@ def build_app(model, tokenizer, cfg: ServeConfig) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers probe with HEAD)
     async def health():
+        if (gone := server.runner.alive()) is not None:
+            return JSONResponse({"status": "down", "reason": gone}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         from .metrics import text
 
-        body = await asyncio.to_thread(text, server.admission)
+        oxygen = await asyncio.to_thread(server.runner.oxygen_metrics)
+        body = await asyncio.to_thread(text, server.admission, oxygen)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -65,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     a("--max-connections", type=int, default=1024, help="open connections before 503")
     a("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     a("--no-warmup", action="store_true", help="skip the generate() call made before serving")
+    a(
+        "--one-process",
+        action="store_true",
+        help="run the model in the server's own process (default: an engine process of its own, "
+        "so HTTP and text work do not hold up the model's steps)",
+    )
     return p  # fmt: skip
 
 
@@ -95,15 +101,22 @@ def configure_oxygen(conf: str):
     return oxygen_torch.enable(**serve_overrides(conf))
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of a local checkpoint directory, nothing downloaded."""
+    import transformers as T
+
+    if not Path(path).is_dir():
+        raise ValueError(f"{path}: not a directory (serve takes a local checkpoint directory)")
+    return T.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def load(path: str, dtype: str = "auto", device: str | None = None):
     """(model, tokenizer) from a local directory, nothing downloaded; model on `device`."""
     import torch
     import transformers as T
 
-    if not Path(path).is_dir():
-        raise ValueError(f"{path}: not a directory (serve takes a local checkpoint directory)")
+    tokenizer = load_tokenizer(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = T.AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = T.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
     )
@@ -130,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        from .app import ServeConfig, build_app
+        from .app import ServeConfig, Server, app_for, build_app
+        from .engine_process import EngineFailed, EngineProcess, EngineSpec
         from .http import HttpConfig, bind, server
+        from .served import Served
     except ImportError as err:
         print(f"serve needs FastAPI and uvicorn: pip install 'oxygen_torch[serve]' ({err})",
               file=sys.stderr)  # fmt: skip
         return 2
+    engine = None
     try:
         http = HttpConfig(args.host, args.port, args.header_timeout, 5, args.max_connections,
                           args.log_level)  # fmt: skip
@@ -144,19 +160,38 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
             body_timeout_s=args.body_timeout, max_model_len=args.max_model_len,
         )  # fmt: skip
-        oxygen = configure_oxygen(args.conf)
-        model, tokenizer = load(args.path, args.dtype, args.device)
-    except (ValueError, OSError) as err:
+        t0 = time.perf_counter()
+        if args.one_process:
+            oxygen = configure_oxygen(args.conf)
+            model, tokenizer = load(args.path, args.dtype, args.device)
+            app = build_app(model, tokenizer, cfg)
+            if not args.no_warmup:
+                warm_up(model, app.state.server.served.pad)
+            engine_on, where = oxygen.scheduler.engine, "this process"
+        else:
+            serve_overrides(args.conf)  # (a bad configuration is told before anything loads)
+            tokenizer = load_tokenizer(args.path)
+            spec = EngineSpec(args.path, args.dtype, args.device, args.conf, not args.no_warmup,
+                              None, args.max_queue, args.log_level)  # fmt: skip
+            engine = EngineProcess(spec)
+            served = Served(engine.facts, tokenizer, cfg.max_model_len, engine.kv_tokens)
+            app = app_for(Server(served, engine, cfg))
+            engine_on, where = engine.engine_on, f"engine process {engine.process.pid}"
+        print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+        sock = bind(args.host, args.port)
+    except (ValueError, OSError, EngineFailed) as err:
         print(f"serve: {err}", file=sys.stderr)
+        if engine is not None:
+            engine.close()
         return 2
-    app = build_app(model, tokenizer, cfg)
-    if not args.no_warmup:
-        took = warm_up(model, app.state.server.served.pad)
-        print(f"warm-up call: {took:.1f} s", flush=True)
-    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    engine = "on" if oxygen.scheduler.engine else "off"
-    print(f"serving {cfg.model_name!r} on http://{host}:{port}/v1 (device {model.device}, engine "
-          f"{engine}, max queue {cfg.max_queue})", flush=True)  # fmt: skip
-    server(app, http).run(sockets=[sock])
+    device = app.state.server.served.facts.device
+    print(f"serving {cfg.model_name!r} on http://{host}:{port}/v1 (device {device}, "
+          f"{where}, engine {'on' if engine_on else 'off'}, max queue {cfg.max_queue})",
+          flush=True)  # fmt: skip
+    try:
+        server(app, http).run(sockets=[sock])
+    finally:
+        if engine is not None:
+            engine.close()
     return 0

@@ -1,10 +1,11 @@
-"""One request's generate() call on a worker thread, and what it hands to the event loop.
+"""One request's generate() call, and what it hands to the event loop.
 
-The job is the call's streamer: generate() puts the prompt first, then one tensor of new tokens
-a step (one per row), on the worker thread. There the tokens become text (text.py); a streamed
-request's text goes to the event loop as it comes (steps that come while the loop is busy
-join one chunk). A job cancelled (its client left)
-raises from its next put(): the engine ends the call at its next step and its KV blocks come
+A job is the request's side of its call: the call's new tokens come to it a step (or a few
+steps) at a time, become text (text.py), and a streamed request's text goes to the event loop as
+it comes (steps that come while the loop is busy join one chunk). Where the call runs is a
+runner's business: `ThreadRunner` here (generate() on a worker thread of this process, the job
+its streamer), or the engine process (engine.py, the tokens sent back to this one). A job
+cancelled (its client left) ends its call at the engine's next step and its KV blocks come
 back. Admission: at most ``max_queue`` requests wait for their first token; one more is refused
 with 429 before anything runs.
 """
@@ -17,6 +18,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +97,51 @@ class Call:
             mask[rows, width - len(p) :] = 1
         return ids.to(device), mask.to(device)
 
+    def spec(self) -> tuple:
+        """The call without its rows' text state, picklable (the engine process's tokenizer
+        is added back for stop strings)."""
+        gen = {k: v for k, v in self.gen.items() if k != "tokenizer"}
+        return self.prompts, self.n, gen, self.priority, self.seed
+
+
+def generate(model, call: Call, pad: int, streamer, cancel: threading.Event):
+    """The call's generate() under its task tags (priority, seed, cancel event). Returns the new
+    tokens as columns (one list a step, a token a row) when no streamer took them, else None."""
+    import oxygen_torch
+
+    ids, mask = call.inputs(pad, model.device)
+    with (
+        oxygen_torch.task(priority=call.priority, seed=call.seed, name="serve", cancel=cancel),
+        torch.no_grad(),
+    ):
+        out = model.generate(ids, attention_mask=mask, streamer=streamer, **call.gen)
+    return None if streamer is not None else out[:, ids.shape[1] :].t().tolist()
+
+
+def describe(err: BaseException) -> tuple[str, str, str]:
+    """(kind, type name, message) of what generate() raised, as the client's answer needs it:
+    kind "kv" (does not fit the KV pool), "value" (transformers refusing the settings), "oom",
+    "gone" (the engine process exited) or "other" (the server failed)."""
+    if isinstance(err, RemoteError):
+        return err.kind, err.name, str(err)
+    name = type(err).__name__
+    # KV errors by name: the engine's and the pool's classes (kv/, engine/) are not this layer's
+    if name in ("KVCacheFull", "KVBudgetError"):
+        kind = "kv"
+    elif isinstance(err, (ValueError, TypeError)):
+        kind = "value"
+    else:
+        kind = "oom" if name == "OutOfMemoryError" else "other"
+    return kind, name, str(err)
+
+
+class RemoteError(Exception):
+    """What generate() raised in the engine process, as described there (describe())."""
+
+    def __init__(self, kind: str, name: str, message: str):
+        super().__init__(message)
+        self.kind, self.name = kind, name
+
 
 class Poster:
     """Hands items from worker threads to one event loop: the items posted before the loop runs
@@ -139,7 +186,9 @@ def poster_for(loop: asyncio.AbstractEventLoop) -> Poster:
 
 
 class Job:
-    """The streamer of one call, and the bridge from its worker thread to the event loop."""
+    """One request's side of its call: its rows' text, and the bridge to the event loop. In this
+    process it is its call's streamer (put / oxygen_put_ids on the worker thread); for the
+    engine process, receive() takes the tokens the engine sent."""
 
     def __init__(self, call: Call, admission: Admission, loop: asyncio.AbstractEventLoop,
                  stream: bool):  # fmt: skip
@@ -147,6 +196,10 @@ class Job:
         self._poster = poster_for(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        # a call nobody reads as it comes (not streamed, no stop string in the text) has no
+        # streamer: the cancel event ends it (no wake-up of its thread a step); its tokens come
+        # once it returns
+        self.live = stream or any(r.incremental for r in call.rows)
         # text not yet taken by the event loop: steps that come while the loop is busy join one
         # chunk (one wake-up of the loop and one write per chunk, not per step and request)
         self._lock = threading.Lock()
@@ -154,8 +207,10 @@ class Job:
         self.prompt_seen = False
         self.first_token_at: float | None = None
         self.error: BaseException | None = None
+        self.finished = False
+        self.on_cancel = None  # the runner's: what else a cancel tells (the engine process)
 
-    # --- the worker thread ---------------------------------------------------------------
+    # --- the tokens (the worker thread, or the engine process's receiver) -----------------
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() puts the prompt first
@@ -182,50 +237,53 @@ class Job:
             raise AllStopped()
 
     def end(self) -> None:
-        pass  # run() flushes the rows once generate() has returned
+        pass  # finish() flushes the rows once generate() has returned
 
-    def run(self, model, pad: int) -> None:
-        """The worker: generate() under the request's task tags; posts "done" or an error."""
-        outcome = "cancelled"
+    def receive(self, columns: list[list[int]]) -> bool:
+        """Tokens the engine process sent; False once every row has ended at a stop string
+        (the call is then over for the client: the engine's side is to be cancelled)."""
+        try:
+            self.oxygen_put_ids(columns)
+        except ClientLeft:
+            pass  # its end comes from the engine
+        except AllStopped:
+            self.finish("ok")
+            return False
+        return True
+
+    def finish(self, outcome: str, error: BaseException | None = None) -> None:
+        """The call is over (outcome ok, cancelled or error): admission told, the rows' last
+        text flushed, "done" or the error posted. Once: later ends are ignored."""
+        with self._lock:
+            if self.finished:
+                return
+            self.finished = True
+        self.error = error
+        self.admission.leave(self.first_token_at is not None, outcome)
+        if outcome == "ok":
+            deltas = [row.end() for row in self.call.rows]
+            if self.stream and any(deltas):
+                self._add_text(deltas)
+        self._post(("error", error) if error is not None else ("done", None))
+
+    def run_here(self, model, pad: int) -> None:
+        """generate() on this (worker) thread, the job its streamer; then finish()."""
+        outcome, error = "cancelled", None
         try:
             if self.cancelled.is_set():  # the client left while the job waited for a thread
                 return
-            import oxygen_torch
-
-            ids, mask = self.call.inputs(pad, model.device)
-            # a call nobody reads as it comes (not streamed, no stop string in the text) has no
-            # streamer: the task's cancel event ends it (no wake-up of this thread a step); its
-            # tokens go through put() once it returns
-            live = self.stream or any(r.incremental for r in self.call.rows)
-            with (
-                oxygen_torch.task(
-                    priority=self.call.priority,
-                    seed=self.call.seed,
-                    name="serve",
-                    cancel=self.cancelled,
-                ),
-                torch.no_grad(),
-            ):
-                out = model.generate(ids, attention_mask=mask, streamer=self if live else None,
-                                     **self.call.gen)  # fmt: skip
-            if not live:
-                self.put(ids)
-                for column in out[:, ids.shape[1] :].t():
-                    self.put(column)
+            columns = generate(model, self.call, pad, self if self.live else None, self.cancelled)
+            if columns is not None:
+                self.oxygen_put_ids(columns)
             outcome = "ok"
         except AllStopped:
             outcome = "ok"
         except (ClientLeft, Cancelled):
             pass
         except Exception as err:  # noqa: BLE001 - the request's error, told to its client
-            self.error, outcome = err, "error"
+            outcome, error = "error", err
         finally:
-            self.admission.leave(self.first_token_at is not None, outcome)
-            if outcome == "ok":
-                deltas = [row.end() for row in self.call.rows]
-                if self.stream and any(deltas):
-                    self._add_text(deltas)
-            self._post(("error", self.error) if self.error is not None else ("done", None))
+            self.finish(outcome, error)
 
     def _add_text(self, deltas: list[str]) -> None:
         with self._lock:
@@ -247,3 +305,32 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None and not self.finished:
+            self.on_cancel(self)
+
+
+class ThreadRunner:
+    """Calls run in this process: generate() on a worker thread a request."""
+
+    def __init__(self, model, pad: int, workers: int):
+        self.model, self.pad = model, pad
+        self.executor = ThreadPoolExecutor(workers, "serve")
+        self.jobs: set[Job] = set()
+
+    def start(self, job: Job) -> None:
+        self.jobs.add(job)
+        future = job.loop.run_in_executor(self.executor, job.run_here, self.model, self.pad)
+        future.add_done_callback(lambda _: self.jobs.discard(job))
+
+    def alive(self) -> str | None:
+        return None  # (a reason when it cannot serve)
+
+    def oxygen_metrics(self) -> str:
+        from .. import metrics
+
+        return metrics.scrape()
+
+    def close(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -44,7 +44,9 @@ class _Collector:
         yield c
 
 
-def text(admission: Admission) -> str:
+def text(admission: Admission, oxygen: str) -> str:
+    """oxygen's text (this process's `metrics.scrape()`, or the engine process's), then the
+    server's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(admission))
-    return metrics.scrape() + generate_latest(registry).decode()
+    return oxygen + generate_latest(registry).decode()

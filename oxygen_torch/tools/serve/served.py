@@ -1,7 +1,11 @@
 """The model side of the server: prompts to token ids, the limits a request must fit, and the
-generate() call a checked request becomes."""
+generate() call a checked request becomes. What it needs of the model is a few facts
+(`ModelFacts`): the model itself may live in another process (engine.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .jobs import Call
 from .protocol import ApiError, Request, bad
@@ -15,21 +19,49 @@ def _eos_ids(model) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else (int(e) for e in eos))
 
 
-class Served:
-    """A model and its tokenizer as the endpoints see them."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the endpoints need to know of the model (picklable: sent by the engine process)."""
 
-    def __init__(self, model, tokenizer, max_model_len: int | None = None):
-        self.model, self.tok = model, tokenizer
-        cfg = model.config
-        known = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        self.max_model_len = int(max_model_len or known or 2048)
-        self.vocab = int(cfg.get_text_config().vocab_size)
-        self.eos = _eos_ids(model)
-        gc = model.generation_config
-        if gc.pad_token_id is None:  # stock says so at every call otherwise
-            pad = getattr(tokenizer, "pad_token_id", None)
-            gc.pad_token_id = pad if pad is not None else min(self.eos, default=0)
-        self.pad = int(gc.pad_token_id)
+    max_positions: int | None  # max_position_embeddings (None: the config does not say)
+    vocab: int
+    eos: frozenset[int]
+    pad: int
+    device: str
+
+
+def model_facts(model, tokenizer) -> ModelFacts:
+    """The model's facts; sets its generation config's pad id when it has none (from the
+    tokenizer, else an EOS id: stock warns at every call otherwise)."""
+    cfg = model.config
+    known = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    eos = _eos_ids(model)
+    gc = model.generation_config
+    if gc.pad_token_id is None:
+        pad = getattr(tokenizer, "pad_token_id", None)
+        gc.pad_token_id = pad if pad is not None else min(eos, default=0)
+    return ModelFacts(int(known) if known else None, int(cfg.get_text_config().vocab_size), eos,
+                      int(gc.pad_token_id), str(model.device))  # fmt: skip
+
+
+def local_kv_tokens(device: str) -> int | None:
+    """Tokens one row may hold in this process's KV pool on `device` (None until it exists)."""
+    import oxygen_torch
+
+    pools = [p for p in oxygen_torch.kv_stats() if p.get("device") == device]
+    return max(p["blocks_total"] * p["block_tokens"] for p in pools) if pools else None
+
+
+class Served:
+    """A model and its tokenizer as the endpoints see them: the model's facts, and where the
+    KV pool's size is read (`kv_tokens`: None until the pool exists)."""
+
+    def __init__(self, facts: ModelFacts, tokenizer, max_model_len: int | None = None,
+                 kv_tokens: Callable[[], int | None] | None = None):  # fmt: skip
+        self.facts, self.tok = facts, tokenizer
+        self.max_model_len = int(max_model_len or facts.max_positions or 2048)
+        self.vocab, self.eos, self.pad = facts.vocab, facts.eos, facts.pad
+        self._kv_source = kv_tokens or (lambda: local_kv_tokens(facts.device))
         self._kv_tokens: int | None = None
         # a fast tokenizer's call resets its backend's truncation / padding when the checkpoint
         # saved one, which concurrent calls must not meet half set ("Already borrowed"): done
@@ -37,6 +69,11 @@ class Served:
         # 8 MiB text prompt takes seconds to tokenise, and held every other request that long
         tokenizer("")
         self._stops: dict[tuple[str, ...], list[str]] = {}
+
+    @classmethod
+    def of(cls, model, tokenizer, max_model_len: int | None = None) -> Served:
+        """Served for a model in this process."""
+        return cls(model_facts(model, tokenizer), tokenizer, max_model_len)
 
     # --- prompts (on a worker thread: a long text takes a while to tokenise) ----------------
 
@@ -72,12 +109,7 @@ class Served:
     def kv_tokens(self) -> int | None:
         """Tokens one row may hold in the model's KV pool (None until the pool exists)."""
         if self._kv_tokens is None:
-            import oxygen_torch
-
-            device = str(self.model.device)
-            pools = [p for p in oxygen_torch.kv_stats() if p.get("device") == device]
-            if pools:
-                self._kv_tokens = max(p["blocks_total"] * p["block_tokens"] for p in pools)
+            self._kv_tokens = self._kv_source()
         return self._kv_tokens
 
     def max_tokens(self, req: Request, prompts: list[list[int]]) -> int:
