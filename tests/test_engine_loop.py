@@ -297,6 +297,60 @@ def test_streamers_see_the_returned_tokens_in_order_on_the_callers_thread(oxygen
         assert torch.equal(steps, out[i][:, kw["input_ids"].shape[1] :])
 
 
+class EngineSide:
+    """A streamer that asks to be run on the engine's thread (the server's engine process)."""
+
+    oxygen_engine_thread = True
+
+    def __init__(self):
+        self.puts, self.columns, self.threads, self.ended = [], [], set(), False
+
+    def put(self, value):  # (the prompt, on the caller's thread)
+        self.puts.append(value.clone())
+
+    def oxygen_put_ids(self, columns):
+        self.columns += columns
+        self.threads.add(threading.current_thread().name)
+
+    def end(self):
+        self.ended = True
+
+
+def test_an_engine_thread_streamer_is_run_there_and_its_caller_sleeps(oxygen, monkeypatch):
+    import time
+
+    from oxygen_torch.engine.request import Group
+
+    model = tiny("llama")
+    hf.apply(model, ENGINE)
+    kws = [dict(call(s), max_new_tokens=16 + s) for s in (0, 3, 6)]  # one row and batches
+    rec = [EngineSide() for _ in kws]
+    looks, wait = {}, Group.wait
+
+    def counted(self, seen, timeout):
+        looks[threading.get_ident()] = looks.get(threading.get_ident(), 0) + 1
+        return wait(self, seen, timeout)
+
+    monkeypatch.setattr(Group, "wait", counted)
+    me = {}
+
+    def run(i):
+        me[i] = threading.get_ident()
+        return _generate(model, dict(kws[i], streamer=rec[i]))
+
+    began = time.monotonic()
+    out, errors = in_threads(run, [(i,) for i in range(len(kws))])
+    took = time.monotonic() - began
+    assert not errors, errors
+    for i, kw in enumerate(kws):
+        r, width = rec[i], kw["input_ids"].shape[1]
+        assert r.ended and torch.equal(r.puts[0], kw["input_ids"]) and len(r.puts) == 1
+        assert torch.equal(torch.tensor(r.columns).t(), out[i][:, width:])
+        assert r.threads and all(n.startswith("oxygen-") for n in r.threads), r.threads
+        # woken at its end, not a step (a look every 2 s at most besides)
+        assert looks[me[i]] <= 2 + took / 2, (looks[me[i]], out[i].shape)
+
+
 def test_sampling_is_reproducible_by_seed_whatever_runs_beside(oxygen):
     model = tiny("llama")
     hf.apply(model, ENGINE)

@@ -119,12 +119,23 @@ class Group:
         self.version = 0  # bumped at each delivery (the caller's wait predicate)
         self.entered: float | None = None  # perf_counter when its generate() was called
         self.told_at: float | None = None  # monotonic time of its last wake for new tokens
+        # run on the engine thread at each delivery of a streaming call, in place of waking its
+        # caller (woken then only at its end): a streamer that just hands ids on (front.py)
+        self.sink = None
 
     @property
     def done(self) -> bool:
         return self.error is not None or all(r.finished is not None for r in self.requests)
 
     def notify(self) -> None:
+        if self.sink is not None:
+            try:
+                self.sink()
+            except Exception as err:  # noqa: BLE001 - the call's own error: it fails alone
+                self.fail(err)
+                return
+            if not self.done:
+                return
         with self.cond:
             self.version += 1
             self.cond.notify_all()

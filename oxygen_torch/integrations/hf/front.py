@@ -9,7 +9,10 @@ streamers, output_scores / output_logits. A call with anything else runs on the 
 
 The caller's thread waits for its rows and runs its streamer (stock's calls: the prompt first,
 then one column of new tokens a step, then end()); the output is stock's: the prompt (its
-padding kept) and the new tokens, rows that ended early padded with pad_token_id.
+padding kept) and the new tokens, rows that ended early padded with pad_token_id. A streamer
+whose `oxygen_engine_thread` is true and that has `oxygen_put_ids` (the server's engine process:
+it only hands ids to another thread, and never raises) is called on the engine's thread at each
+delivery instead, and its caller woken only at the end: no thread wake a call and step.
 """
 
 from __future__ import annotations
@@ -556,6 +559,7 @@ def run(engine, p: Plan, entered: float | None = None, arrival=None):
     # (no door: a resolved call's rows go to the engine at once, engine/door.py)
     group = Group(p.requests, streaming=streamer is not None, cancel=current_task().cancel)
     group.entered = entered
+    sink = _EngineSink.of(streamer, group, p.pad)  # (before the engine can deliver)
     engine.submit(group)
     if arrival is not None:
         arrival.leave()
@@ -564,7 +568,7 @@ def run(engine, p: Plan, entered: float | None = None, arrival=None):
         seen = 0
         while True:
             seen = group.wait(seen, WAIT_S)
-            if streamer is not None:
+            if streamer is not None and sink is None:
                 sent = _stream(streamer, group, p.pad, sent)
             if group.done:
                 break
@@ -575,8 +579,11 @@ def run(engine, p: Plan, entered: float | None = None, arrival=None):
     if group.error is not None:
         _release(group)
         raise group.error
-    if streamer is not None:
+    if sink is not None:
+        sink.final()
+    elif streamer is not None:
         _stream(streamer, group, p.pad, sent, final=True)
+    if streamer is not None:
         streamer.end()
     try:
         return _output(p, group, engine.runner)
@@ -611,6 +618,33 @@ def _check_lockstep(engine, p: Plan) -> None:
             f"{need} KV blocks; the KV pool holds {kvs.total_blocks()}: lower the batch, "
             f"raise kv.arena_bytes, or leave out {', '.join(asked)}"
         )
+
+
+class _EngineSink:
+    """A streamer run on the engine's thread (group.sink): its columns as _stream() makes them,
+    under a lock (the caller's final look may come while the engine delivers)."""
+
+    def __init__(self, streamer, group: Group, pad: int):
+        self.streamer, self.group, self.pad = streamer, group, pad
+        self.sent, self.lock = 0, threading.Lock()
+
+    @classmethod
+    def of(cls, streamer, group: Group, pad: int) -> _EngineSink | None:
+        if not getattr(streamer, "oxygen_engine_thread", False):
+            return None
+        if getattr(streamer, "oxygen_put_ids", None) is None:
+            return None  # (put() a column at a time is the caller's thread's work)
+        sink = cls(streamer, group, pad)
+        group.sink = sink.deliver
+        return sink
+
+    def deliver(self) -> None:
+        with self.lock:
+            self.sent = _stream(self.streamer, self.group, self.pad, self.sent)
+
+    def final(self) -> None:
+        with self.lock:
+            self.sent = _stream(self.streamer, self.group, self.pad, self.sent, final=True)
 
 
 def _stream(streamer, group: Group, pad: int, sent: int, final: bool = False) -> int:

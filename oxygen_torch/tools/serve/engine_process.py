@@ -108,8 +108,11 @@ class _Outbox:
 
 
 class _Call:
-    """One call in the engine process: its generate() thread's streamer, the tokens to the
-    outbox (no text here: the front decodes)."""
+    """One call in the engine process: its streamer, the tokens to the outbox (no text here:
+    the front decodes). Run on the engine's thread at each delivery (oxygen_engine_thread): no
+    wake of the call's own thread a step; a cancelled call ends by its task's cancel event."""
+
+    oxygen_engine_thread = True
 
     def __init__(self, rid: int, call: Call, live: bool, outbox: _Outbox):
         self.rid, self.call, self.live, self.outbox = rid, call, live, outbox
@@ -125,9 +128,8 @@ class _Call:
         self.oxygen_put_ids([value.view(-1).tolist()])
 
     def oxygen_put_ids(self, columns: list[list[int]]) -> None:
-        if self.cancelled.is_set():
-            raise ClientLeft()
-        self.outbox.add(("ids", self.rid, columns))
+        if not self.cancelled.is_set():  # (never raises: the engine's thread calls it)
+            self.outbox.add(("ids", self.rid, columns))
 
     def end(self) -> None:
         pass
