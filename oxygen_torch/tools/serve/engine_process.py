@@ -267,7 +267,8 @@ class EngineProcess:
         self.jobs: dict[int, Job] = {}
         self._closed = False
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # jobs, sends
+        self._lock = threading.Lock()  # jobs
+        self._send_lock = threading.Lock()  # (a long prompt's send holds no receiver back)
         self._gone: str | None = None
         self._asked: dict[int, list] = {}  # metrics token -> [event, text]
         self.receiver = threading.Thread(target=self._receive, name="oxygen-engine-receiver",
@@ -339,7 +340,7 @@ class EngineProcess:
     # --- the pipe ---------------------------------------------------------------------------
 
     def _send(self, msg: tuple) -> bool:
-        with self._lock:
+        with self._send_lock:
             if self._gone is not None:
                 return False
             try:

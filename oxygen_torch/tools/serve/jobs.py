@@ -242,6 +242,8 @@ class Job:
     def receive(self, columns: list[list[int]]) -> bool:
         """Tokens the engine process sent; False once every row has ended at a stop string
         (the call is then over for the client: the engine's side is to be cancelled)."""
+        if self.finished:
+            return True  # (the engine's last steps of a call the front has ended)
         try:
             self.oxygen_put_ids(columns)
         except ClientLeft:
