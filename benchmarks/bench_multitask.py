@@ -163,7 +163,14 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         busy, idle = st.get("gpu_s", 0.0), st.get("gpu_idle_s", 0.0)
         out["gpu_idle"] = round(idle / (busy + idle), 3) if busy + idle else None
         out["per_call"] = st.get("per_call", {})
-        out["slow_steps"] = slow_steps(mo._timeline(model, since=t0))
+        timeline = mo._timeline(model, since=t0)
+        out["slow_steps"] = slow_steps(timeline)
+        # how full the engine was: priorities change who finishes first only when calls wait
+        # for a place in the steps (max_step_seqs) or for KV
+        seqs = oxygen_torch.active_config().scheduler.max_step_seqs
+        out["max_step_seqs"] = seqs
+        out["full_steps"] = round(sum(e[1] >= seqs for e in timeline) / max(1, len(timeline)), 3)
+        out["mean_rows"] = round(statistics.fmean(e[1] for e in timeline), 1) if timeline else 0
         out["graph_captures"] = mo._graphs(model).get("captures", 0) - captured
     if compiles is not None:  # Triton kernels built in the timed run: (at ms, took ms, kernel)
         out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name[:80])
@@ -256,7 +263,7 @@ def spawn(mode: str, seed: int, cv: float, n: int) -> dict:
 def table(rows: list[dict]) -> str:
     head = ("| mode | seed | cv | tok/s | done/lost/OOM | peak GiB | high TTFT P50/P99 s | "
             "high TPOT P50/P99 ms | high mean done s | low mean done s | "
-            "steps (tokens a step) |")  # fmt: skip
+            "steps (tokens a step; share of steps at max_step_seqs) |")  # fmt: skip
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
@@ -270,7 +277,11 @@ def table(rows: list[dict]) -> str:
             f"{h.get('ttft_p99', 0):.3f} | {1e3 * h.get('tpot_p50', 0):.1f}/"
             f"{1e3 * h.get('tpot_p99', 0):.1f} | {h.get('mean_done', 0):.2f} | "
             f"{lo.get('mean_done', 0):.2f} | "
-            + (f"{r['steps']} ({r['tokens_per_step']}) |" if "steps" in r else "- |")
+            + (
+                f"{r['steps']} ({r['tokens_per_step']}; full {r.get('full_steps')}) |"
+                if "steps" in r
+                else "- |"
+            )  # fmt: skip
         )
     return "\n".join(lines)
 
