@@ -929,6 +929,52 @@ def test_a_model_that_goes_takes_its_engine_thread_and_kv_pool_with_it(oxygen):
     assert torch.equal(_generate(again, call(5)), ref)
 
 
+def test_a_lower_stream_is_woken_less_while_a_higher_call_is_live(oxygen, monkeypatch):
+    """scheduler.lower_stream_interval_ms 100: while a high-priority call streams, a
+    low-priority one's caller is woken at most every 100 ms (the steps' tokens together, in
+    order), the high one's every step; both get stock's tokens."""
+    import time
+
+    model = tiny("llama")
+    kws = {p: dict(input_ids=torch.randint(3, 128, (1, 5 + i)), max_new_tokens=96,
+                   do_sample=False) for i, p in enumerate(("high", "low"))}  # fmt: skip
+    with torch.no_grad():
+        ref = {p: model.generate(**kw) for p, kw in kws.items()}
+    hf.apply(model, load_config(scheduler={"engine": True, "lower_stream_interval_ms": 100}))
+    _generate(model, dict(kws["high"], max_new_tokens=2))  # (the engine made)
+    wakes, stream = {}, front._stream  # streamer -> [(when, columns put)]
+
+    def looked(streamer, group, pad, sent, final=False):
+        upto = stream(streamer, group, pad, sent, final)
+        if upto > sent:
+            wakes.setdefault(id(streamer), []).append((time.monotonic(), upto - sent))
+        return upto
+
+    monkeypatch.setattr(front, "_stream", looked)
+    rec = {p: Recorder() for p in kws}
+
+    def run(p):
+        with oxygen_torch.task(priority=p):
+            return _generate(model, dict(kws[p], streamer=rec[p]))
+
+    out, errors = in_threads(run, [("high",), ("low",)])
+    assert not errors, errors
+    for i, (p, kw) in enumerate(kws.items()):
+        got = out[i]
+        assert torch.equal(got, ref[p])
+        steps = torch.stack([x.view(-1) for x in rec[p].puts[1:]], 1)
+        assert torch.equal(steps, got[:, kw["input_ids"].shape[1] :])
+    high, low = wakes[id(rec["high"])], wakes[id(rec["low"])]
+    assert sum(n for _, n in high) == sum(n for _, n in low) == 96
+    # the high call's end (its last wake): the low one's wakes before it are >= 100 ms apart
+    # (the delivery that ends the high call wakes the low one at once: 30 ms of margin)
+    end = high[-1][0]
+    gaps = [b[0] - a[0] for a, b in zip(low[1:], low[2:]) if b[0] < end - 0.03]
+    assert all(g > 0.09 for g in gaps), gaps
+    during = [w for w in low if w[0] < end]
+    assert len(high) > 2 * len(during), (len(high), len(during))
+
+
 def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen, monkeypatch):
     """scheduler.stream_interval_ms 80: a streaming call's first token comes at once (a wake
     of its own), later ones in wakes about 80 ms apart, each holding the steps since the last

@@ -85,21 +85,31 @@ class Delivery:
         if isinstance(self.policy, policies.WFQ) and self.running:
             self.policy.reweigh([r.account for r in self.running])
         # a caller wakes for its tokens only when it streams them (its first at once, then at
-        # most every scheduler.stream_interval_ms), or at its end
-        interval = self.cfg.stream_interval_ms / 1000
+        # most every scheduler.stream_interval_ms; lower_stream_interval_ms for a call below
+        # the highest priority level live), or at its end
+        gap = self._stream_gaps()
         held = self._held
         if held:  # streams whose interval has passed since their last wake, new tokens or not
-            touched.update(g for g in held if now - g.told_at >= interval)
+            touched.update(g for g in held if now - g.told_at >= gap(g))
         for g in touched:
             if g.done:
                 self._groups.discard(g)
                 self._kept = [r for r in self._kept if r.group is not g]  # (the caller's now)
-            elif interval and g.told_at is not None and now - g.told_at < interval:
+            elif g.told_at is not None and now - g.told_at < gap(g):
                 held.add(g)
                 continue
             held.discard(g)
             g.told_at = now
             g.notify()
+
+    def _stream_gaps(self):
+        """group -> seconds its caller's wakes for new tokens are apart at least."""
+        interval = self.cfg.stream_interval_ms / 1000
+        lower = self.cfg.lower_stream_interval_ms / 1000
+        if lower <= interval:
+            return lambda g: interval
+        top = max((g.level for g in self._groups if not g.done), default=None)
+        return lambda g: lower if top is not None and g.level < top else interval
 
     def _observe(self, f: Inflight, now: float) -> None:
         """The step's figures for the metrics: its period (since the step before was read),

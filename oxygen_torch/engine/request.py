@@ -127,6 +127,11 @@ class Group:
     def done(self) -> bool:
         return self.error is not None or all(r.finished is not None for r in self.requests)
 
+    @property
+    def level(self) -> int:
+        """The call's priority level (its task's)."""
+        return self.requests[0].task.level
+
     def notify(self) -> None:
         if self.sink is not None:
             try:
