@@ -4,14 +4,16 @@ Every op an engine thread launches gives the interpreter lock up and takes it ba
 threads run Python, taking it back waits up to the interpreter's switch interval (5 ms) an op.
 On the H200, 255 threads resolving their generate() calls stretched the launch of the engine's
 first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the callers'
-front door (resolving a call's settings, building its requests, submitting them; building the
-output) runs through this door: one caller at a time, and not while an engine launches a
-step (for up to LAUNCH_WAIT_S of it, counted from the launch's start). An engine about to
+front door (resolving a call's settings, building its requests) runs through this door: one
+caller at a time, and not while an engine launches a step (for up to LAUNCH_WAIT_S of it,
+counted from the launch's start). An engine about to
 launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
 queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time). What
 blocks (a device read of the call's inputs, the wait for its tokens) stays outside the door,
-and so does what costs little (submitting a resolved call's rows): a caller that queued again
-behind hundreds of others for that would hold its rows back from the engine's next steps.
+and so does what costs little (submitting a resolved call's rows, building its output from
+its tokens: three ops): a caller that queued again behind hundreds of others for that would
+hold its rows back from the engine's next steps, or its output at the end (a thread wake a
+caller, one after the other).
 
 The wait is counted from the launch's start, not from a caller's arrival: callers that queued
 longer than LAUNCH_WAIT_S behind other callers would otherwise pass a launching engine one after
