@@ -48,6 +48,10 @@ from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, besid
 MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq",
          "high_only", "burst")  # fmt: skip
 SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
+# --sleep-model: the tiny model on the CPU, each forward (one an engine step) first sleeping
+# "MS_A_STEP,MS_A_TOKEN" with the interpreter lock released, as a GPU's step leaves the host
+SLEEP = os.environ.get("BENCH_MULTITASK_SLEEP")
+SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
@@ -65,6 +69,14 @@ def build_model():
     model = model.to(torch.float32 if SMOKE else torch.bfloat16).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
+    if SLEEP:
+        step_ms, token_ms = map(float, SLEEP.split(","))
+
+        def gpu(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            time.sleep((step_ms + token_ms * (ids.numel() if ids is not None else 1)) / 1e3)
+
+        model.model.register_forward_pre_hook(gpu, with_kwargs=True)
     return model
 
 
@@ -130,7 +142,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         oxygen_torch.enable(scheduler={"policy": policy})
     model = build_model()
     rate = float(os.environ.get("BENCH_MULTITASK_RATE") or (4.0 if SMOKE else 8.0))
-    cap_p, cap_n = (40, 24) if SMOKE else (2048, 1024)
+    cap_p, cap_n = (64, 256) if SLEEP else (40, 24) if SMOKE else (2048, 1024)
     reqs = trace(seed, n, rate, cv, 0.2, model.config.vocab_size, cap_p, cap_n)
     if mode == "burst":  # three times the rate for the first 10 s
         for r in reqs:
@@ -378,6 +390,12 @@ def main() -> None:
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 12 requests")
     ap.add_argument(
+        "--sleep-model", metavar="MS_A_STEP,MS_A_TOKEN",
+        help="trace modes: the tiny model on the CPU, each step first sleeping this long with "
+        "the interpreter lock released (a GPU's step as the host sees it: e.g. 2.5,0.005 for "
+        "the Llama-1.1B shape on the H200); the requests as many as --requests",
+    )  # fmt: skip
+    ap.add_argument(
         "--at-once",
         nargs="*",
         type=int,
@@ -470,6 +488,15 @@ def main() -> None:
         if not args.rate > 0:
             ap.error(f"--rate: {args.rate} is not a positive number of arrivals a second")
         os.environ["BENCH_MULTITASK_RATE"] = str(args.rate)
+    if args.sleep_model:
+        try:
+            a, b = map(float, args.sleep_model.split(","))
+            assert a >= 0 and b >= 0
+        except (ValueError, AssertionError):
+            ap.error(f"--sleep-model: {args.sleep_model!r}; allowed: two numbers >= 0, "
+                     "MS_A_STEP,MS_A_TOKEN")  # fmt: skip
+        os.environ["BENCH_MULTITASK_SLEEP"] = args.sleep_model
+        args.modes = [m for m in args.modes if m != "generate_batch"]
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)
