@@ -70,6 +70,9 @@ def build_model():
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     if SLEEP:
+        from oxygen_torch.engine import door
+
+        door.EVERY_DEVICE = True  # (callers pass the engine's door as on a GPU)
         step_ms, token_ms = map(float, SLEEP.split(","))
 
         def gpu(module, args, kwargs):
