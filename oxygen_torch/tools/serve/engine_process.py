@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -251,11 +250,11 @@ class EngineProcess:
 
     def __init__(self, spec: EngineSpec):
         self._conn, child = Pipe()
-        package = str(Path(__file__).resolve().parents[3])  # (where this oxygen_torch is)
-        path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "PYTHONPATH": package + (os.pathsep + path if path else "")}
-        code = f"from {__name__} import engine_main; engine_main({child.fileno()})"
-        self.process = subprocess.Popen([sys.executable, "-c", code], env=env,
+        # this oxygen_torch, where the child's path does not already lead to it (a checkout)
+        root = str(Path(__file__).resolve().parents[3])
+        code = (f"import sys; r = {root!r}; r in sys.path or sys.path.insert(0, r); "
+                f"from {__name__} import engine_main; engine_main({child.fileno()})")  # fmt: skip
+        self.process = subprocess.Popen([sys.executable, "-c", code],
                                         pass_fds=[child.fileno()])  # fmt: skip
         child.close()
         self._conn.send(spec)
