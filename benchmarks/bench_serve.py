@@ -247,7 +247,7 @@ def inprocess(ckpt: Path, reqs: list[dict], warm: list[dict], conf: str,
     (results, seconds, this process's CPU seconds in the timed run)."""
     import torch
 
-    from oxygen_torch.tools.serve.command import configure_oxygen, load, warm_up
+    from oxygen_torch.tools.serve.loading import configure_oxygen, load, warm_up
     from oxygen_torch.tools.serve.served import Served
 
     configure_oxygen(conf)

@@ -30,8 +30,8 @@ from oxygen_torch.integrations.hf import engine_runner, front
 from oxygen_torch.integrations.hf import prefix as hf_prefix
 from oxygen_torch.kv.pool import release_pools
 from oxygen_torch.tools.serve.app import ServeConfig, build_app
-from oxygen_torch.tools.serve.command import load, serve_overrides, warm_up
 from oxygen_torch.tools.serve.http import HttpConfig, bind, server
+from oxygen_torch.tools.serve.loading import load, serve_overrides, warm_up
 
 # words the chat template uses are in the tokenizer's vocabulary ("abcdef" marks the reply)
 TEMPLATE = (

@@ -37,8 +37,8 @@ from test_serve import (
 
 import oxygen_torch
 from oxygen_torch.tools.serve.app import ServeConfig, Server, app_for
-from oxygen_torch.tools.serve.command import load_tokenizer
 from oxygen_torch.tools.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
+from oxygen_torch.tools.serve.loading import load_tokenizer
 from oxygen_torch.tools.serve.served import Served
 
 ROOT = Path(__file__).resolve().parents[1]

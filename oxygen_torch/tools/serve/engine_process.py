@@ -225,7 +225,7 @@ def engine_main(fd: int) -> None:
     logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         from .app import ServeConfig, worker_count
-        from .command import configure_oxygen, load, warm_up
+        from .loading import configure_oxygen, load, warm_up
 
         oxygen = configure_oxygen(spec.conf)
         model, tokenizer = load(spec.path, spec.dtype, spec.device)
