@@ -48,8 +48,8 @@ from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, besid
 MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq",
          "high_only", "burst")  # fmt: skip
 SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
-# --sleep-model: the tiny model on the CPU, each forward (one an engine step) first sleeping
-# "MS_A_STEP,MS_A_TOKEN" with the interpreter lock released, as a GPU's step leaves the host
+# --sleep-model "MS_A_STEP,MS_A_TOKEN": the tiny model on the CPU, each engine step also
+# waited for as a GPU's would be (sleep_model)
 SLEEP = os.environ.get("BENCH_MULTITASK_SLEEP")
 SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -57,30 +57,50 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, vocab_size=1024)  # fmt: skip
+SPECK = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+             num_key_value_heads=1, vocab_size=256)  # fmt: skip
 
 
 def build_model():
     import transformers as T
 
     torch.manual_seed(0)
-    shape = TINY if SMOKE else LLAMA_1B
+    # (--sleep-model: smaller still, so that the CPU's compute of a step hardly grows with its
+    # rows, as a 1B model's decode step on the H200 hardly does)
+    shape = (TINY if not SLEEP else SPECK) if SMOKE else LLAMA_1B
     with torch.device(DEVICE):
         model = T.LlamaForCausalLM(T.LlamaConfig(**shape, max_position_embeddings=4096))
     model = model.to(torch.float32 if SMOKE else torch.bfloat16).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     if SLEEP:
-        from oxygen_torch.engine import door
-
-        door.EVERY_DEVICE = True  # (callers pass the engine's door as on a GPU)
-        step_ms, token_ms = map(float, SLEEP.split(","))
-
-        def gpu(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            time.sleep((step_ms + token_ms * (ids.numel() if ids is not None else 1)) / 1e3)
-
-        model.model.register_forward_pre_hook(gpu, with_kwargs=True)
+        sleep_model(*map(float, SLEEP.split(",")))
     return model
+
+
+def sleep_model(step_ms: float, token_ms: float) -> None:
+    """--sleep-model: each engine step also takes `step_ms + token_ms * tokens` of a GPU that
+    runs the steps one after the other, asynchronously: a step's tokens are read (its
+    completion, after the next step's launch, as on CUDA) no sooner than its GPU time after
+    the GPU was free, with the interpreter lock released meanwhile. Callers pass the engine's
+    door as on a GPU."""
+    from oxygen_torch.engine import door
+    from oxygen_torch.engine.loop import Engine
+
+    door.EVERY_DEVICE = True
+    launch, complete, free = Engine._launch, Engine._complete, [0.0]
+
+    def launched(self, rows):
+        f = launch(self, rows)
+        took = (step_ms + token_ms * sum(r.n for r in rows)) / 1e3
+        free[0] = f.due = max(time.monotonic(), free[0]) + took
+        return f
+
+    def completed(self, f):
+        time.sleep(max(0.0, getattr(f, "due", 0.0) - time.monotonic()))
+        return complete(self, f)
+
+    Engine._launch, Engine._complete = launched, completed
 
 
 def one(model, req: dict, start: float, oom: list) -> dict:
