@@ -15,6 +15,7 @@ from test_engine import in_threads
 from test_engine_loop import ENGINE, call, engines
 from test_hf_generate import tiny
 
+import oxygen_torch
 from oxygen_torch.config import load_config
 from oxygen_torch.engine import door as door_mod
 from oxygen_torch.engine.door import Door
@@ -393,7 +394,7 @@ def test_a_burst_of_calls_still_reading_their_inputs_shares_the_first_step(oxyge
     arrival is counted out again. Counting only the callers at the door, the first step
     served the first caller alone."""
     eng, rows, n, _ = _slow_burst(monkeypatch, gather_ms=1000, spacing_s=0.01)
-    assert eng.stats.timeline[n][1] == sum(rows), eng.stats.timeline[n : n + 3]
+    assert eng.stats.timeline[n][1] == sum(rows), list(eng.stats.timeline)[n : n + 3]
     assert door_mod.DOOR.coming == 0
 
 
@@ -412,11 +413,53 @@ def test_an_idle_engine_waits_while_a_burst_keeps_passing(oxygen, monkeypatch, c
     first = eng.stats.timeline[n][1]
     waited = eng.stats.burst_wait_s - waits
     if cap == 10:
-        assert first == sum(by_place), eng.stats.timeline[n : n + 3]
+        assert first == sum(by_place), list(eng.stats.timeline)[n : n + 3]
         assert 0.15 < waited < 1.0, waited
     else:
         assert by_place[0] <= first <= sum(by_place[:5]), (first, by_place)
         # (waiting for all of them would take >= 0.21 s: the last passes 0.24 s in, the first
         # 0.03 s; 0.2 leaves a loaded machine's sleeps their slack)
         assert eng.stats.burst_wait_max_s < 0.2, eng.stats.burst_wait_max_s
+    assert door_mod.DOOR.coming == 0
+
+
+def test_a_high_priority_call_in_hand_ends_the_gathering(oxygen, monkeypatch):
+    """6 normal calls whose way in takes 30, 60 ... 180 ms and a high-priority one taking 45 ms,
+    on an idle engine gathering a burst for up to 1 s: the engine starts once the high call is
+    in, not when the burst is all in (its first step has some of the rows, not all); every
+    call's tokens equal stock's."""
+    monkeypatch.setattr(door_mod, "EVERY_DEVICE", True)
+    model = tiny("llama")
+    base = int(torch.randint(0, 1000, (1,)))
+    kws = [call(base + i) for i in range(7)]  # the last one: high
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, load_config(scheduler={"engine": True, "burst_gather_ms": 1000}))
+    with torch.no_grad():
+        model.generate(**call(1))  # (the engine exists; idle now)
+    (eng,) = engines(model)
+    delay = {id(kw["input_ids"]): 0.03 * (i + 1) for i, kw in enumerate(kws[:6])}
+    delay[id(kws[6]["input_ids"])] = 0.045
+    read = front.read_inputs
+
+    def slow_read(c):
+        time.sleep(delay[id(c.inputs)])
+        return read(c)
+
+    monkeypatch.setattr(front, "read_inputs", slow_read)
+    n = len(eng.stats.timeline)
+    eng.stats.burst_wait_max_s = 0.0
+
+    def run(i):
+        with oxygen_torch.task(priority="high" if i == 6 else "normal"), torch.no_grad():
+            return model.generate(**kws[i])
+
+    out, errors = in_threads(run, [(i,) for i in range(7)])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), f"call {i}"
+    first, every = eng.stats.timeline[n][1], sum(kw["input_ids"].shape[0] for kw in kws)
+    assert first < every, list(eng.stats.timeline)[n : n + 3]  # (gathered, the first step had all)
+    # (the burst all in: 180 ms; the high call in at 45 ms, a loaded machine's slack on top)
+    assert eng.stats.burst_wait_max_s < 0.15, eng.stats.burst_wait_max_s
     assert door_mod.DOOR.coming == 0

@@ -38,7 +38,7 @@ from .rows import Rows, upload
 from .sampling import RowSample, Sampler
 from .schedule import Budget, StepRow, choose
 from .stats import METRICS
-from .task import Cancelled
+from .task import PRIORITIES, Cancelled
 
 log = logging.getLogger("oxygen_torch")
 
@@ -46,6 +46,7 @@ IDLE_S = 0.5  # an idle engine thread looks again this often (a submit wakes it 
 # an idle engine waits for a burst's callers at most this many times scheduler.burst_gather_ms
 # (the gather goes on while they keep passing: _gather_burst)
 BURST_CAP = 10
+NORMAL = PRIORITIES["normal"]  # a call above this level ends a burst's gathering
 STOP_AFTER_IDLE_S = 30.0  # an engine idle this long lets its thread end (a submit restarts it)
 
 
@@ -275,7 +276,8 @@ class Engine(Rows, Delivery):
         caller of a burst gets a step of its own and the others' Python runs beside its launch,
         which then takes several times its own time (on the H200 at 256 calls: 6 rows, ~250 ms
         of wall for ~65 ms of CPU; at 64 calls a fixed 20 ms wait ended with 5 calls in, their
-        step took 86 ms, and the other 59 prefilled in the next)."""
+        step took 86 ms, and the other 59 prefilled in the next). A call in hand of a priority
+        above normal ends the wait: a burst's gathering is throughput, its first token latency."""
         gap = self.cfg.burst_gather_ms / 1000
         device = self.runner.device
         if gap <= 0 or not door.coming(device):
@@ -291,6 +293,8 @@ class Engine(Rows, Delivery):
             tokens += sum(len(r.prompt) for g in new for r in g.requests)
             if tokens >= self.step_tokens:
                 return
+            if any(g.level > NORMAL for g in new):
+                break  # a call above the normal priority: its first token waits for no burst
             time.sleep(0.0005)
             if new:  # a caller of this engine passed: wait for the next (door.coming counts
                 # every engine's callers: another model's burst keeps this one no longer)
