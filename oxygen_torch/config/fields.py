@@ -412,10 +412,10 @@ class SchedulerConfig:
     gc_freeze: bool = True
     # an idle engine (no row running) with generate() calls on their way in (from their start
     # to their rows' submission) waits while they keep coming: until none has passed for this
-    # long, all have come, the calls in hand fill a step, or 10 times this long has gone by
-    # (engine/loop.py, BURST_CAP). A burst's first step then serves many rows, not the first
-    # callers' few beside the others' front-door Python (on a GPU: the door applies there; 0:
-    # the engine launches at once)
+    # long, all have come, the calls in hand fill a step, a call above the normal priority is in
+    # hand, or 10 times this long has gone by (engine/loop.py, BURST_CAP). A burst's first step
+    # then serves many rows, not the first callers' few beside the others' front-door Python
+    # (on a GPU: the door applies there; 0: the engine launches at once)
     burst_gather_ms: float = 20.0
     # a streaming generate() call (a streamer: one put a step in stock) is woken for its new
     # tokens at most this often: its first token at once, then the tokens of the steps since
