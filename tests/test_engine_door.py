@@ -30,9 +30,10 @@ def test_callers_go_one_at_a_time_and_never_during_a_launch():
     bad, lock = [], threading.Lock()
     rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
     waits = [rng.uniform(0, 0.002) for _ in range(400)]
+    levels = [rng.choice([0, 1, 1, 2, 5]) for _ in range(120)]  # (priorities mixed)
 
     def caller(i):
-        with d.caller():
+        with d.caller(levels[i]):
             with lock:
                 state["callers"] += 1
                 if state["callers"] > 1 or state["launches"]:
@@ -56,6 +57,40 @@ def test_callers_go_one_at_a_time_and_never_during_a_launch():
     rng.shuffle(jobs)
     _, errors = in_threads(lambda f, i: f(i), jobs)
     assert not errors and not bad, (errors, bad[:5])
+
+
+def test_callers_of_a_higher_priority_go_first():
+    """A caller inside; 6 callers of levels 0 and 1 queue, then 2 of level 2: once the one
+    inside leaves, both level-2 callers pass first, then the level-1 ones, then level 0."""
+    d = Door(launch_wait_s=60)
+    order, inside, release = [], threading.Event(), threading.Event()
+
+    def first():
+        with d.caller(1):
+            inside.set()
+            release.wait(30)
+
+    def caller(level):
+        with d.caller(level):
+            order.append(level)
+            time.sleep(0.001)
+
+    t0 = threading.Thread(target=first)
+    t0.start()
+    assert inside.wait(30)
+    levels = [0, 1, 0, 1, 0, 1, 2, 2]
+    threads = []
+    for lv in levels:
+        threads.append(threading.Thread(target=caller, args=(lv,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10  # each queued before the next comes
+        while d.queued < len(threads) + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    release.set()
+    for t in [t0, *threads]:
+        t.join(30)
+        assert not t.is_alive()
+    assert order == sorted(levels, reverse=True), order
 
 
 def test_a_launch_waits_for_the_caller_inside_then_callers_wait_for_it():

@@ -52,8 +52,12 @@ LAUNCH_WAIT_S = 0.005
 class Door:
     def __init__(self, launch_wait_s: float = LAUNCH_WAIT_S):
         lock = threading.Lock()
-        self._callers = threading.Condition(lock)  # callers wait here (one woken at a time)
+        self._callers = threading.Condition(lock)  # (the lock: arrivals' counts)
         self._engines = threading.Condition(lock)  # engines wait here for the caller inside
+        # callers wait by priority level, one condition a level (one woken at a time, the
+        # highest level's first): a high-priority call's front door waits for no lower one
+        self._levels: dict[int, threading.Condition] = {}
+        self._waiting: dict[int, int] = {}  # level -> callers waiting
         self._launching = 0  # engine threads launching a step, or waiting to
         self._inside = False  # a caller's front-door Python runs
         self.queued = 0  # callers at the door: waiting, or inside (read without the lock)
@@ -71,22 +75,36 @@ class Door:
             return True
         return bool(self._launching) and (self._open_at is None or time.monotonic() < self._open_at)
 
+    def _next(self) -> None:
+        """(under the lock) Wakes one waiting caller of the highest level waiting."""
+        if self._waiting:
+            self._levels[max(self._waiting)].notify()
+
     @contextmanager
-    def caller(self):
+    def caller(self, level: int = 1):
         """A caller's front-door Python: alone, and not during an engine's launch unless that
         launch outlasts `launch_wait_s` (one that waits for the device, say: callers are not
-        held for it)."""
+        held for it); callers of a higher priority `level` waiting go first."""
         with self._callers:
+            cond = self._levels.get(level)
+            if cond is None:
+                cond = self._levels[level] = threading.Condition(self._callers)
             self.queued += 1
+            self._waiting[level] = self._waiting.get(level, 0) + 1
             try:
-                while self._shut():
+                while self._shut() or max(self._waiting) > level:
                     left = None
                     if self._launching and not self._inside and self._open_at is not None:
                         left = self._open_at - time.monotonic()
-                    self._callers.wait(left)
+                    elif not self._shut():
+                        self._next()  # (a higher caller waits: it goes first)
+                    cond.wait(left)
             except BaseException:  # (interrupted while it waited)
                 self.queued -= 1
+                self._leave_queue(level)
+                self._next()
                 raise
+            self._leave_queue(level)
             self._inside = True
         try:
             yield
@@ -95,7 +113,14 @@ class Door:
                 self._inside = False
                 self.queued -= 1
                 self._engines.notify_all()  # (engines waiting to launch: few)
-                self._callers.notify()  # the next caller (one: hundreds may wait)
+                self._next()  # the next caller (one: hundreds may wait)
+
+    def _leave_queue(self, level: int) -> None:
+        n = self._waiting[level] - 1
+        if n:
+            self._waiting[level] = n
+        else:
+            del self._waiting[level]
 
     @contextmanager
     def launch(self):
@@ -107,7 +132,7 @@ class Door:
                 self._engines.wait()
             if self._open_at is None:
                 self._open_at = time.monotonic() + self.launch_wait_s
-                self._callers.notify()  # one caller times the wait (then wakes the next)
+                self._next()  # one caller times the wait (then wakes the next)
         try:
             yield
         finally:
@@ -115,7 +140,7 @@ class Door:
                 self._launching -= 1
                 if not self._launching:
                     self._open_at = None
-                    self._callers.notify()
+                    self._next()
 
     def arrive(self) -> Arrival:
         """A call on its way to an engine: counted in `coming` until its Arrival leaves."""
@@ -164,9 +189,9 @@ def arrive(device: torch.device) -> Arrival:
     return DOOR.arrive() if applies(device) else Arrival(None)
 
 
-def caller(device: torch.device):
-    """DOOR.caller() for a call on `device` (a no-op where the door does not apply)."""
-    return DOOR.caller() if applies(device) else nullcontext()
+def caller(device: torch.device, level: int = 1):
+    """DOOR.caller(level) for a call on `device` (a no-op where the door does not apply)."""
+    return DOOR.caller(level) if applies(device) else nullcontext()
 
 
 def launch(device: torch.device):

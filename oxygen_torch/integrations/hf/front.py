@@ -134,7 +134,7 @@ def plan(model, args: tuple, kwargs: dict, call=None, host=None, text=None) -> P
         host_ids, host_mask = host
     else:
         host_ids, host_mask = _to_host(ids, mask)  # (a device read: outside the door)
-    with door.caller(ids.device):  # (not during an engine's launch: engine/door.py)
+    with door.caller(ids.device, current_task().level):  # (not during a launch: engine/door.py)
         try:
             gc, host_mask = _resolve(model, host_ids, host_mask, kwargs)
         except Exception as err:  # noqa: BLE001 - stock raises it again on the per-call path
