@@ -8,7 +8,9 @@ front door (resolving a call's settings, building its requests) runs through thi
 caller at a time, and not while an engine launches a step (for up to LAUNCH_WAIT_S of it,
 counted from the launch's start). An engine about to
 launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
-queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time). What
+queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time, a
+higher priority level's first: a high-priority call does not wait behind a burst of low
+ones). What
 blocks (a device read of the call's inputs, the wait for its tokens) stays outside the door,
 and so does what costs little (submitting a resolved call's rows, building its output from
 its tokens: three ops): a caller that queued again behind hundreds of others for that would
