@@ -167,6 +167,25 @@ def wait_for(cond, seconds: float = 20.0) -> bool:
     return cond()
 
 
+def clients(one, n: int) -> list:
+    """one(i) for i < n, each on a thread of its own (bounded joins); the errors raised."""
+    errors: list = []
+
+    def run(i):
+        try:
+            one(i)
+        except Exception as err:  # noqa: BLE001 - returned to the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a client hung"
+    return errors
+
+
 def process_gone(pid: int) -> bool:
     """The process has exited (a zombie too: exited, its parent not yet told)."""
     try:
@@ -326,7 +345,7 @@ def test_concurrent_clients_with_priorities_get_their_own_tokens(srv, loaded):
     model, tok = loaded
     prompts = [[3 + 11 * i + j for j in range(4 + i % 5)] for i in range(8)]
     want = [reference(model, p, 6 + i % 7) for i, p in enumerate(prompts)]
-    got, errors = [None] * 8, []
+    got = [None] * 8
 
     def one(i):
         prio = ("high", "normal", "low")[i % 3]
@@ -335,18 +354,11 @@ def test_concurrent_clients_with_priorities_get_their_own_tokens(srv, loaded):
         )
         body = way.setdefault("extra_body", {})
         body["return_token_ids"] = True
-        try:
-            r = srv.client().completions.create(model="tiny", prompt=prompts[i], temperature=0,
-                                                max_tokens=6 + i % 7, **way)  # fmt: skip
-            got[i] = r.choices[0].token_ids
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        r = srv.client().completions.create(model="tiny", prompt=prompts[i], temperature=0,
+                                            max_tokens=6 + i % 7, **way)  # fmt: skip
+        got[i] = r.choices[0].token_ids
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = clients(one, 8)
     assert not errors, errors
     assert got == want
     text = http(srv.url + "/metrics").body.decode()

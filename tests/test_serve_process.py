@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
+import test_serve as ts
 import torch
 import transformers as T
 from test_serve import (
@@ -26,11 +26,11 @@ from test_serve import (
     OXYGEN,
     PROMPTS,
     Running,
+    clients,
     collect,
     http,
     process_gone,
     reference,
-    save_checkpoint,
     wait_for,
     words,
 )
@@ -42,11 +42,7 @@ from oxygen_torch.tools.serve.loading import load_tokenizer
 from oxygen_torch.tools.serve.served import Served
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_checkpoint(tmp_path_factory.mktemp("ckpt"))
+ckpt = ts.ckpt  # test_serve's checkpoint (a fixture of this module's scope here)
 
 
 @pytest.fixture(scope="module")
@@ -159,28 +155,21 @@ def test_concurrent_clients_with_priorities_get_their_own_tokens(srv, stock):
     model, _ = stock
     prompts = [[3 + (11 * i + j) % 120 for j in range(4 + i % 5)] for i in range(12)]
     want = [reference(model, p, 6 + i % 7) for i, p in enumerate(prompts)]
-    got, errors = [None] * 12, []
+    got = [None] * 12
 
     def one(i):
         prio = ("high", "normal", "low")[i % 3]
-        try:
-            r = srv.client().completions.create(
-                model="tiny", prompt=prompts[i], temperature=0, max_tokens=6 + i % 7,
-                stream=i % 2 == 1, extra_body={"priority": prio, "return_token_ids": True},
-            )  # fmt: skip
-            if i % 2:
-                got[i] = [t for ch in r for c in ch.choices
-                          for t in (getattr(c, "token_ids", None) or [])]  # fmt: skip
-            else:
-                got[i] = r.choices[0].token_ids
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        r = srv.client().completions.create(
+            model="tiny", prompt=prompts[i], temperature=0, max_tokens=6 + i % 7,
+            stream=i % 2 == 1, extra_body={"priority": prio, "return_token_ids": True},
+        )  # fmt: skip
+        if i % 2:
+            got[i] = [t for ch in r for c in ch.choices
+                      for t in (getattr(c, "token_ids", None) or [])]  # fmt: skip
+        else:
+            got[i] = r.choices[0].token_ids
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = clients(one, 12)
     assert not errors, errors
     assert got == want
 
