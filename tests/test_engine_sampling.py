@@ -10,7 +10,12 @@ import time
 import pytest
 import torch
 import transformers as T
-from oxygen_torch.triton_kernels.sampling import sample_rows, sample_rows_ref
+from oxygen_torch.triton_kernels.sampling import (
+    sample_rows,
+    sample_rows_ref,
+    top_p_cut,
+    top_p_cut_ref,
+)
 
 from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed
 
@@ -79,6 +84,70 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own():
     suppressed = Sampler(V, torch.device("cpu"))
     toks, sc = suppressed(logits[-1:], [RowSample(SamplingParams(), 0, 0, (int(tokens[-1]),))])
     assert sc[0, int(tokens[-1])] == float("-inf") and int(toks[0]) != int(tokens[-1])
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 1500])
+def test_the_top_p_cut_kernel_equals_its_float64_reference(vocab):
+    """top_p_cut under the interpreter against the sort in float64, on fresh rows: random
+    scores, integer ones (ties at the cut), half the vocabulary filtered, top_p from 0 to 1.
+    A row may differ only where the mass below a score is within float32 rounding of 1 - top_p
+    (the sums' order differs); most rows are not such rows."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    ps = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0])
+    s = torch.randn(len(ps), vocab, generator=gen) * 3
+    s[1] = torch.randint(-3, 3, (vocab,), generator=gen).float()  # ties
+    s[2, torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")
+    got, want = top_p_cut(s, ps), top_p_cut_ref(s, ps)
+    p = s.double().softmax(-1)
+    checked = 0
+    for r in range(len(ps)):
+        below = torch.stack([p[r][s[r] < v].sum() for v in s[r].unique()])
+        if (below - (1 - ps[r].double())).abs().min() < 1e-5:
+            continue  # (the rounding's side of the cut)
+        checked += 1
+        assert torch.equal(s[r] >= got[r], s[r] >= want[r]), (r, float(got[r]), float(want[r]))
+    assert checked >= len(ps) - 2
+    # the cut's meaning, directly: at p = 0 only the maximum stays; at p = 1 every token
+    assert float(got[0]) == float(s[0].max()) and float(got[-1]) == float(s[-1].min())
+
+
+@pytest.mark.cuda
+def test_the_top_p_cut_kernel_on_the_gpu_equals_its_reference():
+    """On the GPU at a real vocabulary: 64 rows of 32,000 float32 scores, and the same as bf16
+    (ties), top_p 0.5-0.99: the kept tokens equal the float64 sort's on rows whose cut is not
+    within rounding (most of them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    s = torch.randn(64, 32000, device="cuda", generator=gen) * 2
+    ps = torch.rand(64, device="cuda", generator=gen) * 0.49 + 0.5
+    for scores in (s, s.bfloat16().float()):
+        got, want = top_p_cut(scores, ps), top_p_cut_ref(scores, ps)
+        same = ((scores >= got[:, None]) == (scores >= want[:, None])).all(-1)
+        assert same.float().mean() > 0.9, same.float().mean()
+
+
+@pytest.mark.parametrize("name", ["top_p", "all"])
+def test_the_sampler_with_the_cut_kernel_equals_transformers(monkeypatch, name):
+    """scheduler.top_p_kernel "cut" (the kernel under the interpreter here): processed scores
+    equal transformers' top-p on rows without ties; a bad setting names the field."""
+    from oxygen_torch.config import load_config
+    from oxygen_torch.engine import sampling
+
+    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    p = SETTINGS[name]
+    logits = torch.randn(6, V, generator=gen) * 3
+    held = held_tokens(6, gen)
+    sampler = Sampler(V, torch.device("cpu"), top_p_kernel="cut")
+    for r in range(6):
+        sampler.start_row(r, held[r])
+    _, scores = sampler(logits, [RowSample(p, 0, r) for r in range(6)])
+    want = stock_processors(p)(held, logits.clone())
+    assert torch.equal(scores.isinf(), want.isinf())
+    torch.testing.assert_close(scores, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="scheduler.top_p_kernel"):
+        load_config(scheduler={"top_p_kernel": "fast"})
 
 
 @pytest.mark.cuda

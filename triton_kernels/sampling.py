@@ -90,3 +90,101 @@ def sample_rows_ref(
         u = torch.rand(scores.shape[1], generator=g, device=scores.device).clamp_min(1e-12)
         out[r] = (scores[r].float() - torch.log(-torch.log(u))).argmax()
     return out
+
+
+# --- top-p without a sort --------------------------------------------------------------------
+#
+# transformers' top-p sorts a row's probabilities ascending and drops the tokens whose
+# cumulative sum is <= 1 - top_p. The tokens kept are then those with a score >= v*, where v* is
+# the largest score v of the row whose mass below it (the probabilities of the scores < v) is
+# <= 1 - top_p. The kernel finds v* without sorting: one pass for the row's maximum and
+# normaliser, then passes that each count the mass below NP pivots at once and keep the two
+# that bracket v*, bisecting the 32-bit space of float keys (8 passes at NP 16, exact: v*
+# itself at the end). It differs from the sort only where scores tie at v* (every tied token is
+# kept; the sort keeps some, in its order) and where the mass below v* is within float32
+# rounding of 1 - top_p (the sums' order differs).
+
+
+@triton.jit
+def _key(s):
+    """float32 -> int32 whose order is the floats' (NaN aside; -0.0 just below +0.0)."""
+    b = s.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _top_p_cut_kernel(
+    scores_ptr,  # [R, V] float, row stride stride_r
+    top_p_ptr,  # [R] float32
+    cut_ptr,  # [R] float32: v* of each row
+    V,
+    stride_r,
+    BLOCK: tl.constexpr,
+    NP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    base = scores_ptr + r * stride_r
+    # the row's maximum and normaliser, online (a finite start: an all -inf block adds 0)
+    m = tl.full((), -1e30, tl.float32)
+    z = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        s = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        nm = tl.maximum(m, tl.max(s, 0))
+        z = z * tl.exp(m - nm) + tl.sum(tl.exp(s - nm), 0)
+        m = nm
+    allowed = (1.0 - tl.load(top_p_ptr + r)) * z  # the mass below v*, unnormalised
+    # invariant: mass below lo <= allowed < mass below hi (keys); hi: just above the maximum
+    lo = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)
+    hi = _key(m).to(tl.int64) + 1
+    k = tl.arange(0, NP).to(tl.int64)
+    while hi - lo > 1:
+        piv = lo + ((k + 1) * (hi - lo)) // (NP + 1)  # [NP], strictly inside (lo, hi) or = lo
+        mass = tl.zeros((NP,), tl.float32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            s = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            e = tl.exp(s - m)
+            below = _key(s).to(tl.int64)[:, None] < piv[None, :]  # [BLOCK, NP]
+            mass += tl.sum(tl.where(below, e[:, None], 0.0), 0)
+        lo = tl.maximum(lo, tl.max(tl.where(mass <= allowed, piv, lo), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(mass > allowed, piv, hi), 0))
+    b = lo.to(tl.int32)
+    b = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    tl.store(cut_ptr + r, b.to(tl.float32, bitcast=True))
+
+
+def top_p_cut(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """scores: [R, V] float (processed logits, -inf = filtered), top_p: [R] in [0, 1] -> [R]
+    float32 cut: the row keeps the tokens whose score is >= its cut (see above)."""
+    if scores.dim() != 2 or top_p.shape != (scores.shape[0],):
+        raise ValueError(
+            f"top_p_cut: scores {list(scores.shape)}, top_p {list(top_p.shape)}: want [R, V], [R]"
+        )
+    check_runnable("top_p_cut scores", scores)
+    rows, vocab = scores.shape
+    cut = torch.empty(rows, dtype=torch.float32, device=scores.device)
+    if rows == 0:
+        return cut
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    block = min(512, triton.next_power_of_2(vocab))
+    _top_p_cut_kernel[(rows,)](
+        scores, top_p.to(torch.float32).contiguous(), cut, vocab, scores.stride(0),
+        BLOCK=block, NP=16, num_warps=8,
+    )  # fmt: skip
+    return cut
+
+
+def top_p_cut_ref(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The same cut in float64 by sorting: for each row the largest score v whose mass below
+    (the probabilities of the scores < v) is <= 1 - top_p."""
+    s = scores.double()
+    p = s.softmax(-1)
+    sv, order = s.sort(-1)
+    sp = p.gather(-1, order)
+    below = sp.cumsum(-1) - sp  # mass strictly before each place in the sort...
+    first = torch.searchsorted(sv, sv)  # ...at the first place of its value: below its value
+    below = below.gather(-1, first)
+    ok = below <= (1 - top_p.double())[:, None]
+    return torch.where(ok, sv, float("-inf")).amax(-1).float()

@@ -107,7 +107,7 @@ class Engine(Rows, Delivery):
         # tokens a step computes at most (prefill chunks beside the decodes)
         self.step_tokens = min(step_tokens or cfg.max_step_tokens, cfg.max_step_tokens)
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
-        self.sampler = Sampler(runner.vocab, runner.device)
+        self.sampler = Sampler(runner.vocab, runner.device, cfg.top_p_kernel)
         self.stats = EngineStats()
         self.running: list[Request] = []
         self.waiting: list[Request] = []

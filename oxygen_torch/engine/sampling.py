@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.transfer import to_device
-from ..triton_kernels.sampling import sample_rows, sample_rows_ref
+from ..triton_kernels.sampling import sample_rows, sample_rows_ref, top_p_cut
 
 _MASK64 = (1 << 64) - 1
 
@@ -81,8 +81,9 @@ class RowSample:
 class Sampler:
     """The processors and the draw of one engine; holds the repetition-penalty mask."""
 
-    def __init__(self, vocab: int, device: torch.device):
+    def __init__(self, vocab: int, device: torch.device, top_p_kernel: str = "sort"):
         self.vocab, self.device = vocab, device
+        self.top_p_kernel = top_p_kernel  # scheduler.top_p_kernel: "sort" or "cut"
         self.seen: torch.Tensor | None = None  # [slots, V] bool: tokens a penalised row holds
 
     # --- the penalty mask ---------------------------------------------------------------
@@ -181,11 +182,14 @@ class Sampler:
             idx = self._ints(p_rows)
             sub = scores.index_select(0, idx)
             ps = self._floats([[params[i].top_p] for i in p_rows])
-            srt, order = sub.sort(dim=-1, descending=False)
-            cum = srt.softmax(dim=-1).cumsum(dim=-1)
-            drop = cum <= (1 - ps)
-            drop[:, -1] = False
-            drop = drop.scatter(1, order, drop)
+            if self.top_p_kernel == "cut" and _kernel_ok(scores):  # (no sort: see the kernel)
+                drop = sub < top_p_cut(sub, ps.view(-1))[:, None]
+            else:
+                srt, order = sub.sort(dim=-1, descending=False)
+                cum = srt.softmax(dim=-1).cumsum(dim=-1)
+                drop = cum <= (1 - ps)
+                drop[:, -1] = False
+                drop = drop.scatter(1, order, drop)
             scores.index_copy_(0, idx, sub.masked_fill(drop, neg))
         m_rows = [i for i in sampling if params[i].min_p is not None]
         if m_rows:
