@@ -31,6 +31,7 @@ from ...engine.request import Group, Request, StopRule
 from ...engine.sampling import SamplingParams
 from ...engine.task import current as current_task
 from ...kv import engine_streams as streams
+from ...kv.transfer import to_device
 from ...triton_kernels._checks import SUPPORTED_HEAD_DIMS
 from . import compat
 from . import generate as gen
@@ -676,7 +677,9 @@ def _output(p: Plan, group: Group, runner):
     width = max(len(r.out) for r in reqs)
     new = torch.tensor([r.out + [p.pad] * (width - len(r.out)) for r in reqs], dtype=p.ids.dtype)
     seqs = torch.cat([p.host_ids, new], dim=1)
-    if seqs.device != p.ids.device:
+    if p.ids.device.type == "cuda":  # (pinned: the copy does not wait for the engine's steps)
+        seqs = to_device(seqs, p.ids.device)
+    elif seqs.device != p.ids.device:
         seqs = seqs.to(p.ids.device)
     gc = p.gc
     if not gc.return_dict_in_generate:
