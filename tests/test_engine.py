@@ -105,10 +105,15 @@ def schedulers(model):
 def test_concurrent_calls_give_the_tokens_they_give_alone(oxygen, threads):
     model = hf.apply(llama())
     calls = [call_kw(s) for s in range(threads)]
-    together_as_alone(model, calls)
-    (sched,) = schedulers(model)
     alone = max(kw["input_ids"].shape[0] * kw.get("num_beams", 1) for kw in calls)
-    assert max(sched.stats.batch_sizes) > alone  # several calls' sequences in one forward
+    # several calls' sequences in one forward: on a loaded machine two threads may not overlap
+    # in one round (one ends before the other's first step), so up to three rounds
+    for _ in range(3):
+        together_as_alone(model, calls)
+        (sched,) = schedulers(model)
+        if max(sched.stats.batch_sizes) > alone:
+            break
+    assert max(sched.stats.batch_sizes) > alone, sched.stats.batch_sizes
     assert sched.live() == 0
 
 

@@ -481,12 +481,6 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
     (eng,) = engines(model)
     started = threading.Event()
 
-    class FirstToken(Recorder):
-        def put(self, value):
-            super().put(value)
-            if len(self.puts) == 2:
-                self.step = eng.stats.steps
-
     def run(i):
         if i < 4:
             with oxygen_torch.task(priority="low"):
@@ -506,19 +500,26 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
                     if decoding[0] == 4:  # every low call decodes: the engine is full
                         started.set()
 
-    marks, first, submitted = [Running() for _ in range(4)], FirstToken(), [0]
-    submit = eng.submit
+    marks, first, submitted, drawn = [Running() for _ in range(4)], Recorder(), [0], [None]
+    submit, complete = eng.submit, eng._complete
 
     def counted(group):  # the steps so far when the high call reaches the engine
         if group.requests[0].task.priority_class == "high":
             submitted[0] = eng.stats.steps
         submit(group)
 
-    eng.submit = counted
+    def delivered(f):  # ... and when its first token is read (the engine's count, not when
+        complete(f)  # its caller's thread wakes: on a loaded machine a step or two later)
+        if drawn[0] is None and any(
+            row.req.task.priority_class == "high" and row.req.out for row in f.kept
+        ):
+            drawn[0] = eng.stats.steps
+
+    eng.submit, eng._complete = counted, delivered
     out, errors = in_threads(run, [(i,) for i in range(5)])
     assert not errors, errors
     assert all(torch.equal(out[i], ref[i]) for i in range(5))
-    assert first.step - submitted[0] <= 3, (submitted, first.step)
+    assert drawn[0] - submitted[0] <= 3, (submitted, drawn)
     assert eng.stats.preemptions >= 1
 
 
