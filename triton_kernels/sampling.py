@@ -54,21 +54,25 @@ def _sample_kernel(
     tl.store(out_ptr + r, best_i.to(tl.int64))
 
 
+def _rows(name: str, scores: torch.Tensor, **per_row: torch.Tensor) -> torch.Tensor:
+    """scores ([R, V]) with unit column stride, once it and each per-row tensor ([R]) check."""
+    if scores.dim() != 2 or any(t.shape != (scores.shape[0],) for t in per_row.values()):
+        shapes = ", ".join(f"{k} {list(t.shape)}" for k, t in per_row.items())
+        raise ValueError(
+            f"{name}: scores {list(scores.shape)}, {shapes}: want scores [R, V] and [R] for each"
+        )
+    check_runnable(f"{name} scores", scores)
+    return scores if scores.stride(1) == 1 else scores.contiguous()
+
+
 def sample_rows(scores: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """scores: [R, V] float (processed logits; -inf = filtered), seeds: [R] int64, greedy: [R]
     bool -> [R] int64 token ids."""
-    if scores.dim() != 2 or seeds.shape != (scores.shape[0],) or greedy.shape != seeds.shape:
-        raise ValueError(
-            f"sample_rows: scores {list(scores.shape)}, seeds {list(seeds.shape)}, greedy "
-            f"{list(greedy.shape)}: want [R, V], [R], [R]"
-        )
-    check_runnable("sample_rows scores", scores)
+    scores = _rows("sample_rows", scores, seeds=seeds, greedy=greedy)
     rows, vocab = scores.shape
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     if rows == 0:
         return out
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
     block = min(4096, triton.next_power_of_2(vocab))
     _sample_kernel[(rows,)](
         scores, seeds.to(torch.int64), greedy.to(torch.int8), out, vocab, scores.stride(0),
@@ -157,17 +161,11 @@ def _top_p_cut_kernel(
 def top_p_cut(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """scores: [R, V] float (processed logits, -inf = filtered), top_p: [R] in [0, 1] -> [R]
     float32 cut: the row keeps the tokens whose score is >= its cut (see above)."""
-    if scores.dim() != 2 or top_p.shape != (scores.shape[0],):
-        raise ValueError(
-            f"top_p_cut: scores {list(scores.shape)}, top_p {list(top_p.shape)}: want [R, V], [R]"
-        )
-    check_runnable("top_p_cut scores", scores)
+    scores = _rows("top_p_cut", scores, top_p=top_p)
     rows, vocab = scores.shape
     cut = torch.empty(rows, dtype=torch.float32, device=scores.device)
     if rows == 0:
         return cut
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
     block = min(512, triton.next_power_of_2(vocab))
     _top_p_cut_kernel[(rows,)](
         scores, top_p.to(torch.float32).contiguous(), cut, vocab, scores.stride(0),
