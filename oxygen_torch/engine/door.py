@@ -53,7 +53,7 @@ LAUNCH_WAIT_S = 0.005
 
 class Door:
     def __init__(self, launch_wait_s: float = LAUNCH_WAIT_S):
-        lock = threading.Lock()
+        lock = self._lock = threading.Lock()
         self._callers = threading.Condition(lock)  # (the lock: arrivals' counts)
         self._engines = threading.Condition(lock)  # engines wait here for the caller inside
         # callers wait by priority level, one condition a level (one woken at a time, the
@@ -90,7 +90,7 @@ class Door:
         with self._callers:
             cond = self._levels.get(level)
             if cond is None:
-                cond = self._levels[level] = threading.Condition(self._callers)
+                cond = self._levels[level] = threading.Condition(self._lock)
             self.queued += 1
             self._waiting[level] = self._waiting.get(level, 0) + 1
             try:
