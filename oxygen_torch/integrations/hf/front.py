@@ -677,10 +677,9 @@ def _output(p: Plan, group: Group, runner):
     width = max(len(r.out) for r in reqs)
     new = torch.tensor([r.out + [p.pad] * (width - len(r.out)) for r in reqs], dtype=p.ids.dtype)
     seqs = torch.cat([p.host_ids, new], dim=1)
-    if p.ids.device.type == "cuda":  # (pinned: the copy does not wait for the engine's steps)
-        seqs = to_device(seqs, p.ids.device)
-    elif seqs.device != p.ids.device:
-        seqs = seqs.to(p.ids.device)
+    # (on CUDA from pinned memory: the copy does not wait for the engine's queued steps)
+    dev = p.ids.device
+    seqs = to_device(seqs, dev) if dev.type == "cuda" else seqs.to(dev)
     gc = p.gc
     if not gc.return_dict_in_generate:
         return seqs

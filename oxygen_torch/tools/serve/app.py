@@ -8,11 +8,11 @@
 A request is checked (protocol.py), admitted (at most ``max_queue`` waiting for a first token,
 else 429 with Retry-After), tokenised on a thread, checked against the model's context and the
 KV pool (400 naming the limit), then run as one generate() call: in the engine process
-(engine.py, what the command runs: the model's steps do not share an interpreter lock with the
-HTTP side) or on a worker thread of this process (jobs.py's ThreadRunner, `build_app`). The
-server watches the client while the call runs: a client that leaves ends its call at the
-engine's next step. Every refusal is OpenAI's error object with a 4xx status; a 5xx means the
-server failed, never that the client sent something wrong.
+(engine_process.py, what the command runs: the model's steps do not share an interpreter lock
+with the HTTP side) or on a worker thread of this process (jobs.py's ThreadRunner,
+`build_app`). The server watches the client while the call runs: a client that leaves ends
+its call at the engine's next step. Every refusal is OpenAI's error object with a 4xx status;
+a 5xx means the server failed, never that the client sent something wrong.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .answers import Answer, error_event
-from .jobs import Admission, Job, ThreadRunner, describe
+from .jobs import Admission, Job, RemoteError, ThreadRunner, describe
 from .protocol import ApiError, Limits, chat_request, completion_request, parse_json
 from .served import Served
 
@@ -84,7 +84,7 @@ def _from_generate(err: BaseException) -> ApiError:
                         headers={"Retry-After": "1"})  # fmt: skip
     if kind == "gone":
         return ApiError(503, message)
-    if kind == "other" and name == type(err).__name__:  # (the engine process logs its own)
+    if kind == "other" and not isinstance(err, RemoteError):  # (the engine process logs its)
         log.error("generate() failed", exc_info=err)
     return ApiError(500, f"the server failed: {name}")
 
@@ -149,7 +149,7 @@ def worker_count(cfg: ServeConfig) -> int:
 
 class Server:
     """The app's state: what it knows of the model, the admission counter, the runner that runs
-    the calls (ThreadRunner, or engine.EngineProcess)."""
+    the calls (ThreadRunner, or engine_process.EngineProcess)."""
 
     def __init__(self, served: Served, runner, cfg: ServeConfig):
         self.cfg, self.served, self.runner = cfg, served, runner

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 
-from .jobs import Call, ClientLeft, Job, RemoteError, describe, generate
+from .jobs import Call, ClientLeft, Job, RemoteError, describe, run_call
 from .protocol import ApiError
 from .served import local_kv_tokens, model_facts
 
@@ -134,22 +134,15 @@ class _Call:
         pass
 
     def run(self, model, pad: int, ended) -> None:
-        from ...engine.task import Cancelled
-
         outcome, error = "cancelled", None
         try:
-            if self.cancelled.is_set():
-                return
-            columns = generate(model, self.call, pad, self if self.live else None, self.cancelled)
-            if columns is not None:
-                self.outbox.add(("ids", self.rid, columns))
-            outcome = "ok"
-        except (ClientLeft, Cancelled):
-            pass
-        except Exception as err:  # noqa: BLE001 - the request's error, told to its client
-            outcome, error = "error", describe(err)
-            if error[0] == "other":
-                log.error("generate() failed", exc_info=err)
+            took = lambda columns: self.outbox.add(("ids", self.rid, columns))  # noqa: E731
+            outcome, err = run_call(model, self.call, pad, self if self.live else None,
+                                    self.cancelled, took)  # fmt: skip
+            if err is not None:
+                error = describe(err)
+                if error[0] == "other":
+                    log.error("generate() failed", exc_info=err)
         finally:
             self.outbox.add(("end", self.rid, outcome, error))
             ended(self)

@@ -4,7 +4,7 @@ A job is the request's side of its call: the call's new tokens come to it a step
 steps) at a time, become text (text.py), and a streamed request's text goes to the event loop as
 it comes (steps that come while the loop is busy join one chunk). Where the call runs is a
 runner's business: `ThreadRunner` here (generate() on a worker thread of this process, the job
-its streamer), or the engine process (engine.py, the tokens sent back to this one). A job
+its streamer), or the engine process (engine_process.py, the tokens sent back to this one). A job
 cancelled (its client left) ends its call at the engine's next step and its KV blocks come
 back. Admission: at most ``max_queue`` requests wait for their first token; one more is refused
 with 429 before anything runs.
@@ -116,6 +116,26 @@ def generate(model, call: Call, pad: int, streamer, cancel: threading.Event):
     ):
         out = model.generate(ids, attention_mask=mask, streamer=streamer, **call.gen)
     return None if streamer is not None else out[:, ids.shape[1] :].t().tolist()
+
+
+def run_call(model, call: Call, pad: int, streamer, cancel: threading.Event,
+             took) -> tuple[str, BaseException | None]:  # fmt: skip
+    """generate() of the call unless it was cancelled while it waited for a thread; `took`
+    gets the new tokens' columns when no streamer did. Returns (outcome, error): "ok" (also
+    when every row ended at a stop string), "cancelled" (the client left) or "error"."""
+    if cancel.is_set():
+        return "cancelled", None
+    try:
+        columns = generate(model, call, pad, streamer, cancel)
+        if columns is not None:
+            took(columns)
+    except AllStopped:
+        pass
+    except (ClientLeft, Cancelled):
+        return "cancelled", None
+    except Exception as err:  # noqa: BLE001 - the request's error, told to its client
+        return "error", err
+    return "ok", None
 
 
 def describe(err: BaseException) -> tuple[str, str, str]:
@@ -272,18 +292,8 @@ class Job:
         """generate() on this (worker) thread, the job its streamer; then finish()."""
         outcome, error = "cancelled", None
         try:
-            if self.cancelled.is_set():  # the client left while the job waited for a thread
-                return
-            columns = generate(model, self.call, pad, self if self.live else None, self.cancelled)
-            if columns is not None:
-                self.oxygen_put_ids(columns)
-            outcome = "ok"
-        except AllStopped:
-            outcome = "ok"
-        except (ClientLeft, Cancelled):
-            pass
-        except Exception as err:  # noqa: BLE001 - the request's error, told to its client
-            outcome, error = "error", err
+            outcome, error = run_call(model, self.call, pad, self if self.live else None,
+                                      self.cancelled, self.oxygen_put_ids)  # fmt: skip
         finally:
             self.finish(outcome, error)
 

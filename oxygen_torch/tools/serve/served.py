@@ -1,6 +1,6 @@
 """The model side of the server: prompts to token ids, the limits a request must fit, and the
 generate() call a checked request becomes. What it needs of the model is a few facts
-(`ModelFacts`): the model itself may live in another process (engine.py)."""
+(`ModelFacts`): the model itself may live in another process (engine_process.py)."""
 
 from __future__ import annotations
 
