@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oxygen_torch.triton_kernels import PrecisionMode, paged_decode, paged_decode_ref
+from oxygen_torch.triton_kernels import LaunchConfig, PrecisionMode, paged_decode, paged_decode_ref
 from test_kernels_helpers import assert_close_rel, make_paged, poisoned_like, randn
 
 CASES = [
@@ -66,6 +66,69 @@ def test_decode_fp8_codes(splits, precision):
     q = randn((3, 6, 64), torch.float16, seed=6)
     out = _run(p, q, precision=precision, num_splits=splits, sliding_window=50)
     assert_close_rel(out, _ref(p, q, sliding_window=50), torch.float16)
+
+
+@pytest.mark.parametrize("fp8_words", [True, False])
+def test_decode_fp8_both_loads(fp8_words):
+    """fp8 codes loaded as int32 words (the default) and as bytes (kept for the H200 to time
+    against it) give the reference's output, split and not."""
+    p = make_paged([45, 19, 70], 2, 64, 16, torch.uint8, seed=29)
+    q = randn((3, 4, 64), torch.float16, seed=30)
+    for splits in (1, 3):
+        cfg = LaunchConfig(16, 16, 4, 2, num_splits=splits, fp8_words=fp8_words)
+        assert_close_rel(_run(p, q, launch=cfg), _ref(p, q), torch.float16)
+    with pytest.raises(ValueError, match="fp8_words"):
+        LaunchConfig(16, 16, 4, 2, fp8_words=1)
+
+
+def test_decode_fp8_head_dim_80_and_fp32_queries():
+    """A padded head dim (80 of 128 columns: the int32 words past it masked) and fp32 queries,
+    which the fp8 path scales into fp16 for its dots."""
+    p = make_paged([40, 17], 3, 80, 16, torch.uint8, seed=21)
+    for precision in (PrecisionMode.AUTO_MIXED, PrecisionMode.FP32_SAFE):
+        q = randn((2, 6, 80), torch.float32, seed=22)
+        out = _run(p, q, precision=precision, num_splits=2)
+        assert_close_rel(out, _ref(p, q), torch.float16)
+
+
+@pytest.mark.parametrize("precision", list(PrecisionMode))
+def test_decode_fp8_every_code_is_decoded_exactly(precision):
+    """One key per sequence: the output is that key's V row, code value x scale, so every
+    finite e4m3 code (254 of 256, the two NaN codes left out), each in its own column, must come
+    back exactly: the integer decode and the tile's column order, element by element."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 254 finite codes
+    codes = torch.cat([codes, torch.tensor([0x01, 0x81], dtype=torch.uint8)])  # 256: 2 rows
+    p = make_paged([1, 1], 1, 128, 16, torch.uint8, seed=23)
+    for b in range(2):
+        blk = int(p.block_table[b, 0])
+        p.v_cache[blk, 0, 0] = codes[b * 128 : (b + 1) * 128]
+    q = randn((2, 2, 128), torch.float32, seed=24)
+    out = _run(p, q, precision=precision)
+    ref = _ref(p, q)
+    torch.testing.assert_close(out.to(torch.float64), ref, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1e7])
+def test_decode_fp8_queries_far_outside_fp16s_range(magnitude):
+    """The fp8 path's dots run in fp16: a query far above its range (or far below its
+    normals) is scaled by a power of two into it and back, so the output is the reference's,
+    not inf or a softmax of clamped scores."""
+    p = make_paged([24, 50], 1, 64, 16, torch.uint8, seed=25)
+    q = randn((2, 2, 64), torch.float32, seed=26) * magnitude
+    out = _run(p, q, num_splits=2)
+    assert_close_rel(out, _ref(p, q), torch.float16)
+
+
+def test_decode_fp8_cache_off_a_word_boundary_is_refused():
+    p = make_paged([20], 1, 64, 16, torch.uint8, seed=27)
+    flat = torch.zeros(p.k_cache.numel() + 1, dtype=torch.uint8)
+    k = flat[1:].view(p.k_cache.shape)  # one byte past a 4-byte boundary
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        paged_decode(
+            randn((1, 1, 64), torch.float16, seed=28), k, k, p.block_table, p.seq_lens,
+            k_scale=p.k_scale, v_scale=p.v_scale,
+        )  # fmt: skip
 
 
 def test_decode_window_wider_than_sequence_is_no_window():

@@ -92,6 +92,17 @@ def test_prefill_fp8_codes(precision):
     assert_close_rel(out, _ref(p, q, cu, sliding_window=25), torch.float16)
 
 
+@pytest.mark.parametrize("fp8_words", [True, False])
+def test_prefill_fp8_both_loads(fp8_words):
+    """fp8 codes loaded as int32 words (the default) and as bytes (kept for the H200 to time
+    against it) give the reference's output, at a padded head dim."""
+    p = make_paged([30, 52], 2, 80, 16, torch.uint8, seed=31)
+    cu = _cu([30, 9])
+    q = randn((39, 4, 80), torch.float16, seed=32)
+    out = _run(p, q, cu, launch=LaunchConfig(16, 16, 4, 2, fp8_words=fp8_words))
+    assert_close_rel(out, _ref(p, q, cu), torch.float16)
+
+
 def test_prefill_default_tiles():
     """The tiling rule's own choice (not an override) on a dense prefill."""
     p = make_paged([90], 2, 64, 32, torch.float32, seed=7)

@@ -91,6 +91,15 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.d
         raise ValueError(f"k_cache: block_tokens={bt} must be a power of two in [16, 256]")
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"k_cache: head_dim={d} not supported; allowed: {SUPPORTED_HEAD_DIMS}")
+    if is_fp8(k_cache.dtype):
+        # the kernels load fp8 codes four at a time, as int32 words
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.data_ptr() % 4 or any(st % 4 for st in c.stride()[:3]):
+                raise ValueError(
+                    f"{name}: an fp8 cache must start on a 4-byte boundary with strides that are "
+                    f"multiples of 4 (got strides {list(c.stride())}, address "
+                    f"{c.data_ptr():#x})"
+                )
 
 
 def check_scales(k_cache, k_scale, v_scale, device) -> None:
@@ -203,6 +212,7 @@ def patch_interpreter_scalars() -> None:
 
 
 def as_codes(cache: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn storage as its uint8 codes: the kernels bitcast uint8 to e4m3 in registers,
-    so the GPU runs the same code path as the CPU interpreter (which has no fp8 tensors)."""
+    """float8_e4m3fn storage as its uint8 codes: the kernels decode the codes with integer
+    operations, so the GPU runs the same code path as the CPU interpreter (which has no fp8
+    tensors)."""
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

@@ -6,10 +6,14 @@ power-of-two block_tokens works with any BLOCK_N, and a shuffled table costs not
 token's head row is head_dim contiguous elements, so loads along D are 16-byte vectors.
 
 Scores live in the log2 domain (qk_scale = softmax scale x log2 e) so the softmax uses exp2.
-fp8 KV: codes are converted exactly to half (every e4m3 value is a half value) and the
-per-block-per-head scales are folded into the scores (K) and the probabilities (V), which costs
-one multiply per score instead of one per K/V element.
+fp8 KV: the codes are loaded as int32 words and decoded with integer operations to halves of
+the codes' values times 2^-8 (exact: every e4m3 value is a half value), two to a register; the
+dots run in fp16 against them (the query scaled into fp16 once), and the per-block-per-head
+scales, times 2^8, are folded into the scores (K) and the probabilities (V), which costs one
+multiply per score instead of one per K/V element.
 """
+
+import os
 
 import triton
 import triton.language as tl
@@ -18,6 +22,12 @@ import triton.language as tl
 FP16_ONLY = tl.constexpr(0)
 AUTO_MIXED = tl.constexpr(1)
 FP32_SAFE = tl.constexpr(2)
+# the FP8 constexpr of the kernels: the KV storage
+NO_FP8 = tl.constexpr(0)
+FP8_WORDS = tl.constexpr(1)  # fp8 codes loaded as int32 words, decoded with integer operations
+FP8_BYTES = tl.constexpr(2)  # fp8 codes loaded as bytes, converted by Triton (the earlier path)
+# compiled to PTX (not Triton's interpreter, which reads the same variable when kernels are made)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
 
 @triton.jit
@@ -35,42 +45,134 @@ def kv_rows(
 def load_kv(
     ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr
 ):
-    """[BLOCK_N, D_PAD] tile. fp8 caches arrive as uint8 views (the host reinterprets
-    float8_e4m3fn storage), so one code path serves the GPU and the CPU interpreter."""
-    if HEAD_DIM == D_PAD:
-        m = mask[:, None]  # a row mask is constant along D: the loads stay 16-byte vectors
+    """[BLOCK_N, D_PAD] tile in the cache's dtype; fp8: fp16, FP8_WORDS' tile from
+    load_fp8_words (the values x 2^-8, columns in tile_dims' order) or FP8_BYTES' (the values,
+    Triton's conversion of a byte tile: kept to measure the two in one run). fp8 caches arrive
+    as uint8 views (the host reinterprets float8_e4m3fn storage), so one code path serves the
+    GPU and the CPU interpreter."""
+    if FP8 == FP8_WORDS:
+        x = load_fp8_words(ptr, rows, mask, HEAD_DIM, D_PAD)
     else:
-        m = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m, other=0)
-    if FP8:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        if HEAD_DIM == D_PAD:
+            m = mask[:, None]  # a row mask is constant along D: the loads stay 16-byte vectors
+        else:
+            m = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m, other=0)
+        if FP8 == FP8_BYTES:
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # the values themselves
     return x
 
 
 @triton.jit
-def to_dot_dtype(x, dtype, FP8: tl.constexpr):
-    if FP8:
-        # e4m3 -> fp16 is exact and the cheapest conversion; fp16 -> bf16 is exact for these values
-        return x.to(tl.float16).to(dtype)
-    return x.to(dtype)
+def _e4m3_pairs(x):
+    """x: int32 holding two e4m3 codes, at bits 0-7 and 16-23 (zero elsewhere) -> the bits of
+    two halves (low and high 16 bits) whose values are the codes' times 2^-8: the code's seven
+    magnitude bits shifted up by 7 land on the half's exponent and mantissa (exact for every
+    finite code, subnormals included), and adding the sign bit to itself carries it one place
+    up, to the half's sign, before the shift."""
+    return (x + (x & 0x00800080)) << 7
 
 
 @triton.jit
-def scores(
-    q, k, k_sc, qk_scale, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr
-):
-    """q: [M, D_PAD], k: [N, D_PAD] -> fp32 [M, N] logits in the log2 domain."""
-    if PRECISION == FP32_SAFE:
-        kf = to_dot_dtype(k, tl.float32, FP8)
-        s = tl.dot(q.to(tl.float32), tl.trans(kf), input_precision="ieee")
-    elif HALF_ACC:
-        s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)), out_dtype=tl.float16)
-        s = s.to(tl.float32)
+def _halves(x):
+    """The two halves packed in int32 x, as fp16 (low, high). Compiled, a register move: with
+    shifts and truncations LLVM derives each half again from the operations that built x and
+    packs them back with one PRMT a pair. The interpreter (no PTX) takes the shifts."""
+    if _PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $2;",
+            "=h,=h,r",
+            [x],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
     else:
-        s = tl.dot(q, tl.trans(to_dot_dtype(k, q.dtype, FP8)))
+        lo = x.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def tile_dims(offs_d, FP8: tl.constexpr):
+    """The head dimension each column of a K/V tile holds. An FP8_WORDS tile (load_fp8_words) swaps
+    the middle two of every four columns; the query is loaded and the output stored in the same
+    order, so the dots need no shuffle. (head_dim is a multiple of 4, so `< HEAD_DIM` masks are
+    the same either way.)"""
+    if FP8 == FP8_WORDS:
+        dims = (offs_d & -4) | ((offs_d & 1) << 1) | ((offs_d >> 1) & 1)
+    else:
+        dims = offs_d
+    return dims
+
+
+@triton.jit
+def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """[BLOCK_N, D_PAD] fp16 tile of an fp8 e4m3 cache, each value times 2^-8, its columns in
+    tile_dims' order. The codes are loaded as int32 words (four codes each: 16-byte loads; the
+    caller checked that rows are 4-byte aligned) and decoded in registers with integer
+    operations, a pair of halves at a time: codes 0 and 2 of a word in one 32-bit register,
+    1 and 3 in the next. So the tile that goes through shared memory to the dot's layout is
+    already 16-bit (Triton re-lays out a tile of bytes one byte at a time)."""
+    W: tl.constexpr = D_PAD // 4
+    offs_w = tl.arange(0, W)
+    wptr = ptr.to(tl.pointer_type(tl.int32))
+    if HEAD_DIM == D_PAD:
+        m = mask[:, None]
+    else:
+        m = mask[:, None] & (offs_w * 4 < HEAD_DIM)[None, :]
+    w = tl.load(wptr + (rows // 4)[:, None] + offs_w[None, :], mask=m, other=0)
+    even = _e4m3_pairs(w & 0x00FF00FF)  # codes 0 (low half) and 2 (high)
+    odd = _e4m3_pairs((w >> 8) & 0x00FF00FF)  # codes 1 and 3
+    c0, c2 = _halves(even)
+    c1, c3 = _halves(odd)
+    # columns 4w + (0, 1, 2, 3) hold codes (0, 2, 1, 3): each register's pair side by side
+    return tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), [rows.shape[0], D_PAD])
+
+
+@triton.jit
+def _code_mul(FP8: tl.constexpr):
+    """What a decoded fp8 tile's elements are multiplied by to be the codes' values."""
+    if FP8 == FP8_WORDS:
+        mul = 256.0
+    else:
+        mul = 1.0
+    return mul
+
+
+@triton.jit
+def dot_query(q, qk_scale, FP8: tl.constexpr, PRECISION: tl.constexpr):
+    """(the query as `scores` takes it, the factor its dot products are multiplied by), made
+    once per program. fp8 KV (but fp32_safe): the dots run in fp16, the decoded tiles' dtype, so
+    the query is scaled into fp16 with the softmax scale and a power of two that brings the
+    tile's largest entry to (1, 2] (exact, and undone on the dot products), so neither a huge
+    nor a tiny query leaves fp16's range, and fp16_only's fp16 sums of D products stay far
+    below its overflow (a decoded code is at most 1.75)."""
+    if FP8 and PRECISION != FP32_SAFE:
+        qs = q.to(tl.float32) * qk_scale
+        big = tl.maximum(tl.max(tl.max(tl.abs(qs), 1), 0), 1e-30)  # an all-zero tile: e = -99
+        e = tl.ceil(tl.log2(big / 2.0))
+        out = (qs * tl.exp2(-e)).to(tl.float16)
+        mul = tl.exp2(e)
+    else:
+        out = q
+        mul = qk_scale
+    return out, mul
+
+
+@triton.jit
+def scores(q, k, k_sc, s_mul, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
+    """q: [M, D_PAD] and s_mul from `dot_query`, k: [N, D_PAD] -> fp32 [M, N] logits in the
+    log2 domain. fp8 KV: k is load_kv's fp16 tile, k_sc the keys' scales."""
+    if PRECISION == FP32_SAFE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif HALF_ACC:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), out_dtype=tl.float16).to(tl.float32)
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
     if FP8:
-        s = s * k_sc[None, :]
-    return (s * qk_scale).to(tl.float32)  # Inductor may pass the scale as fp64
+        s = s * (k_sc * _code_mul(FP8))[None, :]
+    return (s * s_mul).to(tl.float32)  # Inductor may pass the scale as fp64
 
 
 @triton.jit
@@ -78,7 +180,10 @@ def softmax_step(
     acc, l_i, m_i, s, v, v_sc, q, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr
 ):
     """One online-softmax step over a key tile. s: [M, N] fp32 with -inf where masked; q is
-    passed for its dtype (the dtype of the P.V dot in the half modes)."""
+    passed for its dtype (the dtype of the P.V dot in the half modes). fp8 KV: v is load_kv's
+    fp16 tile and v_sc the keys' scales; the probabilities are weighted by
+    each key's scale over the tile's largest, so they stay in [0, 1] in fp16, and the dot's
+    result is multiplied back."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row with every key masked so far keeps m = -inf; exponentiate against 0 instead so it
     # gives p = 0, alpha = 0 rather than NaN (seq_len 0, window edges, padded rows)
@@ -86,14 +191,23 @@ def softmax_step(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * v_sc[None, :]
     if PRECISION == FP32_SAFE:
-        pv = tl.dot(p, to_dot_dtype(v, tl.float32, FP8), input_precision="ieee")
+        if FP8:
+            p = p * (v_sc * _code_mul(FP8))[None, :]
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    elif FP8:
+        top = tl.max(v_sc, 0)  # masked keys load scale 0
+        top = tl.where(top == 0.0, 1.0, top)
+        pw = (p * (v_sc / top)[None, :]).to(tl.float16)
+        if HALF_ACC:
+            pv = tl.dot(pw, v, out_dtype=tl.float16).to(tl.float32)
+        else:
+            pv = tl.dot(pw, v)
+        pv = pv * (top * _code_mul(FP8))
     elif HALF_ACC:
-        pv = tl.dot(p.to(tl.float16), to_dot_dtype(v, tl.float16, FP8), out_dtype=tl.float16)
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16), out_dtype=tl.float16)
         pv = pv.to(tl.float32)
     else:
-        pv = tl.dot(p.to(q.dtype), to_dot_dtype(v, q.dtype, FP8))
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     acc = acc * alpha[:, None] + pv
     return acc, l_i, m_new

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import kv_rows, load_kv, scores, softmax_step
+from ._flash import dot_query, kv_rows, load_kv, scores, softmax_step, tile_dims
 from .precision import PrecisionMode
 from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select_num_splits
 
@@ -80,11 +80,12 @@ def _decode_kernel(
     end = tl.minimum(start + per_split, seq_len)
 
     offs_g = gt * BLOCK_G + tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
     heads = kvh * group + offs_g  # [BLOCK_G] query heads of this KV head
     g_mask = offs_g < group
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+    q, s_mul = dot_query(q, qk_scale, FP8, PRECISION)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -102,7 +103,7 @@ def _decode_kernel(
         if FP8:
             k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
             v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-        s = scores(q, k, k_sc, qk_scale, FP8, PRECISION, HALF_ACC)
+        s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
         s = tl.where(valid[None, :], s, float("-inf"))
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
 
@@ -289,7 +290,7 @@ def paged_decode(
         BLOCK_G=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_TOKENS=bt,
-        FP8=fp8,
+        FP8=(1 if cfg.fp8_words else 2) if fp8 else 0,  # _flash: FP8_WORDS, FP8_BYTES
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         SPLIT=splits > 1,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import kv_rows, load_kv, scores, softmax_step
+from ._flash import dot_query, kv_rows, load_kv, scores, softmax_step, tile_dims
 from .paged_decode import LOG2E, NO_WINDOW, _half_acc
 from .precision import PrecisionMode
 from .tiling import LaunchConfig, TileQuery, check_overrides, launch_config, next_pow2
@@ -66,7 +66,7 @@ def _key_phase(
     hi,
     seq_len,
     window,
-    qk_scale,
+    s_mul,
     num_kv_heads,
     stride_kb,
     stride_kt,
@@ -97,7 +97,7 @@ def _key_phase(
         if FP8:
             k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=load_ok, other=0.0)
             v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=load_ok, other=0.0)
-        s = scores(q, k, k_sc, qk_scale, FP8, PRECISION, HALF_ACC)
+        s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
         if MASKED or HAS_WINDOW:
             ok = load_ok[None, :]
             if CAUSAL:
@@ -160,12 +160,13 @@ def _prefill_kernel(
     kvh = head // group
     m0 = m_tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
     row_ok = offs_m < q_len
     pos_q = ctx + offs_m  # absolute positions of the queries
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     io_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0)
+    q, s_mul = dot_query(q, qk_scale, FP8, PRECISION)
 
     lo_true = tl.maximum(ctx + m0 - window + 1, 0)  # no window: the host passes a huge one
     lo = (lo_true // BLOCK_N) * BLOCK_N
@@ -198,7 +199,7 @@ def _prefill_kernel(
         full,
         seq_len,
         window,
-        qk_scale,
+        s_mul,
         num_kv_heads,
         stride_kb,
         stride_kt,
@@ -231,7 +232,7 @@ def _prefill_kernel(
         hi,
         seq_len,
         window,
-        qk_scale,
+        s_mul,
         num_kv_heads,
         stride_kb,
         stride_kt,
@@ -379,7 +380,7 @@ def paged_prefill(
         CHUNK=64,
         CAUSAL=causal,
         HAS_WINDOW=window > 0,
-        FP8=fp8,
+        FP8=(1 if cfg.fp8_words else 2) if fp8 else 0,  # _flash: FP8_WORDS, FP8_BYTES
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         num_warps=cfg.num_warps,

@@ -146,8 +146,14 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     num_splits: int | None = None
+    # fp8 KV: codes loaded as int32 words and decoded with integer operations (True), or as
+    # bytes converted by Triton (False, the earlier path: both kept until the H200 has timed
+    # them in one run, bench_attention.py)
+    fp8_words: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.fp8_words, bool):
+            raise ValueError(f"fp8_words: {self.fp8_words!r} must be a bool")
         for name in ("block_m", "block_n"):
             _check_side(name, getattr(self, name), optional=False)
         if self.num_warps not in (1, 2, 4, 8, 16):
