@@ -26,6 +26,7 @@ FP32_SAFE = tl.constexpr(2)
 NO_FP8 = tl.constexpr(0)
 FP8_WORDS = tl.constexpr(1)  # fp8 codes loaded as int32 words, decoded with integer operations
 FP8_BYTES = tl.constexpr(2)  # fp8 codes loaded as bytes, converted by Triton (the earlier path)
+_SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32: the sign bits of two halves
 # compiled to PTX (not Triton's interpreter, which reads the same variable when kernels are made)
 _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 
@@ -61,16 +62,6 @@ def load_kv(
         if FP8 == FP8_BYTES:
             x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # the values themselves
     return x
-
-
-@triton.jit
-def _e4m3_pairs(x):
-    """x: int32 holding two e4m3 codes, at bits 0-7 and 16-23 (zero elsewhere) -> the bits of
-    two halves (low and high 16 bits) whose values are the codes' times 2^-8: the code's seven
-    magnitude bits shifted up by 7 land on the half's exponent and mantissa (exact for every
-    finite code, subnormals included), and adding the sign bit to itself carries it one place
-    up, to the half's sign, before the shift."""
-    return (x + (x & 0x00800080)) << 7
 
 
 @triton.jit
@@ -122,8 +113,12 @@ def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr)
     else:
         m = mask[:, None] & (offs_w * 4 < HEAD_DIM)[None, :]
     w = tl.load(wptr + (rows // 4)[:, None] + offs_w[None, :], mask=m, other=0)
-    even = _e4m3_pairs(w & 0x00FF00FF)  # codes 0 (low half) and 2 (high)
-    odd = _e4m3_pairs((w >> 8) & 0x00FF00FF)  # codes 1 and 3
+    # A half whose value is an e4m3 code's times 2^-8 has the code's sign at bit 15 and its
+    # seven other bits (exponent, mantissa) at bits 7-13: exact for every finite code,
+    # subnormals included. Codes 1 and 3 sit at bits 8-15 and 24-31: their magnitudes move
+    # down one place, their signs stay; codes 0 and 2 move up 7 and 8.
+    odd = ((w >> 1) & 0x3F803F80) | (w & _SIGNS)  # codes 1 (low half) and 3 (high)
+    even = ((w << 7) & 0x3F803F80) | ((w << 8) & _SIGNS)  # codes 0 and 2
     c0, c2 = _halves(even)
     c1, c3 = _halves(odd)
     # columns 4w + (0, 1, 2, 3) hold codes (0, 2, 1, 3): each register's pair side by side
