@@ -86,6 +86,26 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own():
     assert sc[0, int(tokens[-1])] == float("-inf") and int(toks[0]) != int(tokens[-1])
 
 
+def test_every_row_sampling_with_its_own_values_each_gets_its_own():
+    """Every row of the step uses every processor, each with its own value: the processors run
+    in place on the whole batch (no gather and scatter), with per-row values."""
+    gen = torch.Generator().manual_seed(11)
+    params = [
+        SamplingParams(do_sample=True, temperature=0.5 + 0.3 * r, top_k=3 + r, top_p=0.6 + 0.05 * r,
+                       min_p=0.02 * r, repetition_penalty=1.0 + 0.2 * r)
+        for r in range(5)
+    ]  # fmt: skip
+    logits = torch.randn(len(params), V, generator=gen) * 3
+    held = held_tokens(len(params), gen)
+    sampler = Sampler(V, torch.device("cpu"))
+    for r in range(len(params)):
+        sampler.start_row(r, held[r])
+    _, scores = sampler(logits, [RowSample(p, 0, r) for r, p in enumerate(params)])
+    for r, p in enumerate(params):
+        want = stock_processors(p)(held[r : r + 1], logits[r : r + 1].clone())
+        torch.testing.assert_close(scores[r : r + 1], want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("vocab", [7, 300, 1500])
 def test_the_top_p_cut_kernel_equals_its_float64_reference(vocab):
     """top_p_cut under the interpreter against the sort in float64, on fresh rows: random
