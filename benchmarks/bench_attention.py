@@ -360,6 +360,45 @@ def sweep(gen):
     return best
 
 
+# paged prefill (block_m, block_n, warps, stages): the rule's choice for bf16 D=128 first
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 2),
+                 (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 4), (128, 128, 4, 2)]  # fmt: skip
+
+
+def prefill_sweep(gen):
+    """Causal paged prefill (block_m, block_n, warps, stages) at block_tokens 16 and 64 (issue
+    34's prefill at cuDNN speed: which tiles the rule should take on the H200)."""
+    best = {}
+    for b, s in PREFILL:
+        q = torch.randn(b * s, HQ, D, device=DEV, dtype=BF16, generator=gen)
+        k = torch.randn(b, HKV, s, D, device=DEV, dtype=BF16, generator=gen)
+        v = torch.randn_like(k)
+        cu = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * s
+        lens = torch.full((b,), s, dtype=torch.int32, device=DEV)
+        flops = 4 * b * HQ * s * s * D / 2
+        for bt in BLOCK_TOKENS:
+            perm, table = shuffled_table(b, s, bt, gen)
+            kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
+            for bm, bn, warps, stages in PREFILL_SWEEP:
+                if elapsed() > BUDGET_S:
+                    return best
+                cfg = LaunchConfig(bm, bn, warps, stages)
+                fn = functools.partial(paged_prefill, q, kc, vc, table, cu, lens, launch=cfg)
+                try:
+                    ms = bench(fn)
+                except Exception as e:  # a tile that does not fit shared memory: say so, go on
+                    print(f"sweep prefill B={b} S={s} bt={bt} {cfg}: {type(e).__name__}: "
+                          f"{str(e)[:120]}", flush=True)  # fmt: skip
+                    continue
+                tf = flops / (ms * 1e-3) / 1e12
+                print(f"sweep prefill B={b} S={s} bt={bt} {cfg}: {ms:.3f} ms {tf:.1f} TFLOP/s",
+                      flush=True)  # fmt: skip
+                key = f"prefill B={b} S={s} bt={bt}"
+                if key not in best or ms < best[key]["ms"]:
+                    best[key] = dict(ms=ms, tflops=tf, bm=bm, bn=bn, warps=warps, stages=stages)
+    return best
+
+
 def table_md() -> str:
     lines = ["| case | impl | ms | value | unit | ours/cuDNN | rel err vs SDPA | note |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -405,6 +444,8 @@ def main():
         if DEV == "cuda":
             torch.cuda.empty_cache()
     best = sweep(gen) if ARGS.sweep and not ARGS.decode_only else {}
+    if ARGS.prefill_sweep:
+        best.update(prefill_sweep(gen))
     md = table_md()
     print("\n" + md + f"\n\nsweep best: {json.dumps(best)}\ntotal {elapsed():.0f} s")
     out_dir = os.environ.get("OUT")
@@ -426,6 +467,9 @@ if __name__ == "__main__":
                         help="skip compiled FlexAttention (its compiles take minutes)")  # fmt: skip
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
                         help="skip the sweep of decode launch choices")  # fmt: skip
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="also time paged prefill tiles (block_m, block_n, warps, "
+                        "stages)")  # fmt: skip
     parser.add_argument("--cpu-errors", action="store_true",
                         help="only the precision error table, on CPU (interpreter)")  # fmt: skip
     parser.add_argument("--no-ttft", dest="ttft", action="store_false",
