@@ -17,7 +17,7 @@ from oxygen_torch.triton_kernels.sampling import (
     top_p_cut_ref,
 )
 
-from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed
+from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed, step_seeds
 
 V = 12
 SETTINGS = {
@@ -84,6 +84,15 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own():
     suppressed = Sampler(V, torch.device("cpu"))
     toks, sc = suppressed(logits[-1:], [RowSample(SamplingParams(), 0, 0, (int(tokens[-1]),))])
     assert sc[0, int(tokens[-1])] == float("-inf") and int(toks[0]) != int(tokens[-1])
+
+
+def test_step_seeds_of_a_batch_equal_each_rows_step_seed():
+    gen = torch.Generator().manual_seed(17)
+    seeds = torch.randint(0, 1 << 62, (300,), generator=gen).tolist() * 2
+    seeds += [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -5]  # edges, and ints outside int64
+    steps = torch.randint(0, 1 << 20, (len(seeds),), generator=gen).tolist()
+    got = step_seeds(seeds, steps).tolist()
+    assert got == [step_seed(s, t) for s, t in zip(seeds, steps)]
 
 
 def test_every_row_sampling_with_its_own_values_each_gets_its_own():

