@@ -176,9 +176,9 @@ def softmax_step(
 ):
     """One online-softmax step over a key tile. s: [M, N] fp32 with -inf where masked; q is
     passed for its dtype (the dtype of the P.V dot in the half modes). fp8 KV: v is load_kv's
-    fp16 tile and v_sc the keys' scales; the probabilities are weighted by
-    each key's scale over the tile's largest, so they stay in [0, 1] in fp16, and the dot's
-    result is multiplied back."""
+    fp16 tile and v_sc the keys' scales; the probabilities are weighted by each key's scale
+    over the tile's largest, so they stay in [0, 1] in fp16, and the dot's result is
+    multiplied back."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row with every key masked so far keeps m = -inf; exponentiate against 0 instead so it
     # gives p = 0, alpha = 0 rather than NaN (seq_len 0, window edges, padded rows)
