@@ -376,6 +376,38 @@ def test_sampling_is_reproducible_by_seed_whatever_runs_beside(oxygen):
     assert torch.equal(_generate(model, kw), a)  # a call alone after torch.manual_seed
 
 
+def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, monkeypatch):
+    """scheduler.sampling_kernel "fused" (its kernel under the interpreter here) in the engine:
+    temperature, top-k and the repetition penalty (no top-p, whose cut may round to the other
+    side) give the tokens the PyTorch processors give for the same seeds, beside a call that
+    wants its scores (output_scores: those equal too) and one that does not."""
+    from oxygen_torch.engine import sampling
+
+    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20,
+              repetition_penalty=1.3, return_dict_in_generate=True)  # fmt: skip
+    prompts = [torch.tensor([[5, 9, 11, 13, 17]]), torch.tensor([[3, 4, 60, 2]])]
+
+    def run(kernel):
+        model = tiny("llama")
+        hf.apply(model, load_config(scheduler={"engine": True, "sampling_kernel": kernel}))
+
+        def one(i):
+            with oxygen_torch.task(seed=100 + i), torch.no_grad():
+                return model.generate(input_ids=prompts[i], output_scores=i == 0, **kw)
+
+        out, errors = in_threads(one, [(0,), (1,)])
+        assert not errors, errors
+        return out
+
+    fused, plain = run("fused"), run("torch")
+    for i in range(2):
+        assert torch.equal(fused[i].sequences, plain[i].sequences), i
+    assert fused[1].scores is None and len(fused[0].scores) == 8
+    for a, b in zip(fused[0].scores, plain[0].scores):  # (the steps' batches may differ)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kw, reason",
     [

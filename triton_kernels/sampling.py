@@ -117,61 +117,142 @@ def _key(s):
 
 
 @triton.jit
-def _top_p_cut_kernel(
-    scores_ptr,  # [R, V] float, row stride stride_r
-    top_p_ptr,  # [R] float32
-    cut_ptr,  # [R] float32: v* of each row
+def _value(key):
+    """_key's inverse: the float32 of an int32 key."""
+    b = key.to(tl.int32)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row(base, cols, V):
+    """A block of a row's logits as float32; -inf past the row."""
+    return tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _warped_kernel(
+    x_ptr,  # [R, V] logits (any float dtype; -inf = filtered), row stride stride_r
+    seeds_ptr,  # [R] int64
+    greedy_ptr,  # [R] int8: the plain argmax, no warpers
+    temp_ptr,  # [R] float32 (1: off)
+    top_k_ptr,  # [R] int32 (0: off)
+    top_p_ptr,  # [R] float32 (1: off)
+    min_p_ptr,  # [R] float32 (0: off)
+    out_ptr,  # [R] int64: the token drawn
+    cut_ptr,  # [R] float32: the lowest temperature-scaled score the row keeps
     V,
     stride_r,
     BLOCK: tl.constexpr,
     NP: tl.constexpr,
 ):
+    # The cuts are searched over the raw logits x: dividing by t > 0 keeps their order, so the
+    # k-th largest scaled score is the k-th largest x divided by t; the top-p masses multiply
+    # x by 1 / t. Only the draw divides every score exactly (IEEE: transformers' values).
     r = tl.program_id(0)
-    base = scores_ptr + r * stride_r
-    # the row's maximum and normaliser, online (a finite start: an all -inf block adds 0)
-    m = tl.full((), -1e30, tl.float32)
-    z = tl.full((), 0.0, tl.float32)
+    base = x_ptr + r * stride_r
+    greedy = tl.load(greedy_ptr + r) != 0
+    t = tl.where(greedy, 1.0, tl.load(temp_ptr + r))
+    kk = tl.arange(0, NP).to(tl.int64)
+    cut = tl.full((), float("-inf"), tl.float32)
+    if not greedy:
+        top_k = tl.load(top_k_ptr + r)
+        top_p = tl.load(top_p_ptr + r)
+        min_p = tl.load(min_p_ptr + r)
+        m = tl.full((), -1e30, tl.float32)  # the row's largest x (a finite start: all -inf rows)
+        for start in range(0, V, BLOCK):
+            m = tl.maximum(m, tl.max(_row(base, start + tl.arange(0, BLOCK), V), 0))
+        cut_x = tl.full((), float("-inf"), tl.float32)
+        if top_k > 0 and top_k < V:
+            # the k-th largest: the largest key with at least k logits at or above it
+            # (invariant: count(>= lo) >= k > count(>= hi)), NP pivots a pass
+            lo = _key(cut_x).to(tl.int64)
+            hi = _key(m).to(tl.int64) + 1
+            while hi - lo > 1:
+                piv = lo + ((kk + 1) * (hi - lo)) // (NP + 1)
+                cnt = tl.zeros((NP,), tl.int32)
+                for start in range(0, V, BLOCK):
+                    x = _row(base, start + tl.arange(0, BLOCK), V)
+                    cnt += tl.sum((_key(x).to(tl.int64)[:, None] >= piv[None, :]).to(tl.int32), 0)
+                lo = tl.maximum(lo, tl.max(tl.where(cnt >= top_k, piv, lo), 0))
+                hi = tl.minimum(hi, tl.min(tl.where(cnt < top_k, piv, hi), 0))
+            cut_x = _value(lo)
+        if top_p < 1.0:
+            # transformers' top-p over the tokens top-k kept: the largest v* whose mass below
+            # (of the kept tokens, at the temperature) is <= 1 - top_p (see above)
+            inv_t = 1.0 / t
+            z = tl.full((), 0.0, tl.float32)
+            for start in range(0, V, BLOCK):
+                x = _row(base, start + tl.arange(0, BLOCK), V)
+                z += tl.sum(tl.where(x >= cut_x, tl.exp((x - m) * inv_t), 0.0), 0)
+            allowed = (1.0 - top_p) * z
+            lo = _key(cut_x).to(tl.int64)  # mass below the top-k cut: 0
+            hi = _key(m).to(tl.int64) + 1
+            while hi - lo > 1:
+                piv = lo + ((kk + 1) * (hi - lo)) // (NP + 1)
+                mass = tl.zeros((NP,), tl.float32)
+                for start in range(0, V, BLOCK):
+                    x = _row(base, start + tl.arange(0, BLOCK), V)
+                    e = tl.where(x >= cut_x, tl.exp((x - m) * inv_t), 0.0)
+                    below = _key(x).to(tl.int64)[:, None] < piv[None, :]
+                    mass += tl.sum(tl.where(below, e[:, None], 0.0), 0)
+                lo = tl.maximum(lo, tl.max(tl.where(mass <= allowed, piv, lo), 0))
+                hi = tl.minimum(hi, tl.min(tl.where(mass > allowed, piv, hi), 0))
+            cut_x = _value(lo)
+        cut = tl.div_rn(cut_x, t)
+        if min_p > 0.0:
+            # min-p keeps the probabilities >= min_p x the largest: s >= max s + log(min_p)
+            cut = tl.maximum(cut, tl.div_rn(m, t) + tl.log(min_p))
+    tl.store(cut_ptr + r, cut)
+    seed = tl.load(seeds_ptr + r)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        s = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        nm = tl.maximum(m, tl.max(s, 0))
-        z = z * tl.exp(m - nm) + tl.sum(tl.exp(s - nm), 0)
-        m = nm
-    allowed = (1.0 - tl.load(top_p_ptr + r)) * z  # the mass below v*, unnormalised
-    # invariant: mass below lo <= allowed < mass below hi (keys); hi: just above the maximum
-    lo = _key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)
-    hi = _key(m).to(tl.int64) + 1
-    k = tl.arange(0, NP).to(tl.int64)
-    while hi - lo > 1:
-        piv = lo + ((k + 1) * (hi - lo)) // (NP + 1)  # [NP], strictly inside (lo, hi) or = lo
-        mass = tl.zeros((NP,), tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            s = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            e = tl.exp(s - m)
-            below = _key(s).to(tl.int64)[:, None] < piv[None, :]  # [BLOCK, NP]
-            mass += tl.sum(tl.where(below, e[:, None], 0.0), 0)
-        lo = tl.maximum(lo, tl.max(tl.where(mass <= allowed, piv, lo), 0))
-        hi = tl.minimum(hi, tl.min(tl.where(mass > allowed, piv, hi), 0))
-    b = lo.to(tl.int32)
-    b = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-    tl.store(cut_ptr + r, b.to(tl.float32, bitcast=True))
+        s = tl.div_rn(_row(base, cols, V), t)
+        if not greedy:
+            u = tl.maximum(tl.rand(seed, cols), 1e-12)
+            s = tl.where(s >= cut, s - tl.log(-tl.log(u)), float("-inf"))
+        s = tl.where(cols < V, s, float("-inf"))
+        mx = tl.max(s, 0)
+        i = tl.min(tl.where(s == mx, cols, V), 0)  # first index of the maximum, as argmax
+        take = mx > best
+        best_i = tl.where(take, i, best_i)
+        best = tl.where(take, mx, best)
+    tl.store(out_ptr + r, best_i.to(tl.int64))
 
 
-def top_p_cut(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """scores: [R, V] float (processed logits, -inf = filtered), top_p: [R] in [0, 1] -> [R]
-    float32 cut: the row keeps the tokens whose score is >= its cut (see above)."""
-    scores = _rows("top_p_cut", scores, top_p=top_p)
-    rows, vocab = scores.shape
-    cut = torch.empty(rows, dtype=torch.float32, device=scores.device)
+def sample_warped(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    greedy: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    cut: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row from raw logits, transformers' warpers in the kernel: temperature,
+    top-k, top-p (the bisection above, no sort) and min-p, then the Gumbel-max draw of
+    sample_rows on the scores kept. logits: [R, V] any float dtype (-inf = filtered); seeds [R]
+    int64; greedy [R] bool (the plain argmax); temperature [R] (1: off), top_k [R] (0: off),
+    top_p [R] (1: off), min_p [R] (0: off). cut ([R] float32): also write each row's lowest
+    kept (temperature-scaled) score there. Returns [R] int64 token ids."""
+    logits = _rows("sample_warped", logits, seeds=seeds, greedy=greedy, temperature=temperature,
+                   top_k=top_k, top_p=top_p, min_p=min_p)  # fmt: skip
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if cut is None:
+        cut = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return cut
-    block = min(512, triton.next_power_of_2(vocab))
-    _top_p_cut_kernel[(rows,)](
-        scores, top_p.to(torch.float32).contiguous(), cut, vocab, scores.stride(0),
-        BLOCK=block, NP=16, num_warps=8,
+        return out
+    f32 = dict(dtype=torch.float32)
+    _warped_kernel[(rows,)](
+        logits, seeds.to(torch.int64), greedy.to(torch.int8), temperature.to(**f32).contiguous(),
+        top_k.to(torch.int32).contiguous(), top_p.to(**f32).contiguous(),
+        min_p.to(**f32).contiguous(), out, cut, vocab, logits.stride(0),
+        BLOCK=min(512, triton.next_power_of_2(vocab)), NP=16, num_warps=8,
     )  # fmt: skip
-    return cut
+    return out
 
 
 def top_p_cut_ref(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

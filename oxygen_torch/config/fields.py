@@ -430,15 +430,16 @@ class SchedulerConfig:
     # need (a step of 4 ms with 1 ms of host work stretched to P99 9 / 16 ms beside 100 / 200
     # threads doing 40 us of Python a wake, on the CPU machine). 0: as stream_interval_ms
     lower_stream_interval_ms: float = 0.0
-    # how the engine's top-p finds a row's cut on a GPU: "sort" (transformers' own computation:
-    # a sort of every sampling row's vocabulary) or "cut" (triton_kernels/sampling.py
-    # top_p_cut: a bisection over the row in a few passes, no sort; every token tied at the cut
-    # is kept). Elsewhere the sort. "sort" until the H200 has measured both
-    top_p_kernel: str = "sort"
+    # how the engine processes and draws a step's sampling rows on a GPU: "torch"
+    # (transformers' processors in PyTorch on a float32 copy: top-p sorts every sampling row's
+    # vocabulary) or "fused" (triton_kernels/sampling.py sample_warped: temperature, top-k,
+    # top-p by bisection, no sort, min-p and the draw in one kernel over the raw logits; every
+    # token tied at a cut is kept). Elsewhere "torch". "torch" until the H200 has measured both
+    sampling_kernel: str = "torch"
 
     def __post_init__(self):
         _check_types(self, "scheduler")
-        _check_choice("scheduler", "top_p_kernel", self.top_p_kernel, ("sort", "cut"))
+        _check_choice("scheduler", "sampling_kernel", self.sampling_kernel, ("torch", "fused"))
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0) or math.isnan(v):

@@ -107,7 +107,7 @@ class Engine(Rows, Delivery):
         # tokens a step computes at most (prefill chunks beside the decodes)
         self.step_tokens = min(step_tokens or cfg.max_step_tokens, cfg.max_step_tokens)
         self.policy = policies.make(cfg.policy, cfg.alpha, cfg.beta)
-        self.sampler = Sampler(runner.vocab, runner.device, cfg.top_p_kernel)
+        self.sampler = Sampler(runner.vocab, runner.device, cfg.sampling_kernel)
         self.stats = EngineStats()
         self.running: list[Request] = []
         self.waiting: list[Request] = []
@@ -407,7 +407,7 @@ class Engine(Rows, Delivery):
                 logits[at[: len(pairs)], at[len(pairs) :]] = float("-inf")
             return logits.argmax(-1), None
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
-        return self.sampler(logits, samples)
+        return self.sampler(logits, samples, any(r.keep_scores for r in reqs))
 
     def _launch(self, rows: list[StepRow]) -> Inflight:
         device = self.runner.device

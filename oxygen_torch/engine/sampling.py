@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..kv.transfer import to_device
-from ..triton_kernels.sampling import sample_rows, sample_rows_ref, top_p_cut
+from ..triton_kernels.sampling import sample_rows, sample_rows_ref, sample_warped
 
 _MASK64 = (1 << 64) - 1
 
@@ -95,9 +95,9 @@ class RowSample:
 class Sampler:
     """The processors and the draw of one engine; holds the repetition-penalty mask."""
 
-    def __init__(self, vocab: int, device: torch.device, top_p_kernel: str = "sort"):
+    def __init__(self, vocab: int, device: torch.device, kernel: str = "torch"):
         self.vocab, self.device = vocab, device
-        self.top_p_kernel = top_p_kernel  # scheduler.top_p_kernel: "sort" or "cut"
+        self.kernel = kernel  # scheduler.sampling_kernel: "torch" or "fused"
         self.seen: torch.Tensor | None = None  # [slots, V] bool: tokens a penalised row holds
 
     # --- the penalty mask ---------------------------------------------------------------
@@ -127,30 +127,73 @@ class Sampler:
 
     # --- one step -------------------------------------------------------------------------
 
-    def __call__(self, logits: torch.Tensor, rows: list[RowSample]) -> tuple:
+    def __call__(self, logits: torch.Tensor, rows: list[RowSample], scores_wanted=True) -> tuple:
         """logits: [K, V] (any float dtype) for the step's kept rows, in `rows` order.
-        Returns (tokens [K] int64 on the device, the processed scores [K, V] float32)."""
-        scores = logits.float()  # (transformers processes float32 copies too)
+        Returns (tokens [K] int64 on the device, the processed scores [K, V] float32, or None
+        when not `scores_wanted` and the fused kernel drew the tokens)."""
+        if self.kernel == "fused" and _kernel_ok(logits):
+            return self._fused(logits, rows, scores_wanted)
+        return self._processed(logits, rows)
+
+    def _processed(self, logits: torch.Tensor, rows: list[RowSample], draw=True) -> tuple:
+        """The processors in PyTorch on a float32 copy, then (`draw`) the draw over what they
+        kept: (tokens or None, the processed scores)."""
+        params = [r.params for r in rows]
+        scores = self._adjusted(logits, rows)
+        sampling = [i for i, p in enumerate(params) if p.do_sample]
+        if sampling:
+            self._warp(scores, params, sampling)
+        if not draw:
+            return None, scores
+        if not sampling:
+            return scores.argmax(-1), scores
+        seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
+        greedy = np.array([not p.do_sample for p in params], dtype=np.int64)
+        both = to_device(torch.from_numpy(np.concatenate([seeds, greedy])), self.device)
+        fn = sample_rows if _kernel_ok(scores) else sample_rows_ref
+        k = len(rows)
+        return fn(scores, both[:k], both[k:].bool()), scores
+
+    def _adjusted(self, logits: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
+        """A float32 copy of the logits with the repetition penalty and the suppressed ids
+        applied (transformers processes float32 copies too)."""
+        scores = logits.float()
         if scores.data_ptr() == logits.data_ptr():
             scores = scores.clone()
-        params = [r.params for r in rows]
-        pen = [i for i, p in enumerate(params) if p.penalised]
+        pen = [i for i, r in enumerate(rows) if r.params.penalised]
         if pen:
             self._penalise(scores, rows, pen)
         pairs = [(i, t) for i, r in enumerate(rows) for t in r.suppress]
         if pairs:
             at = self._ints([i for i, _ in pairs] + [t for _, t in pairs])
             scores[at[: len(pairs)], at[len(pairs) :]] = float("-inf")
-        sampling = [i for i, p in enumerate(params) if p.do_sample]
-        if not sampling:
-            return scores.argmax(-1), scores
-        self._warp(scores, params, sampling)
-        seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
-        greedy = np.array([not p.do_sample for p in params], dtype=np.int64)
-        both = to_device(torch.from_numpy(np.concatenate([seeds, greedy])), self.device)
-        draw = sample_rows if _kernel_ok(scores) else sample_rows_ref
+        return scores
+
+    def _fused(self, logits: torch.Tensor, rows: list[RowSample], scores_wanted: bool) -> tuple:
+        """scheduler.sampling_kernel "fused": the warpers and the draw in one kernel over the
+        raw logits (triton_kernels/sampling.py sample_warped: top-p without a sort, no float32
+        copy of [K, V] and no pass a processor), after the repetition penalty and the
+        suppressed ids on a float32 copy of the logits when a row has them. Processed scores
+        (output_scores) come from the PyTorch processors on their own, so a row's token never
+        depends on whether another row of the step wants its scores."""
+        params = [r.params for r in rows]
+        adjust = any(p.penalised for p in params) or any(r.suppress for r in rows)
+        base = self._adjusted(logits, rows) if adjust else logits
         k = len(rows)
-        return draw(scores, both[:k], both[k:].bool()), scores
+        seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
+        ints = np.concatenate([
+            seeds, np.array([not p.do_sample for p in params], dtype=np.int64),
+            np.array([p.top_k if p.do_sample else 0 for p in params], dtype=np.int64),
+        ])  # fmt: skip
+        floats = np.array([
+            [p.temperature if p.do_sample else 1.0 for p in params],
+            [p.top_p if p.do_sample else 1.0 for p in params],
+            [(p.min_p or 0.0) if p.do_sample else 0.0 for p in params],
+        ], dtype=np.float32)  # fmt: skip
+        i = to_device(torch.from_numpy(ints), self.device)
+        f = to_device(torch.from_numpy(floats), self.device)
+        tokens = sample_warped(base, i[:k], i[k : 2 * k].bool(), f[0], i[2 * k :], f[1], f[2])
+        return tokens, (self._processed(logits, rows, draw=False)[1] if scores_wanted else None)
 
     # Every host value a step hands the GPU goes through pinned memory (kv/transfer.py
     # to_device): a copy from pageable memory waits for the stream, so the engine could not
@@ -213,14 +256,11 @@ class Sampler:
         if p_rows:
             sub, idx = self._take(scores, p_rows)
             ps = self._floats([[params[i].top_p] for i in p_rows])
-            if self.top_p_kernel == "cut" and _kernel_ok(scores):  # (no sort: see the kernel)
-                drop = sub < top_p_cut(sub, ps.view(-1))[:, None]
-            else:
-                srt, order = sub.sort(dim=-1, descending=False)
-                cum = srt.softmax(dim=-1).cumsum(dim=-1)
-                drop = cum <= (1 - ps)
-                drop[:, -1] = False
-                drop = drop.scatter(1, order, drop)
+            srt, order = sub.sort(dim=-1, descending=False)
+            cum = srt.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1 - ps)
+            drop[:, -1] = False
+            drop = drop.scatter(1, order, drop)
             sub.masked_fill_(drop, neg)
             self._put(scores, sub, idx)
         m_rows = [i for i in sampling if params[i].min_p is not None]
