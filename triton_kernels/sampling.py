@@ -164,21 +164,30 @@ def _warped_kernel(
         cut_x = tl.full((), float("-inf"), tl.float32)
         if top_k > 0 and top_k < V:
             # the k-th largest: the largest key with at least k logits at or above it
-            # (invariant: count(>= lo) >= k > count(>= hi)), NP pivots a pass
+            # (invariant: count(>= lo) >= k > count(>= hi) = n_hi), NP pivots a pass. Only keys
+            # in [lo, hi) are compared with the pivots, and a block with none skips it.
             lo = _key(cut_x).to(tl.int64)
             hi = _key(m).to(tl.int64) + 1
+            n_hi = tl.full((), 0, tl.int32)
             while hi - lo > 1:
                 piv = lo + ((kk + 1) * (hi - lo)) // (NP + 1)
-                cnt = tl.zeros((NP,), tl.int32)
+                piv32, lo32, hi32 = piv.to(tl.int32), lo.to(tl.int32), hi.to(tl.int32)
+                acc = tl.zeros((BLOCK, NP), tl.int32)  # summed once a pass, not a block
                 for start in range(0, V, BLOCK):
-                    x = _row(base, start + tl.arange(0, BLOCK), V)
-                    cnt += tl.sum((_key(x).to(tl.int64)[:, None] >= piv[None, :]).to(tl.int32), 0)
+                    kx = _key(_row(base, start + tl.arange(0, BLOCK), V))
+                    inr = (kx >= lo32) & (kx < hi32)
+                    if tl.max(inr.to(tl.int32), 0) > 0:
+                        acc += ((kx[:, None] >= piv32[None, :]) & inr[:, None]).to(tl.int32)
+                cnt = n_hi + tl.sum(acc, 0)
                 lo = tl.maximum(lo, tl.max(tl.where(cnt >= top_k, piv, lo), 0))
+                n_hi = tl.maximum(n_hi, tl.max(tl.where(cnt < top_k, cnt, n_hi), 0))
                 hi = tl.minimum(hi, tl.min(tl.where(cnt < top_k, piv, hi), 0))
             cut_x = _value(lo)
         if top_p < 1.0:
             # transformers' top-p over the tokens top-k kept: the largest v* whose mass below
-            # (of the kept tokens, at the temperature) is <= 1 - top_p (see above)
+            # (of the kept tokens, at the temperature) is <= 1 - top_p (see above); invariant:
+            # mass below lo = m_lo <= allowed < mass below hi. As for top-k, only keys in
+            # [lo, hi) are compared and weighed.
             inv_t = 1.0 / t
             z = tl.full((), 0.0, tl.float32)
             for start in range(0, V, BLOCK):
@@ -187,15 +196,21 @@ def _warped_kernel(
             allowed = (1.0 - top_p) * z
             lo = _key(cut_x).to(tl.int64)  # mass below the top-k cut: 0
             hi = _key(m).to(tl.int64) + 1
+            m_lo = tl.full((), 0.0, tl.float32)
             while hi - lo > 1:
                 piv = lo + ((kk + 1) * (hi - lo)) // (NP + 1)
-                mass = tl.zeros((NP,), tl.float32)
+                piv32, lo32, hi32 = piv.to(tl.int32), lo.to(tl.int32), hi.to(tl.int32)
+                acc = tl.zeros((BLOCK, NP), tl.float32)
                 for start in range(0, V, BLOCK):
                     x = _row(base, start + tl.arange(0, BLOCK), V)
-                    e = tl.where(x >= cut_x, tl.exp((x - m) * inv_t), 0.0)
-                    below = _key(x).to(tl.int64)[:, None] < piv[None, :]
-                    mass += tl.sum(tl.where(below, e[:, None], 0.0), 0)
+                    kx = _key(x)
+                    inr = (kx >= lo32) & (kx < hi32)
+                    if tl.max(inr.to(tl.int32), 0) > 0:
+                        e = tl.where(inr, tl.exp((x - m) * inv_t), 0.0)
+                        acc += tl.where(kx[:, None] < piv32[None, :], e[:, None], 0.0)
+                mass = m_lo + tl.sum(acc, 0)
                 lo = tl.maximum(lo, tl.max(tl.where(mass <= allowed, piv, lo), 0))
+                m_lo = tl.maximum(m_lo, tl.max(tl.where(mass <= allowed, mass, m_lo), 0))
                 hi = tl.minimum(hi, tl.min(tl.where(mass > allowed, piv, hi), 0))
             cut_x = _value(lo)
         cut = tl.div_rn(cut_x, t)
