@@ -197,9 +197,9 @@ def test_eos_held_back_before_min_new_tokens_as_stock_with_raw_logits_untouched(
     hf.apply(model, ENGINE)
     calls, sampler = [], Sampler.__call__
 
-    def counted(self, logits, rows):
+    def counted(self, logits, rows, *args):
         calls.append(len(rows))
-        return sampler(self, logits, rows)
+        return sampler(self, logits, rows, *args)
 
     monkeypatch.setattr(Sampler, "__call__", counted)
     got = [_generate(model, kw) for kw in kws]
