@@ -96,17 +96,19 @@ def sample_rows_ref(
     return out
 
 
-# --- top-p without a sort --------------------------------------------------------------------
+# --- the warpers and the draw in one kernel (sample_warped) --------------------------------
 #
-# transformers' top-p sorts a row's probabilities ascending and drops the tokens whose
-# cumulative sum is <= 1 - top_p. The tokens kept are then those with a score >= v*, where v* is
-# the largest score v of the row whose mass below it (the probabilities of the scores < v) is
-# <= 1 - top_p. The kernel finds v* without sorting: one pass for the row's maximum and
-# normaliser, then passes that each count the mass below NP pivots at once and keep the two
-# that bracket v*, bisecting the 32-bit space of float keys (8 passes at NP 16, exact: v*
-# itself at the end). It differs from the sort only where scores tie at v* (every tied token is
-# kept; the sort keeps some, in its order) and where the mass below v* is within float32
-# rounding of 1 - top_p (the sums' order differs).
+# transformers' top-k keeps the scores >= the k-th largest; its top-p sorts a row's
+# probabilities ascending and drops the tokens whose cumulative sum is <= 1 - top_p, so the
+# tokens kept are those with a score >= v*, the largest score v of the row whose mass below it
+# (the probabilities of the kept scores < v) is <= 1 - top_p. The kernel finds both cuts
+# without sorting: one pass for the row's maximum, then passes that each count (top-k) or weigh
+# (top-p) the scores below NP pivots at once and keep the two pivots that bracket the cut,
+# bisecting the 32-bit space of float keys (8 passes at NP 16, exact: the cut itself at the
+# end); after the first passes only the scores inside the bracket are compared, and a block
+# with none skips that work. Top-p differs from the sort only where scores tie at v* (every
+# tied token is kept; the sort keeps some, in its order) and where the mass below v* is within
+# float32 rounding of 1 - top_p (the sums' order differs).
 
 
 @triton.jit
