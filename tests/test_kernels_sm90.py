@@ -43,11 +43,12 @@ def kernel(module: str, name: str):
 
 def compile_sm90(fn, pointers, constexprs, **kw):
     from oxygen_torch.triton_kernels.aot import compile_sm90 as compile_for_h200
-    from oxygen_torch.triton_kernels.aot import ptx_counts
+    from oxygen_torch.triton_kernels.aot import longest_loop, ptx_counts
 
     out = compile_for_h200(fn, pointers, constexprs, **kw)
     assert len(out.asm["cubin"]) > 0
-    return ptx_counts(out)
+    loop = longest_loop(out)  # (the SASS of its main loop, as the report reads it)
+    return dict(ptx_counts(out), loop=len(loop), loop_mma=sum("MMA" in i for i in loop))
 
 
 def kv_types(fp8) -> str:
@@ -171,6 +172,7 @@ def test_decode_streams_tiles_in_16_byte_copies(compiled, split, fp8):
     words and decoded in registers they are not, and the dots need no conversion of a tile."""
     ptx = compiled[f"decode fp8={fp8} split={split} precision=1"]["ptx"]
     assert ptx["cp.async.cg (16 B)"] > 0 and ptx["ldmatrix"] > 0, ptx
+    assert ptx["loop"] > 0 and ptx["loop_mma"] > 0, ptx  # the SASS main loop holds the dots
     assert ptx["ld.shared.b8"] == 0, ptx
     if fp8:
         bytes_ = compiled[f"decode fp8=bytes split={split} precision=1"]["ptx"]

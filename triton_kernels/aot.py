@@ -12,7 +12,10 @@ builds interpreted functions, which cannot be compiled.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -71,3 +74,64 @@ def ptx_counts(compiled) -> dict[str, int]:
     """How often each PTX_PATTERNS instruction appears in a compiled kernel's PTX."""
     ptx = compiled.asm["ptx"]
     return {name: len(re.findall(rx, ptx)) for name, rx in PTX_PATTERNS.items()}
+
+
+def sass(compiled) -> str:
+    """The kernel's SASS (nvdisasm, bundled with Triton, on the cubin)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def longest_loop(compiled) -> list[str]:
+    """The SASS instructions of the kernel's longest loop body (the span of its longest
+    backward branch): where a kernel spends its issue slots per tile."""
+    labels: dict[str, int] = {}
+    ins: list[str] = []
+    for line in sass(compiled).splitlines():
+        m = re.match(r"^(\.L\w+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if m:
+            ins.append(m.group(1))
+    best: list[str] = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+(?:`\()?(\.L\w+)", text)
+        if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(best):
+            best = ins[labels[m.group(1)] : i + 1]
+    return best
+
+
+def decode_report() -> list[str]:
+    """The paged decode kernel's main loop at D=128 (GQA 4, block_tokens 16), bf16 at its
+    tiles against fp8 at the rule's (128 keys, 8 warps), codes as int32 words and as bytes:
+    instructions a warp a loop, per element a lane, the PTX's byte loads."""
+    import importlib
+
+    kernel = importlib.import_module(__package__ + ".paged_decode")._decode_kernel
+    lines = []
+    for name, fp8, bn, warps in (("bf16", 0, 64, 4), ("fp8 words", 1, 128, 8),
+                                 ("fp8 bytes", 2, 128, 8)):  # fmt: skip
+        kv = "*u8" if fp8 else "*bf16"
+        ptrs = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32",
+                    bt_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32",
+                    pml_ptr="*fp32")  # fmt: skip
+        consts = dict(HEAD_DIM=128, D_PAD=128, BLOCK_G=16, BLOCK_N=bn, BLOCK_TOKENS=16, FP8=fp8,
+                      PRECISION=1, HALF_ACC=False, SPLIT=True)  # fmt: skip
+        c = compile_sm90(kernel, ptrs, consts, num_warps=warps)
+        loop = longest_loop(c)
+        per_elem = len(loop) * warps * 32 / (bn * 128 * 2)  # K and V elements of a tile
+        lines.append(f"{name}: block_n {bn}, {warps} warps: loop {len(loop)} instructions a "
+                     f"warp, {per_elem:.2f} a K/V element a lane, ld.shared.b8 "
+                     f"{ptx_counts(c)['ld.shared.b8']}")  # fmt: skip
+    return lines
+
+
+if __name__ == "__main__":  # python -m oxygen_torch.triton_kernels.aot (no TRITON_INTERPRET)
+    print("\n".join(decode_report()))
