@@ -67,11 +67,9 @@ def test_processed_scores_equal_transformers(name):
     torch.testing.assert_close(scores, want, rtol=1e-6, atol=1e-6)
 
 
-def test_rows_with_different_settings_in_one_batch_each_get_their_own():
-    gen = torch.Generator().manual_seed(3)
-    names = list(SETTINGS) + ["greedy"]
-    params = [SETTINGS.get(n, SamplingParams()) for n in names]
-    logits = torch.randn(len(params), V, generator=gen) * 2
+def assert_each_row_as_stock(params, logits, gen) -> torch.Tensor:
+    """One Sampler step of rows with these settings (held tokens drawn from gen): each row's
+    processed scores equal transformers' processors on its own. Returns the tokens."""
     held = held_tokens(len(params), gen)
     sampler = Sampler(V, torch.device("cpu"))
     for r in range(len(params)):
@@ -80,6 +78,15 @@ def test_rows_with_different_settings_in_one_batch_each_get_their_own():
     for r, p in enumerate(params):
         want = stock_processors(p)(held[r : r + 1], logits[r : r + 1].clone())
         torch.testing.assert_close(scores[r : r + 1], want, rtol=1e-6, atol=1e-6)
+    return tokens
+
+
+def test_rows_with_different_settings_in_one_batch_each_get_their_own():
+    gen = torch.Generator().manual_seed(3)
+    names = list(SETTINGS) + ["greedy"]
+    params = [SETTINGS.get(n, SamplingParams()) for n in names]
+    logits = torch.randn(len(params), V, generator=gen) * 2
+    tokens = assert_each_row_as_stock(params, logits, gen)
     assert int(tokens[-1]) == int(logits[-1].argmax())  # the greedy row: the argmax
     suppressed = Sampler(V, torch.device("cpu"))
     toks, sc = suppressed(logits[-1:], [RowSample(SamplingParams(), 0, 0, (int(tokens[-1]),))])
@@ -104,15 +111,7 @@ def test_every_row_sampling_with_its_own_values_each_gets_its_own():
                        min_p=0.02 * r, repetition_penalty=1.0 + 0.2 * r)
         for r in range(5)
     ]  # fmt: skip
-    logits = torch.randn(len(params), V, generator=gen) * 3
-    held = held_tokens(len(params), gen)
-    sampler = Sampler(V, torch.device("cpu"))
-    for r in range(len(params)):
-        sampler.start_row(r, held[r])
-    _, scores = sampler(logits, [RowSample(p, 0, r) for r, p in enumerate(params)])
-    for r, p in enumerate(params):
-        want = stock_processors(p)(held[r : r + 1], logits[r : r + 1].clone())
-        torch.testing.assert_close(scores[r : r + 1], want, rtol=1e-6, atol=1e-6)
+    assert_each_row_as_stock(params, torch.randn(len(params), V, generator=gen) * 3, gen)
 
 
 def warped(scores, seeds=None, greedy=None, temperature=None, top_k=None, top_p=None,
