@@ -26,6 +26,13 @@ FP32_SAFE = tl.constexpr(2)
 NO_FP8 = tl.constexpr(0)
 FP8_WORDS = tl.constexpr(1)  # fp8 codes loaded as int32 words, decoded with integer operations
 FP8_BYTES = tl.constexpr(2)  # fp8 codes loaded as bytes, converted by Triton (the earlier path)
+
+
+def fp8_kind(fp8: bool, words: bool) -> int:
+    """The kernels' FP8 constexpr for a cache (fp8 or not) and a launch's fp8_words."""
+    return (FP8_WORDS.value if words else FP8_BYTES.value) if fp8 else NO_FP8.value
+
+
 _SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32: the sign bits of two halves
 # compiled to PTX (not Triton's interpreter, which reads the same variable when kernels are made)
 _PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))

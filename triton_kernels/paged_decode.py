@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import dot_query, kv_rows, load_kv, scores, softmax_step, tile_dims
+from ._flash import dot_query, fp8_kind, kv_rows, load_kv, scores, softmax_step, tile_dims
 from .precision import PrecisionMode
 from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select_num_splits
 
@@ -290,7 +290,7 @@ def paged_decode(
         BLOCK_G=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_TOKENS=bt,
-        FP8=(1 if cfg.fp8_words else 2) if fp8 else 0,  # _flash: FP8_WORDS, FP8_BYTES
+        FP8=fp8_kind(fp8, cfg.fp8_words),
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         SPLIT=splits > 1,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import dot_query, kv_rows, load_kv, scores, softmax_step, tile_dims
+from ._flash import dot_query, fp8_kind, kv_rows, load_kv, scores, softmax_step, tile_dims
 from .paged_decode import LOG2E, NO_WINDOW, _half_acc
 from .precision import PrecisionMode
 from .tiling import LaunchConfig, TileQuery, check_overrides, launch_config, next_pow2
@@ -380,7 +380,7 @@ def paged_prefill(
         CHUNK=64,
         CAUSAL=causal,
         HAS_WINDOW=window > 0,
-        FP8=(1 if cfg.fp8_words else 2) if fp8 else 0,  # _flash: FP8_WORDS, FP8_BYTES
+        FP8=fp8_kind(fp8, cfg.fp8_words),
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         num_warps=cfg.num_warps,

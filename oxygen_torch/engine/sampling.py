@@ -135,11 +135,12 @@ class Sampler:
             return self._fused(logits, rows, scores_wanted)
         return self._processed(logits, rows)
 
-    def _processed(self, logits: torch.Tensor, rows: list[RowSample], draw=True) -> tuple:
-        """The processors in PyTorch on a float32 copy, then (`draw`) the draw over what they
-        kept: (tokens or None, the processed scores)."""
+    def _processed(self, logits, rows: list[RowSample], draw=True, adjusted=None) -> tuple:
+        """The processors in PyTorch on a float32 copy (`adjusted`: one _adjusted made, taken
+        over), then (`draw`) the draw over what they kept: (tokens or None, the processed
+        scores)."""
         params = [r.params for r in rows]
-        scores = self._adjusted(logits, rows)
+        scores = adjusted if adjusted is not None else self._adjusted(logits, rows)
         sampling = [i for i, p in enumerate(params) if p.do_sample]
         if sampling:
             self._warp(scores, params, sampling)
@@ -193,7 +194,10 @@ class Sampler:
         i = to_device(torch.from_numpy(ints), self.device)
         f = to_device(torch.from_numpy(floats), self.device)
         tokens = sample_warped(base, i[:k], i[k : 2 * k].bool(), f[0], i[2 * k :], f[1], f[2])
-        return tokens, (self._processed(logits, rows, draw=False)[1] if scores_wanted else None)
+        if not scores_wanted:
+            return tokens, None
+        # the kernel has read base: the processors may take it over (no second penalty)
+        return tokens, self._processed(logits, rows, False, base if adjust else None)[1]
 
     # Every host value a step hands the GPU goes through pinned memory (kv/transfer.py
     # to_device): a copy from pageable memory waits for the stream, so the engine could not
