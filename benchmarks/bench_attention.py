@@ -6,8 +6,10 @@ FlexAttention, and a plain copy moving the same bytes (the ceiling). Decode is r
 of K+V read, prefill in causal TFLOP/s. Beside them: fp8 KV decode and prefill, a skewed decode
 batch (one 32k sequence with 31 of 512), and last generate()'s time to first token after
 enable() against stock (bench_ttft.py; --no-ttft skips it). Every time is do_bench's median
-(L2 flushed before each call). Then: the error of every precision mode against float64, and a
-small sweep of decode launch choices (bounded by the time left) to feed the tiling rule.
+over replays of a CUDA graph of the call (L2 flushed before each), so it is the GPU's time; our
+decode rows also print the host's launch time a call (outside a graph, a step pays it a layer).
+Then: the error of every precision mode against float64, and a small sweep of decode launch
+choices (bounded by the time left) to feed the tiling rule.
 
     python benchmarks/bench_attention.py [--no-flex] [--no-sweep]     # OUT=dir: json + md there
     python benchmarks/bench_attention.py --cpu-errors   # only the error table, CPU interpreter
@@ -63,7 +65,38 @@ def elapsed() -> float:
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """GPU ms of one call: do_bench's median over replays of a CUDA graph of the call (L2
+    flushed before each), so the time is the kernels' and not the host's launch (H200,
+    2026-12-05: timed eagerly, a decode call of ~0.06 ms of kernels read 0.23 ms, the host's
+    Python and launches outrunning the flush). A call that cannot be captured is timed eagerly."""
+    if DEV != "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # say so: an eager time may hold the host's launch
+        print(f"  (not captured, timed eagerly: {type(e).__name__}: {e})"[:160], flush=True)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def host_us(fn, calls=50) -> float:
+    """The host's time to launch one call (µs), the GPU's queue not waited for: what a
+    decode step outside a CUDA graph pays per layer."""
+    torch.cuda.synchronize() if DEV == "cuda" else None
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize() if DEV == "cuda" else None
+    return dt
 
 
 def rel_err(out, ref) -> float:
@@ -155,7 +188,8 @@ def decode_case(b, n, gen):
         fn()
         _, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
         err = rel_err(out, ref[:, :, 0]) if ref is not None else None
-        row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err, f"splits={splits}")
+        row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err,
+            f"splits={splits}, host {host_us(fn):.0f} us a call")  # fmt: skip
         if (b, n) in FP8_CASES:
             fp8_case(q3, k, v, table, perm, lens, bt, ref, ROWS[-1]["ms"])
 
@@ -186,13 +220,12 @@ def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
     nbytes = kc.nbytes + vc.nbytes + ks.nbytes + vs.nbytes
     cfg, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
     # the codes loaded as int32 words (the default) and as bytes (the earlier path) on the
-    # rule's tiles, and words on 64-key tiles of 4 warps (in the sm_90 SASS the words path
-    # needs ~158 registers a thread: 3 such programs an SM, 12 warps, against 1 of 8 warps on
-    # the rule's 128-key tiles)
+    # rule's tiles (64 keys, 4 warps since 2026-12-05), and words on 128-key tiles of 8 warps
+    # (the rule's before: 0.54 ms against 0.38 on the H200 at B=8 L=32768)
     variants = (
         ("words", dataclasses.replace(cfg, num_splits=splits)),
         ("bytes", dataclasses.replace(cfg, num_splits=splits, fp8_words=False)),
-        ("words 64/4/3", LaunchConfig(cfg.block_m, 64, 4, 3, num_splits=splits)),
+        ("words 128/8/3", LaunchConfig(cfg.block_m, 128, 8, 3, num_splits=splits)),
     )
     for name, launch in variants:
         out = torch.empty_like(q3)

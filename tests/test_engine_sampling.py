@@ -18,6 +18,7 @@ from oxygen_torch.triton_kernels.sampling import (
 )
 
 from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed, step_seeds
+from oxygen_torch.kv.transfer import put_value
 
 V = 12
 SETTINGS = {
@@ -332,6 +333,75 @@ def test_a_step_of_every_processor_on_the_gpu_does_not_wait_for_the_stream():
     assert none is None and host_s < 0.1, f"the fused sampler waited {host_s:.3f} s"
     assert ftokens[greedy].tolist() == tokens[greedy].tolist()
     assert scores.gather(1, ftokens[:, None]).isfinite().all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+def test_no_step_of_the_sampler_synchronises_the_stream(kernel):
+    """A penalised row's start, a step of every setting (suppressed ids included) and the new
+    tokens noted, under torch.cuda.set_sync_debug_mode("error"): none of it may wait for the
+    stream (`t[rows, cols] = value` did: its Python value is copied from pageable memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))
+    names = list(SETTINGS) + ["greedy"]
+    params = [SETTINGS.get(n, SamplingParams()) for n in names] * 4
+    rows = [RowSample(p, 2, r, (1, 5) if r % 2 == 0 else ()) for r, p in enumerate(params)]
+    logits = (torch.randn(len(params), V, generator=gen) * 2).cuda()
+    held = [h.cuda() for h in held_tokens(len(params), gen)]
+    sampler = Sampler(V, torch.device("cuda"), kernel)
+    sampler.start_row(0, held[0])
+    sampler(logits, rows)  # (warm: compiles and the first pinned blocks outside the check)
+    torch.cuda.synchronize()
+    slots = torch.arange(len(params), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for r in range(len(params)):
+            sampler.start_row(r, held[r])
+        tokens, scores = sampler(logits, rows)
+        sampler.note(slots, tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert scores[torch.arange(0, len(params), 2), 5].eq(float("-inf")).all()
+    assert sampler.seen[slots, tokens].all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_put_value_equals_the_indexed_assignment(dtype):
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))
+    t = (
+        (torch.randn(9, 40, generator=gen) > 0)
+        if dtype == torch.bool
+        else torch.randn(9, 40, generator=gen).to(dtype)
+    )
+    ref = t.clone()
+    n = int(torch.randint(1, 30, (), generator=gen))
+    rows, cols = torch.randint(9, (n,), generator=gen), torch.randint(40, (n,), generator=gen)
+    value = True if dtype == torch.bool else float("-inf")
+    put_value(t, (rows, cols), value)
+    ref[rows, cols] = value
+    assert torch.equal(t, ref)
+    put_value(t[3], (cols,), False if dtype == torch.bool else 2.5)  # a row's view, one index
+    ref[3, cols] = False if dtype == torch.bool else 2.5
+    assert torch.equal(t, ref)
+
+
+@pytest.mark.cuda
+def test_put_value_is_an_indexed_assignment_without_a_wait():
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
+    t = torch.randn(8, 33, device="cuda")
+    ref = t.clone()
+    rows = torch.tensor([0, 3, 3, 7], device="cuda")
+    cols = torch.tensor([1, 0, 32, 5], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        put_value(t, (rows, cols), float("-inf"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ref[rows, cols] = float("-inf")
+    assert torch.equal(t, ref)
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:

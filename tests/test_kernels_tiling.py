@@ -60,7 +60,8 @@ def test_seed_rule(hidden, kind, expected):
         (dict(seq_len=5), (128, 64)),
         # decode: block_m = GQA group padded to a power of two >= 16, block_n in [64, 128]
         (dict(phase="decode"), (16, 64)),
-        (dict(phase="decode", dtype=torch.uint8), (16, 128)),
+        (dict(phase="decode", dtype=torch.uint8), (16, 64)),  # fp8: 64-key tiles (H200)
+        (dict(phase="decode", dtype=torch.uint8, hidden_size=1024), (16, 64)),
         (dict(phase="decode", num_q_heads=28, num_kv_heads=4), (16, 64)),
         (dict(phase="decode", num_q_heads=32, num_kv_heads=1), (32, 64)),
         (dict(phase="decode", num_q_heads=128, num_kv_heads=1), (64, 64)),
@@ -100,6 +101,8 @@ def test_warps_stages_and_splits():
     assert select_num_warps(q, 128, 64) == 8 and select_num_warps(q, 64, 64) == 4
     assert select_num_warps(tq(phase="decode"), 16, 64) == 4
     assert select_num_warps(tq(phase="decode", dtype=torch.uint8), 16, 128) == 8
+    fp8 = launch_config(tq(phase="decode", dtype=torch.uint8, seq_len=32768))
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (64, 4, 3)  # the H200's fastest
     assert select_num_warps(tq(precision="fp32_safe"), 64, 32) == 8
     assert select_num_stages(q) == 3 and select_num_stages(tq(head_dim=256)) == 2
     # batch x kv_heads programs vs 2 x 132 SMs on the H200 anchor cases

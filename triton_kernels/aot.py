@@ -110,7 +110,8 @@ def longest_loop(compiled) -> list[str]:
 
 def decode_report() -> list[str]:
     """The paged decode kernel's main loop at D=128 (GQA 4, block_tokens 16), bf16 at its
-    tiles against fp8 at the rule's (128 keys, 8 warps), codes as int32 words and as bytes:
+    tiles against fp8 at 128 keys and 8 warps (the rule's until 2026-12-05; it takes 64 keys
+    and 4 warps now), codes as int32 words and as bytes:
     instructions a warp a loop, per element a lane, the PTX's byte loads."""
     import importlib
 

@@ -5,14 +5,15 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
 
 - phase "decode": block_m becomes the GQA group padded to a power of two >= 16 (tl.dot's minimum
   M; capped at 64, larger groups are split over programs) and block_n, the key tile, is clamped to
-  [64, 128] for 1-2 byte storage: a decode step is a stream over K/V, and Hopper needs 8-16 KiB
-  of K+V in flight per stage to approach HBM bandwidth.
+  [64, 128] for 2-byte storage: a decode step is a stream over K/V, and Hopper needs 8-16 KiB
+  of K+V in flight per stage to approach HBM bandwidth. fp8 storage takes 64-key tiles in both
+  phases (its codes are decoded in registers: see select_block_size).
 - registers: the fp32 output accumulator block_m x head_dim stays <= 128 x 128 (head_dim 256
   halves block_m).
 - shared memory: the pipelined K and V tiles (num_stages copies each), the Q tile and, for fp8,
   the K/V tiles converted to half must fit SMEM_BUDGET (180 KiB of 227); block_n is halved first
   (down to 32), then block_m. This shrinks tiles for head_dim 256 and for fp32 storage (or
-  FP32_SAFE compute), and lets fp8 decode stream 128-token tiles.
+  FP32_SAFE compute).
 - FP32_SAFE: block_n <= 32 (and block_m <= 64 in prefill) with 8 warps: its ieee dots run on
   FMA units out of registers.
 - seq_len: no decode tile is larger than the next power of two of the sequence (>= 16). Prefill
@@ -222,8 +223,11 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
         block_n //= 2
     while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_m > 16:
         block_m //= 2
-    if q.phase == "prefill" and q.elem_bytes == 1:
-        block_n = min(block_n, 64)  # fp8 K/V converted in registers: 128-key tiles spill (sm_90)
+    if q.elem_bytes == 1:
+        # fp8 K/V decoded in registers. Prefill: 128-key tiles spill (sm_90). Decode: 64-key
+        # tiles of 4 warps took 0.38 ms against 0.54 for 128 keys of 8 warps (H200, B=8
+        # L=32768, 2026-12-05): the decode is latency-bound, and smaller programs fit 3 an SM
+        block_n = min(block_n, 64)
     if q.precision == PrecisionMode.FP32_SAFE:
         # ieee fp32 dots run on FMA units from registers: sm_90 builds of larger tiles spill
         # kilobytes per thread (ptxas), so the safe mode takes small tiles

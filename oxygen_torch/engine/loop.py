@@ -29,6 +29,7 @@ import torch
 
 from ..config import SchedulerConfig
 from ..kv import engine_streams as streams
+from ..kv.transfer import put_value
 from . import door, gc_watch
 from . import policy as policies
 from .deliver import Delivery, Inflight
@@ -404,7 +405,7 @@ class Engine(Rows, Delivery):
                      for t in self._suppressed(r)]  # fmt: skip
             if pairs:
                 at = upload([i for i, _ in pairs] + [t for _, t in pairs], logits.device)
-                logits[at[: len(pairs)], at[len(pairs) :]] = float("-inf")
+                put_value(logits, (at[: len(pairs)], at[len(pairs) :]), float("-inf"))
             return logits.argmax(-1), None
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
         return self.sampler(logits, samples, any(r.keep_scores for r in reqs))

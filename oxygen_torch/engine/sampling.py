@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kv.transfer import to_device
+from ..kv.transfer import put_value, to_device
 from ..triton_kernels.sampling import sample_rows, sample_rows_ref, sample_warped
 
 _MASK64 = (1 << 64) - 1
@@ -116,14 +116,13 @@ class Sampler:
         seen = self._mask(slot + 1)
         seen[slot] = False
         ids = tokens.to(torch.int64)
-        seen[
-            slot, to_device(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
-        ] = True
+        ids = to_device(ids, self.device) if ids.device.type == "cpu" else ids.to(self.device)
+        put_value(seen[slot], (ids,), True)
 
     def note(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Penalised rows' new tokens join their masks (device ops only)."""
         if slots.numel():
-            self.seen[slots, tokens] = True
+            put_value(self.seen, (slots, tokens), True)
 
     # --- one step -------------------------------------------------------------------------
 
@@ -167,7 +166,7 @@ class Sampler:
         pairs = [(i, t) for i, r in enumerate(rows) for t in r.suppress]
         if pairs:
             at = self._ints([i for i, _ in pairs] + [t for _, t in pairs])
-            scores[at[: len(pairs)], at[len(pairs) :]] = float("-inf")
+            put_value(scores, (at[: len(pairs)], at[len(pairs) :]), float("-inf"))
         return scores
 
     def _fused(self, logits: torch.Tensor, rows: list[RowSample], scores_wanted: bool) -> tuple:

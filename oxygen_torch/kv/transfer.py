@@ -122,6 +122,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def put_value(t: torch.Tensor, index: tuple, value) -> None:
+    """t[index] = value for an advanced index (device tensors), without waiting for the stream:
+    `t[a, b] = 0.0` on a CUDA tensor makes the Python value a CPU tensor and copies it from
+    pageable memory (a stream synchronisation: torch.cuda.set_sync_debug_mode flags it); a
+    device scalar made by a fill kernel is queued like any other operation."""
+    t.index_put_(index, torch.full((), value, dtype=t.dtype, device=t.device))
+
+
 def aligned(n: int) -> int:
     """n int32 elements rounded up to 16 bytes: where the next part of a packed int32 upload
     starts. Triton specialises a kernel on each pointer's 16-byte alignment, so a part at an
