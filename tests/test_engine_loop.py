@@ -6,6 +6,8 @@ runs beside them, streamers see the returned tokens in order on the caller's thr
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 
 import pytest
@@ -211,6 +213,39 @@ def test_eos_held_back_before_min_new_tokens_as_stock_with_raw_logits_untouched(
     assert torch.equal(out[3].sequences, ref_kept.sequences)
     for a, b in zip(out[3].logits, ref_kept.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ["greedy", "mixed"])  # the loop's own EOS mask; the sampler
+def test_the_engine_never_assigns_a_python_value_through_a_tensor_index(oxygen, monkeypatch, rows):
+    """`t[rows, cols] = value` with a Python value copies the value from pageable memory on a
+    GPU: a wait for the stream inside every step that masks EOS (min_new_tokens) or notes a
+    penalised row's tokens (the H200 suite caught it in the sampler). The engine's steps run
+    here with both, and no such assignment may come from the engine's modules (they use
+    kv.transfer.put_value)."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 6), generator=g), eos_token_id=5,
+                min_new_tokens=4, max_new_tokens=7, do_sample=rows == "mixed" and i % 3 == 0,
+                top_k=20, repetition_penalty=1.3 if rows == "mixed" and i % 2 else 1.0)
+           for i in range(6)]  # fmt: skip
+    hf.apply(model, ENGINE)
+    seen, setitem = [], torch.Tensor.__setitem__
+
+    def spy(self, index, value):
+        parts = index if isinstance(index, tuple) else (index,)
+        if isinstance(value, (bool, int, float)) and any(
+            isinstance(x, torch.Tensor) for x in parts
+        ):
+            where = sys._getframe(1).f_code.co_filename
+            if f"oxygen_torch{os.sep}engine" in where:
+                seen.append(where)
+        return setitem(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(out[i].shape[1] == kw["input_ids"].shape[1] + 7 for i, kw in enumerate(kws))
+    assert not seen, seen
 
 
 @pytest.mark.parametrize("ending", ["eos", "penalty"])
