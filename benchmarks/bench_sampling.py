@@ -1,19 +1,22 @@
 """The engine's logits processing and draw for a step's rows (engine/sampling.py), on a GPU:
-transformers' processors in PyTorch (top-p by a sort; the anchor) against the fused kernel
-(scheduler.sampling_kernel "fused", triton_kernels/sampling.py sample_warped: the warpers and
-the draw in one kernel, top-p by bisection), and greedy, at 1, 64 and 256 rows of a 128k
-vocabulary.
+transformers' processors in PyTorch (top-p by a sort; the anchor) against the top-k candidates
+path (scheduler.sampling_kernel "topk": the warpers and the draw over each row's top_k + 64
+largest scores, no sort of the vocabulary) and the fused kernel ("fused",
+triton_kernels/sampling.py sample_warped: the warpers and the draw in one kernel, top-p by
+bisection), and greedy, at 1, 64 and 256 rows of a 128k vocabulary.
 
     python benchmarks/bench_sampling.py                     # H200: rows 1 64 256, vocab 128256
     python benchmarks/bench_sampling.py --rows 256 --vocab 32000 --top-p 0.9
 
 Per row count: the median ms of a Sampler call (CUDA events around it, the GPU time; the
 host's launch is in it where it outlasts the GPU's work) for greedy rows, the PyTorch
-processors and the fused kernel (processed scores not wanted, as in a step where no call asks
-output_scores), their ratio, and the share of the fused kernel's draws that fall on tokens the
-PyTorch processors keep (1.0 but for cuts within rounding; the kernel keeps every token tied at
-a cut, and bf16 logits tie often). Issue 34's goal: logits and sampling <= 10 % of a decode
-step at 256 rows (the engine's decode step at 256 rows: RESULTS.md).
+processors, the topk path and the fused kernel (processed scores not wanted, as in a step where
+no call asks output_scores), the ratios, the share of the topk path's tokens equal to the
+processors' (the same seeds: 1.0 but for cuts within rounding and ties at a top-p cut), and
+the share of the fused kernel's draws that fall on tokens the PyTorch processors keep (1.0 but
+for cuts within rounding; the kernel keeps every token tied at a cut, and bf16 logits tie
+often). Issue 34's goal: logits and sampling <= 10 % of a decode step at 256 rows (the
+engine's decode step at 256 rows: RESULTS.md).
 """
 
 from __future__ import annotations
@@ -58,22 +61,26 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     sampled = SamplingParams(do_sample=True, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k)  # fmt: skip
-    print("| rows | greedy ms | torch processors ms | fused kernel ms | fused / torch | "
-          "fused draws kept by torch |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| rows | greedy ms | torch processors ms | topk ms | topk / torch | topk tokens = "
+          "torch's | fused kernel ms | fused / torch | fused draws kept by torch |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in args.rows:
         # logits as a model gives them: bf16, a few likely tokens over a long tail
         logits = (torch.randn(k, args.vocab, device=dev, generator=gen) * 2).bfloat16()
         greedy = [RowSample(SamplingParams(), 0, i) for i in range(k)]
         rows = [RowSample(dataclasses.replace(sampled, seed=i), 3, i) for i in range(k)]
         torch_s, fused = Sampler(args.vocab, dev), Sampler(args.vocab, dev, "fused")
+        topk = Sampler(args.vocab, dev, "topk")
         torch_ms = timed(functools.partial(torch_s, logits, rows), args.runs)
+        topk_ms = timed(functools.partial(topk, logits, rows, scores_wanted=False), args.runs)
         fused_ms = timed(functools.partial(fused, logits, rows, scores_wanted=False), args.runs)
         greedy_ms = timed(functools.partial(torch_s, logits, greedy), args.runs)
         tokens, _ = fused(logits, rows, scores_wanted=False)
-        _, scores = torch_s(logits, rows)
+        want, scores = torch_s(logits, rows)
         kept = scores.gather(1, tokens[:, None]).isfinite().float().mean().item()
-        print(f"| {k} | {greedy_ms:.3f} | {torch_ms:.3f} | {fused_ms:.3f} | "
+        same = (topk(logits, rows, scores_wanted=False)[0] == want).float().mean().item()
+        print(f"| {k} | {greedy_ms:.3f} | {torch_ms:.3f} | {topk_ms:.3f} | "
+              f"{topk_ms / torch_ms:.2f}x | {same:.3f} | {fused_ms:.3f} | "
               f"{fused_ms / torch_ms:.2f}x | {kept:.3f} |", flush=True)  # fmt: skip
 
 

@@ -411,8 +411,10 @@ def test_sampling_is_reproducible_by_seed_whatever_runs_beside(oxygen):
     assert torch.equal(_generate(model, kw), a)  # a call alone after torch.manual_seed
 
 
-def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, monkeypatch):
-    """scheduler.sampling_kernel "fused" (its kernel under the interpreter here) in the engine:
+@pytest.mark.parametrize("kernel", ["fused", "topk"])
+def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, monkeypatch, kernel):
+    """scheduler.sampling_kernel "fused" or "topk" (their kernels under the interpreter here)
+    in the engine:
     temperature, top-k and the repetition penalty (no top-p, whose cut may round to the other
     side) give the tokens the PyTorch processors give for the same seeds, beside a call that
     wants its scores (output_scores: those equal too) and one that does not."""
@@ -435,7 +437,7 @@ def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, mon
         assert not errors, errors
         return out
 
-    fused, plain = run("fused"), run("torch")
+    fused, plain = run(kernel), run("torch")
     for i in range(2):
         assert torch.equal(fused[i].sequences, plain[i].sequences), i
     assert fused[1].scores is None and len(fused[0].scores) == 8

@@ -4,6 +4,7 @@ against the processed probabilities (a chi-square test on a small vocabulary).""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import transformers as T
 from oxygen_torch.triton_kernels.sampling import (
+    sample_candidates,
     sample_rows,
     sample_rows_ref,
     sample_warped,
@@ -284,6 +286,115 @@ def test_the_fused_kernel_on_the_gpu_keeps_what_the_sort_keeps():
         tokens, got = warped(scores, top_k=k, top_p=ps)
         kth = f.topk(50, -1).values[:, -1]
         assert (got[::2] >= kth[::2]).all() and (f.gather(1, tokens[:, None])[:, 0] >= got).all()
+
+
+TOPK_SETTINGS = [
+    SamplingParams(do_sample=True, top_k=5),
+    SamplingParams(do_sample=True, temperature=0.7, top_k=40, top_p=0.8),
+    SamplingParams(do_sample=True, temperature=1.3, top_k=8, top_p=0.9, min_p=0.05,
+                   repetition_penalty=1.2),
+    SamplingParams(do_sample=True, top_k=100, min_p=0.1),
+    SamplingParams(do_sample=True, top_k=250, top_p=0.95),  # (wider than the vocabulary: all)
+    SamplingParams(),  # greedy rows beside them
+    SamplingParams(repetition_penalty=1.5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("logits_kind", ["float32", "bfloat16", "integers"])
+def test_the_topk_path_draws_the_processors_tokens(monkeypatch, logits_kind):
+    """scheduler.sampling_kernel "topk" (its draw under the interpreter here): each sampling
+    row warped over its top_k + TIE_SLACK largest scores and drawn over them gives the token
+    the PyTorch processors and sample_rows give over the whole vocabulary, for the same seeds
+    (penalties, suppressed ids, greedy rows beside), but where a top-p or min-p cut falls
+    within rounding. bf16 and integer logits tie often (at the k-th score: every tied token
+    kept; at a top-p cut: which the sort drops is its order's choice). Scores wanted, or a
+    row without top_k: the processors' path itself."""
+    from oxygen_torch.engine import sampling
+
+    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    vocab, rows = 300, 3 * len(TOPK_SETTINGS)
+    params = [p for p in TOPK_SETTINGS for _ in range(3)]
+    params = [dataclasses.replace(p, seed=int(torch.randint(1 << 40, (), generator=gen)))
+              for p in params]  # fmt: skip
+    samples = [RowSample(p, r % 5, r, (3, 9) if r % 2 else ()) for r, p in enumerate(params)]
+    ties = logits_kind != "float32"
+    if logits_kind == "integers":
+        logits = torch.randint(-3, 3, (rows, vocab), generator=gen).float()
+    else:
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).to(getattr(torch, logits_kind))
+    held = torch.randint(0, vocab, (rows, 5), generator=gen)
+    topk, plain = Sampler(vocab, torch.device("cpu"), "topk"), Sampler(vocab, torch.device("cpu"))
+    for sampler in (topk, plain):
+        for r in range(rows):
+            sampler.start_row(r, held[r])
+    tokens, none = topk(logits, samples, scores_wanted=False)
+    want, scores = plain(logits, samples)
+    assert none is None and tokens.dtype == torch.int64
+    # every draw a kept token, or one tied with a kept one (which of the tokens tied at a
+    # top-p cut the sort drops is its own order's choice)
+    base = plain._adjusted(logits, samples) / torch.tensor([[p.temperature] for p in params])
+    for r in range(rows):
+        lowest = base[r][scores[r].isfinite()].min()
+        assert base[r, tokens[r]] >= lowest, (r, params[r])
+    checked = 0
+    for r, p in enumerate(params):
+        cut = p.top_p < 1.0 and (ties or near_the_cut(scores[r][scores[r].isfinite()], p.top_p))
+        if cut or (p.min_p is not None):  # (min-p's cut: a softmax over other sums)
+            continue
+        checked += 1
+        assert int(tokens[r]) == int(want[r]), (r, p)
+    assert checked >= 9  # top_k alone and the greedy rows at least
+    # the warped candidates themselves: the tokens kept and their scores are the processors'
+    _, sampling, vals, ids, _ = topk._top_k_warped(logits, samples)
+    for j, r in enumerate(sampling):
+        p = params[r]
+        near = p.top_p < 1.0 and near_the_cut(scores[r][scores[r].isfinite()], p.top_p)
+        if near or (ties and p.top_p < 1.0):
+            continue  # (ties at a top-p cut: which the sort drops is its order's choice)
+        kept = vals[j].isfinite()
+        assert sorted(ids[j][kept].tolist()) == scores[r].isfinite().nonzero().flatten().tolist()
+        torch.testing.assert_close(vals[j][kept], scores[r][ids[j][kept]], rtol=1e-6, atol=1e-6)
+    again, wanted = topk(logits, samples)  # scores wanted: the processors' path
+    assert torch.equal(again, want) and torch.equal(wanted, scores)
+    no_k = [RowSample(SamplingParams(do_sample=True, top_p=0.9, seed=1), 0, 0)]
+    assert torch.equal(topk(logits[:1], no_k, scores_wanted=False)[0], plain(logits[:1], no_k)[0])
+
+
+def test_the_topk_path_beyond_its_tie_slack_draws_only_kept_tokens(monkeypatch):
+    """A row whose k-th largest score is tied by more tokens than TIE_SLACK: the path draws
+    among the top_k + TIE_SLACK it holds, every one a token the processors keep."""
+    from oxygen_torch.engine import sampling
+
+    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
+    vocab = 400
+    logits = torch.zeros(4, vocab)
+    logits[:, :3] = 1.0  # 3 above, 397 tied at the k-th score (top_k 10)
+    rows = [RowSample(SamplingParams(do_sample=True, top_k=10, seed=s), 0, s) for s in range(4)]
+    tokens, _ = Sampler(vocab, torch.device("cpu"), "topk")(logits, rows, scores_wanted=False)
+    _, scores = Sampler(vocab, torch.device("cpu"))(logits, rows)
+    assert scores.isfinite().all()  # the processors keep every tied token
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    assert scores.gather(1, tokens[:, None]).isfinite().all()
+
+
+def test_sample_candidates_is_sample_rows_on_the_kept_tokens():
+    """The candidate draw over any subset holding every kept token equals sample_rows over the
+    whole row (same seed: token i's noise is column i's); an all -inf row gives 0."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    rows, vocab = 6, 500
+    scores = torch.randn(rows, vocab, generator=gen) * 2
+    keep = torch.rand(rows, vocab, generator=gen) < 0.05
+    keep[:, 0] = True
+    scores = scores.masked_fill(~keep, float("-inf"))
+    scores[5] = float("-inf")
+    seeds = torch.randint(-(1 << 62), 1 << 62, (rows,), generator=gen)
+    want = sample_rows(scores, seeds, torch.zeros(rows, dtype=torch.bool))
+    width = int(keep.sum(1).max()) + 7  # the kept tokens plus some filtered ones, shuffled
+    ids = torch.stack([torch.cat([keep[r].nonzero().flatten(), (~keep[r]).nonzero().flatten()])[
+        :width][torch.randperm(width, generator=gen)] for r in range(rows)])  # fmt: skip
+    got = sample_candidates(scores.gather(1, ids), ids, seeds)
+    assert got[:5].tolist() == want[:5].tolist() and int(got[5]) == 0
 
 
 @pytest.mark.cuda

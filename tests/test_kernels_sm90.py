@@ -113,6 +113,9 @@ def sampling_case(kind, x_type):
     if kind == "draw":
         ptrs = dict(scores_ptr=x_type, seeds_ptr="*i64", greedy_ptr="*i8", out_ptr="*i64")
         return compile_sm90(kernel("sampling", "_sample_kernel"), ptrs, dict(BLOCK=4096))
+    if kind == "candidates":
+        ptrs = dict(vals_ptr="*fp32", ids_ptr="*i64", seeds_ptr="*i64", out_ptr="*i64")
+        return compile_sm90(kernel("sampling", "_candidates_kernel"), ptrs, dict(BLOCK=128))
     ptrs = dict(x_ptr=x_type, seeds_ptr="*i64", greedy_ptr="*i8", temp_ptr="*fp32",
                 top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", out_ptr="*i64",
                 cut_ptr="*fp32")  # fmt: skip
@@ -131,6 +134,7 @@ CASES = {
        for m in (0, 1, 2) for c in (False, True)},
     **{f"sampling {k} {x}": (sampling_case, (k, x))
        for k in ("draw", "warped") for x in ("*fp32", "*bf16")},
+    "sampling candidates": (sampling_case, ("candidates", "*fp32")),
 }  # fmt: skip
 
 

@@ -81,6 +81,59 @@ def sample_rows(scores: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor)
     return out
 
 
+@triton.jit
+def _candidates_kernel(
+    vals_ptr,  # [R, C] float32 processed scores of each row's candidates (-inf = filtered)
+    ids_ptr,  # [R, C] int64 their token ids
+    seeds_ptr,  # [R] int64
+    out_ptr,  # [R] int64
+    C,
+    stride_v,
+    stride_i,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    seed = tl.load(seeds_ptr + r)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 1 << 62, tl.int64)
+    for start in range(0, C, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < C
+        s = tl.load(vals_ptr + r * stride_v + cols, mask=inside, other=float("-inf"))
+        ids = tl.load(ids_ptr + r * stride_i + cols, mask=inside, other=1 << 62)
+        # the noise of token id i is _sample_kernel's at column i: the same Philox counter
+        u = tl.maximum(tl.rand(seed, ids.to(tl.int32)), 1e-12)
+        s = tl.where(inside, s - tl.log(-tl.log(u)), float("-inf"))
+        m = tl.max(s, 0)
+        i = tl.min(tl.where(s == m, ids, 1 << 62), 0)  # ties: the smallest id, as argmax
+        take = (m > best) | ((m == best) & (i < best_id) & (m > float("-inf")))
+        best_id = tl.where(take, i, best_id)
+        best = tl.where(take, m, best)
+    tl.store(out_ptr + r, tl.where(best_id == 1 << 62, 0, best_id))
+
+
+def sample_candidates(vals: torch.Tensor, ids: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """`sample_rows`' draw over a subset of each row's tokens: vals [R, C] float32 (processed
+    scores; -inf = filtered), ids [R, C] int64 (their token ids, distinct within a row), seeds
+    [R] int64 -> [R] int64. Token i gets the noise `sample_rows` gives column i, so when the
+    subset holds every token the processors keep, the draw is sample_rows' over the whole row."""
+    vals = _rows("sample_candidates", vals, seeds=seeds)
+    if ids.shape != vals.shape:
+        raise ValueError(
+            f"sample_candidates: ids {list(ids.shape)} against vals {list(vals.shape)}"
+        )
+    ids = ids if ids.stride(1) == 1 else ids.contiguous()
+    rows, c = vals.shape
+    out = torch.empty(rows, dtype=torch.int64, device=vals.device)
+    if rows == 0:
+        return out
+    _candidates_kernel[(rows,)](
+        vals, ids.to(torch.int64), seeds.to(torch.int64), out, c, vals.stride(0), ids.stride(0),
+        BLOCK=min(1024, triton.next_power_of_2(max(c, 16))),
+    )  # fmt: skip
+    return out
+
+
 def sample_rows_ref(
     scores: torch.Tensor, seeds: torch.Tensor, greedy: torch.Tensor
 ) -> torch.Tensor:

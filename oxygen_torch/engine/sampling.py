@@ -17,9 +17,13 @@ import numpy as np
 import torch
 
 from ..kv.transfer import put_value, to_device
-from ..triton_kernels.sampling import sample_rows, sample_rows_ref, sample_warped
+from ..triton_kernels.sampling import sample_candidates, sample_rows, sample_rows_ref, sample_warped
 
 _MASK64 = (1 << 64) - 1
+# scheduler.sampling_kernel "topk": rows whose top_k is at most TOPK_MAX are warped and drawn
+# over their TIE_SLACK + top_k largest scores (a token tied with the k-th largest past that
+# many is the only one the processors keep and this path cannot draw)
+TOPK_MAX, TIE_SLACK = 1024, 64
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class Sampler:
 
     def __init__(self, vocab: int, device: torch.device, kernel: str = "torch"):
         self.vocab, self.device = vocab, device
-        self.kernel = kernel  # scheduler.sampling_kernel: "torch" or "fused"
+        self.kernel = kernel  # scheduler.sampling_kernel: "torch", "topk" or "fused"
         self.seen: torch.Tensor | None = None  # [slots, V] bool: tokens a penalised row holds
 
     # --- the penalty mask ---------------------------------------------------------------
@@ -132,6 +136,8 @@ class Sampler:
         when not `scores_wanted` and the fused kernel drew the tokens)."""
         if self.kernel == "fused" and _kernel_ok(logits):
             return self._fused(logits, rows, scores_wanted)
+        if self.kernel == "topk" and not scores_wanted and _kernel_ok(logits) and _topk_rows(rows):
+            return self._from_top_k(logits, rows), None
         return self._processed(logits, rows)
 
     def _processed(self, logits, rows: list[RowSample], draw=True, adjusted=None) -> tuple:
@@ -197,6 +203,64 @@ class Sampler:
             return tokens, None
         # the kernel has read base: the processors may take it over (no second penalty)
         return tokens, self._processed(logits, rows, False, base if adjust else None)[1]
+
+    def _from_top_k(self, logits: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
+        """scheduler.sampling_kernel "topk", when every sampling row has 0 < top_k <= TOPK_MAX
+        and no row wants its scores: each sampling row's top_k + TIE_SLACK largest scores (one
+        topk over the logits, no float32 copy of [K, V] unless a penalty or a suppressed id
+        needs one, no sort of the vocabulary), then transformers' warpers on those candidates
+        alone (temperature, top-k, top-p, min-p: the tokens they drop are all outside the
+        candidates) and the draw over them with the noise sample_rows gives each token id.
+        Greedy rows take the argmax. The tokens are the processors' for the same seeds but
+        where a top-p or min-p cut falls within float32 rounding (the sums run over the
+        candidates, not the vocabulary) and where more than TIE_SLACK tokens tie with a row's
+        k-th largest score."""
+        tokens, sampling, vals, ids, seeds = self._top_k_warped(logits, rows)
+        drawn = sample_candidates(vals, ids, seeds)
+        if tokens is None:
+            return drawn
+        return tokens.index_copy_(0, self._ints(sampling), drawn)
+
+    def _top_k_warped(self, logits: torch.Tensor, rows: list[RowSample]) -> tuple:
+        """_from_top_k's rows before the draw: (the greedy rows' argmax over every row, or None
+        when all sample; the sampling rows; their candidates' processed scores [S, C] float32,
+        -inf where a warper dropped one, and token ids [S, C]; their draw seeds [S])."""
+        params = [r.params for r in rows]
+        adjust = any(p.penalised for p in params) or any(r.suppress for r in rows)
+        base = self._adjusted(logits, rows) if adjust else logits
+        sampling = [i for i, p in enumerate(params) if p.do_sample]
+        tokens = base.argmax(-1) if len(sampling) < len(rows) else None
+        sub, _ = self._take(base, sampling)
+        ks = [params[i].top_k for i in sampling]
+        width = min(base.shape[1], max(ks) + TIE_SLACK)
+        vals, ids = sub.topk(width, dim=-1)  # largest first
+        vals = vals.float()
+        seeds = step_seeds([params[i].seed for i in sampling], [rows[i].step for i in sampling])
+        values = np.array([
+            [params[i].temperature for i in sampling],
+            [1.0 - params[i].top_p for i in sampling],
+            [params[i].min_p or 0.0 for i in sampling],
+        ], dtype=np.float32)  # fmt: skip
+        ints = np.concatenate([seeds, np.array([min(k, width) - 1 for k in ks], dtype=np.int64)])
+        f = to_device(torch.from_numpy(values), self.device)
+        n = to_device(torch.from_numpy(ints), self.device)
+        neg = float("-inf")
+        if any(params[i].temperature != 1.0 for i in sampling):
+            vals = vals / f[0][:, None]  # transformers divides by the temperature
+        kth = vals.gather(1, n[len(sampling) :, None])
+        vals = vals.masked_fill(vals < kth, neg)
+        if any(params[i].top_p < 1.0 for i in sampling):
+            # transformers: drop the tokens whose ascending cumulative probability is <=
+            # 1 - top_p, the largest always kept; in descending order that mass is the
+            # suffix sum, summed from the smallest up as the ascending cumsum is
+            mass = vals.softmax(dim=-1).flip(-1).cumsum(dim=-1).flip(-1)
+            drop = mass <= f[1][:, None]
+            drop[:, 0] = False
+            vals = vals.masked_fill(drop, neg)
+        if any(params[i].min_p is not None for i in sampling):
+            probs = vals.softmax(dim=-1)
+            vals = vals.masked_fill(probs < f[2][:, None] * probs[:, :1], neg)
+        return tokens, sampling, vals, ids, n[: len(sampling)]
 
     # Every host value a step hands the GPU goes through pinned memory (kv/transfer.py
     # to_device): a copy from pageable memory waits for the stream, so the engine could not
@@ -274,6 +338,12 @@ class Sampler:
             cut = mp * probs.amax(dim=-1, keepdim=True)
             sub.masked_fill_(probs < cut, neg)
             self._put(scores, sub, idx)
+
+
+def _topk_rows(rows: list[RowSample]) -> bool:
+    """Whether the "topk" path takes the step: a sampling row, and every one with a top_k."""
+    sampling = [r.params for r in rows if r.params.do_sample]
+    return bool(sampling) and all(0 < p.top_k <= TOPK_MAX for p in sampling)
 
 
 def _kernel_ok(t: torch.Tensor) -> bool:
