@@ -695,6 +695,49 @@ def test_prefix_cache_gives_later_calls_their_shared_prefix(oxygen, arch):
     assert computed == 48 - 32 + 5, computed
 
 
+@pytest.mark.parametrize("arena", [64 << 20, 8 << 20])
+def test_steps_count_the_prefix_caches_blocks_only_when_free_ones_may_not_do(
+    oxygen, monkeypatch, arena
+):
+    """kv.prefix_cache on: counting the blocks the cache would give back walks its hot nodes,
+    so a step asks only when the free blocks might not cover what it can take. A roomy pool:
+    never in the burst's steps; a pool of 31 blocks of 128 tokens the cache and the rows fill:
+    asked, and every call still ends with stock's tokens; the cache cleared, every block is
+    back."""
+    from oxygen_torch.kv.prefix import PrefixCache
+
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 100 + 5 * i), generator=g),
+                max_new_tokens=30 + 9 * (i % 3), do_sample=False) for i in range(10)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True}, kv={"block_tokens": 128, "arena_bytes": arena,
+                      "prefix_cache": True})  # fmt: skip
+    hf.apply(model, cfg)
+    for kw in kws[:3]:  # the cache holds these calls' blocks
+        _generate(model, kw)
+    asked, count = [], PrefixCache.reclaimable
+
+    def counted(self):
+        asked.append(1)
+        return count(self)
+
+    monkeypatch.setattr(PrefixCache, "reclaimable", counted)
+    (eng,) = engines(model)
+    steps = eng.snapshot()["steps"]
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    steps = eng.snapshot()["steps"] - steps
+    if arena == 64 << 20:
+        assert not asked, (len(asked), steps)
+    else:
+        assert asked  # (blocks short: the cache's share counted, evicted for the rows)
+    eng.kvs.pool.prefix.clear()  # the cache's blocks back: then none is held
+    assert blocks_in_use() == 0
+
+
 @pytest.mark.parametrize("tier", [0, 64 << 20])
 def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
     """12 calls of 1-2 rows that each end at 2 blocks a row, 36 rows' worth of 31 blocks of 128

@@ -48,8 +48,15 @@ class RowKV:
             out.append(1 if not n % bt else int(refcount(s.blocks[0][-1]) > 1))
         return out
 
-    def free_blocks(self) -> int:
-        return self.pool.manager.num_available
+    def free_blocks(self, enough: int | None = None) -> int:
+        """Blocks a step may take: the free ones and those the prefix cache would give back.
+        With `enough`, the free ones alone when they are at least that many: counting the
+        cache's share walks its hot nodes (H200, 64 calls at once with the cache on: host +0.6
+        ms a step; the CPU machine: +0.15-0.7 ms, growing as the cache fills)."""
+        m = self.pool.manager
+        if enough is not None and m.num_free >= enough:
+            return m.num_free
+        return m.num_available
 
     def total_blocks(self) -> int:
         m = self.pool.manager

@@ -239,8 +239,9 @@ class PagedKVCore(AttendMixin, BlockTableMixin, GraphStepMixin, WindowMixin):
             # all or nothing: a row short of blocks used to leave the rows before it with their
             # new blocks and lengths (a forward that runs again then found them advanced)
             need = seqs.blocks_needed_all(counts)
-            if need > self.pool.manager.num_available:
-                raise self.pool.manager.full(need)
+            m = self.pool.manager  # (the free count first: a cache's share walks its nodes)
+            if need > m.num_free and need > m.num_available:
+                raise m.full(need)
             for b, n in enumerate(counts):
                 new, cow = seqs.reserve(b, n)
                 added.extend((b, col, blk) for col, blk in new)

@@ -251,7 +251,8 @@ class Merger:
         step = MergedStep(parts)
         replayable = self._replayable(chunks)
         with step.pool.lock:
-            if step.blocks_needed() > step.pool.manager.num_available:
+            need, m = step.blocks_needed(), step.pool.manager
+            if need > m.num_free and need > m.num_available:
                 return False
             step.reserve(build=not replayable)
         try:
