@@ -425,7 +425,7 @@ class Engine(Rows, Delivery):
             if r.swapped:
                 most += self.swapped_blocks(r) + 1
             else:
-                prefill += len(r.prompt) + len(r.out) - r.computed
+                prefill += max(0, len(r.prompt) + len(r.out) - r.computed)
                 rows += 1
         bt = self.kvs.block_tokens
         most += -(-min(prefill, self.step_tokens) // bt) + 2 * min(rows, self.cfg.max_step_seqs)
