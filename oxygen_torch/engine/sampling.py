@@ -21,8 +21,8 @@ from ..triton_kernels.sampling import sample_candidates, sample_rows, sample_row
 
 _MASK64 = (1 << 64) - 1
 # scheduler.sampling_kernel "topk": rows whose top_k is at most TOPK_MAX are warped and drawn
-# over their TIE_SLACK + top_k largest scores (a token tied with the k-th largest past that
-# many is the only one the processors keep and this path cannot draw)
+# over their top_k + TIE_SLACK largest scores (tokens tied with the k-th largest beyond that
+# many are kept by the processors but cannot be drawn here)
 TOPK_MAX, TIE_SLACK = 1024, 64
 
 
