@@ -220,12 +220,13 @@ def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
     nbytes = kc.nbytes + vc.nbytes + ks.nbytes + vs.nbytes
     cfg, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
     # the codes loaded as int32 words (the default) and as bytes (the earlier path) on the
-    # rule's tiles (64 keys, 4 warps since 2026-12-05), and words on 128-key tiles of 8 warps
-    # (the rule's before: 0.54 ms against 0.38 on the H200 at B=8 L=32768)
+    # rule's tiles (64 keys, 4 warps since 2026-12-05), words on 128-key tiles of 8 warps (the
+    # rule's before: 0.54 ms against 0.38 on the H200 at B=8 L=32768) and on 32-key tiles
     variants = (
         ("words", dataclasses.replace(cfg, num_splits=splits)),
         ("bytes", dataclasses.replace(cfg, num_splits=splits, fp8_words=False)),
         ("words 128/8/3", LaunchConfig(cfg.block_m, 128, 8, 3, num_splits=splits)),
+        ("words 32/4/4", LaunchConfig(cfg.block_m, 32, 4, 4, num_splits=splits)),
     )
     for name, launch in variants:
         out = torch.empty_like(q3)
