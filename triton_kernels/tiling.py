@@ -226,7 +226,7 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
     if q.elem_bytes == 1:
         # fp8 K/V decoded in registers. Prefill: 128-key tiles spill (sm_90). Decode: 64-key
         # tiles of 4 warps took 0.38 ms against 0.54 for 128 keys of 8 warps (H200, B=8
-        # L=32768, 2026-12-05): the decode is latency-bound, and smaller programs fit 3 an SM
+        # L=32768, 2026-12-05)
         block_n = min(block_n, 64)
     if q.precision == PrecisionMode.FP32_SAFE:
         # ieee fp32 dots run on FMA units from registers: sm_90 builds of larger tiles spill
