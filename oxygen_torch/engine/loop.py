@@ -234,7 +234,7 @@ class Engine(Rows, Delivery):
             with door.launch(self.runner.device):  # callers' front-door Python waits
                 self._drop_cancelled()
                 rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
-                                           self._step_free()))  # fmt: skip
+                                           *self.kvs.step_blocks()))  # fmt: skip
                 chosen, cpu = time.perf_counter(), time.thread_time()
                 try:
                     launched = self._launch(rows) if rows else None
@@ -409,27 +409,6 @@ class Engine(Rows, Delivery):
             return logits.argmax(-1), None
         samples = [RowSample(r.params, r.sampled, r.slot, self._suppressed(r)) for r in reqs]
         return self.sampler(logits, samples, any(r.keep_scores for r in reqs))
-
-    def _step_free(self) -> int:
-        """The KV blocks the step's choice may spend: the free ones alone when they cover the
-        most this step can ask (a block and a copy-on-write one per running row, the tokens
-        left to prefill in fresh blocks and two partial ones per prefill row, every swapped
-        row's blocks back), else with those the prefix cache would give back (schedule.py
-        compares only such demands with them, so the choice is the same)."""
-        most, prefill, rows = 2 * len(self.running) + 2, 0, 0
-        for r in self.running:
-            if r.computed < r.target:
-                prefill += r.target - r.computed
-                rows += 1
-        for r in self.waiting:
-            if r.swapped:
-                most += self.swapped_blocks(r) + 1
-            else:
-                prefill += max(0, len(r.prompt) + len(r.out) - r.computed)
-                rows += 1
-        bt = self.kvs.block_tokens
-        most += -(-min(prefill, self.step_tokens) // bt) + 2 * min(rows, self.cfg.max_step_seqs)
-        return self.kvs.free_blocks(most)
 
     def _launch(self, rows: list[StepRow]) -> Inflight:
         device = self.runner.device

@@ -42,14 +42,26 @@ class StepRow:
 class Budget:
     """What a step has left to give while it is being chosen."""
 
-    def __init__(self, tokens: int, seqs: int, free: int):
+    def __init__(self, tokens: int, seqs: int, free: int, more=None):
         self.tokens, self.seqs, self.free = tokens, seqs, free
+        # () -> blocks a cache would give back on demand, counted into `free` the first time a
+        # demand exceeds it (the prefix cache's count walks its hot nodes: most steps never
+        # need it)
+        self._more = more
         # rows preempted while this step is chosen: none of them joins it (a prefill row
         # preempted for the decodes' blocks was still in the list of prefills: swapped out, it
         # joined the step anyway, and its swap-in took the blocks the decodes had been counted)
         self.preempted: set[int] = set()
 
+    def short(self, blocks: int) -> bool:
+        """Whether `blocks` exceed what the step has left, the cache's share counted first."""
+        if blocks > self.free and self._more is not None:
+            more, self._more = self._more, None
+            self.free += more()
+        return blocks > self.free
+
     def preempt(self, engine, r: Request) -> None:
+        self.short(self.free + 1)  # (the cache's share counted before the row's blocks go)
         self.free += engine.preempt(r)
         self.preempted.add(id(r))
 
@@ -76,7 +88,7 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     if len(decoding) > budget.seqs:
         decoding = _ordered(engine, decoding)[: budget.seqs]
     need = dict(zip(decoding, engine.decode_blocks(decoding)))
-    while sum(need.values()) > budget.free:  # KV short for the running decodes: the lowest go
+    while budget.short(sum(need.values())):  # KV short for the running decodes: the lowest go
         victim = _lowest(engine, [r for r in engine.running if r.kv is not None])
         if victim is None:
             break
@@ -85,7 +97,7 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     for r, b in need.items():
         if budget.seqs <= 0:
             break
-        if b > budget.free:
+        if budget.short(b):
             continue
         budget.free -= b
         budget.tokens -= 1
@@ -97,7 +109,7 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         # swapped rows first (they hold their tokens): back when their blocks fit, running from
         # the next step
         need = engine.swapped_blocks(r) + 1
-        if budget.seqs <= 0 or need > budget.free:
+        if budget.seqs <= 0 or budget.short(need):
             break
         if engine.resume(r):
             budget.free -= need
@@ -176,20 +188,20 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow],
             )
             return None
         first = min(len(r.seq()), tokens)
-        if engine.kvs.blocks_for(None, first) > budget.free and not _victims(engine, r):
+        if budget.short(engine.kvs.blocks_for(None, first)) and not _victims(engine, r):
             budget.free += engine.reclaim_kept()  # (ended rows kept for an output cache)
-            if engine.kvs.blocks_for(None, first) > budget.free:
+            if budget.short(engine.kvs.blocks_for(None, first)):
                 return None  # no room and no one to make it: it waits (not admitted)
         engine.admit(r)
     left = r.target - r.computed
     n = min(left, tokens)
     blocks = engine.blocks_for(r, n)
-    if blocks > budget.free:
+    if budget.short(blocks):
         for v in reversed(_ordered(engine, _victims(engine, r))):
-            if blocks <= budget.free:
+            if not budget.short(blocks):
                 break
             _preempt(engine, v, budget, chosen)
-    if blocks > budget.free:  # a shorter chunk that fits the blocks left
+    if budget.short(blocks):  # a shorter chunk that fits the blocks left
         n = engine.tokens_fitting(r, budget.free, n)
         if n <= 0:
             return None  # (admitted: its prefill starts when blocks come back)
