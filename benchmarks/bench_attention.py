@@ -90,12 +90,13 @@ def bench(fn) -> float:
 def host_us(fn, calls=50) -> float:
     """The host's time to launch one call (µs), the GPU's queue not waited for: what a
     decode step outside a CUDA graph pays per layer."""
-    torch.cuda.synchronize() if DEV == "cuda" else None
+    sync = torch.cuda.synchronize if DEV == "cuda" else lambda: None
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     dt = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize() if DEV == "cuda" else None
+    sync()
     return dt
 
 

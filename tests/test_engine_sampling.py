@@ -346,7 +346,8 @@ def test_the_topk_path_draws_the_processors_tokens(monkeypatch, logits_kind):
         assert int(tokens[r]) == int(want[r]), (r, p)
     assert checked >= 9  # top_k alone and the greedy rows at least
     # the warped candidates themselves: the tokens kept and their scores are the processors'
-    _, sampling, vals, ids, _ = topk._top_k_warped(logits, samples)
+    _, _, vals, ids, _ = topk._top_k_warped(logits, samples)
+    sampling = [r for r, p in enumerate(params) if p.do_sample]
     for j, r in enumerate(sampling):
         p = params[r]
         near = p.top_p < 1.0 and near_the_cut(scores[r][scores[r].isfinite()], p.top_p)

@@ -215,22 +215,21 @@ class Sampler:
         where a top-p or min-p cut falls within float32 rounding (the sums run over the
         candidates, not the vocabulary) and where more than TIE_SLACK tokens tie with a row's
         k-th largest score."""
-        tokens, sampling, vals, ids, seeds = self._top_k_warped(logits, rows)
+        tokens, at, vals, ids, seeds = self._top_k_warped(logits, rows)
         drawn = sample_candidates(vals, ids, seeds)
-        if tokens is None:
-            return drawn
-        return tokens.index_copy_(0, self._ints(sampling), drawn)
+        return drawn if tokens is None else tokens.index_copy_(0, at, drawn)
 
     def _top_k_warped(self, logits: torch.Tensor, rows: list[RowSample]) -> tuple:
-        """_from_top_k's rows before the draw: (the greedy rows' argmax over every row, or None
-        when all sample; the sampling rows; their candidates' processed scores [S, C] float32,
-        -inf where a warper dropped one, and token ids [S, C]; their draw seeds [S])."""
+        """_from_top_k's rows before the draw: (the greedy rows' argmax over every row and the
+        sampling rows' index on the device, both None when every row samples; the sampling
+        rows' candidates' processed scores [S, C] float32, -inf where a warper dropped one, and
+        token ids [S, C]; their draw seeds [S])."""
         params = [r.params for r in rows]
         adjust = any(p.penalised for p in params) or any(r.suppress for r in rows)
         base = self._adjusted(logits, rows) if adjust else logits
         sampling = [i for i, p in enumerate(params) if p.do_sample]
         tokens = base.argmax(-1) if len(sampling) < len(rows) else None
-        sub, _ = self._take(base, sampling)
+        sub, at = self._take(base, sampling)
         ks = [params[i].top_k for i in sampling]
         width = min(base.shape[1], max(ks) + TIE_SLACK)
         vals, ids = sub.topk(width, dim=-1)  # largest first
@@ -260,7 +259,7 @@ class Sampler:
         if any(params[i].min_p is not None for i in sampling):
             probs = vals.softmax(dim=-1)
             vals = vals.masked_fill(probs < f[2][:, None] * probs[:, :1], neg)
-        return tokens, sampling, vals, ids, n[: len(sampling)]
+        return tokens, at, vals, ids, n[: len(sampling)]
 
     # Every host value a step hands the GPU goes through pinned memory (kv/transfer.py
     # to_device): a copy from pageable memory waits for the stream, so the engine could not
