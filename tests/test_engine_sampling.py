@@ -51,6 +51,15 @@ def stock_processors(p: SamplingParams) -> T.LogitsProcessorList:
     return procs
 
 
+@pytest.fixture
+def triton_draws(monkeypatch):
+    """The Sampler's Triton paths (the draws, "fused", "topk") on CPU tensors, under the
+    interpreter: by default it takes them on CUDA only."""
+    from oxygen_torch.engine import sampling
+
+    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
+
+
 def held_tokens(rows: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, V, (rows, 5), generator=gen)
 
@@ -225,15 +234,13 @@ def test_the_fused_kernels_greedy_rows_take_the_raw_argmax():
 
 
 @pytest.mark.parametrize("name", list(SETTINGS) + ["mixed"])
-def test_the_sampler_with_the_fused_kernel(monkeypatch, name):
+def test_the_sampler_with_the_fused_kernel(triton_draws, name):
     """scheduler.sampling_kernel "fused" (the kernel under the interpreter here): the tokens
     are the torch path's own draw rule over transformers' processed scores (same seeds, rows
     with the penalty and suppressed ids too); the processed scores come back only when
     wanted, equal to transformers'; a bad setting names the field."""
     from oxygen_torch.config import load_config
-    from oxygen_torch.engine import sampling
 
-    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
     rows = 6
     if name == "mixed":
@@ -301,7 +308,7 @@ TOPK_SETTINGS = [
 
 
 @pytest.mark.parametrize("logits_kind", ["float32", "bfloat16", "integers"])
-def test_the_topk_path_draws_the_processors_tokens(monkeypatch, logits_kind):
+def test_the_topk_path_draws_the_processors_tokens(triton_draws, logits_kind):
     """scheduler.sampling_kernel "topk" (its draw under the interpreter here): each sampling
     row warped over its top_k + TIE_SLACK largest scores and drawn over them gives the token
     the PyTorch processors and sample_rows give over the whole vocabulary, for the same seeds
@@ -309,9 +316,6 @@ def test_the_topk_path_draws_the_processors_tokens(monkeypatch, logits_kind):
     within rounding. bf16 and integer logits tie often (at the k-th score: every tied token
     kept; at a top-p cut: which the sort drops is its order's choice). Scores wanted, or a
     row without top_k: the processors' path itself."""
-    from oxygen_torch.engine import sampling
-
-    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
     vocab, rows = 300, 3 * len(TOPK_SETTINGS)
     params = [p for p in TOPK_SETTINGS for _ in range(3)]
@@ -362,12 +366,9 @@ def test_the_topk_path_draws_the_processors_tokens(monkeypatch, logits_kind):
     assert torch.equal(topk(logits[:1], no_k, scores_wanted=False)[0], plain(logits[:1], no_k)[0])
 
 
-def test_the_topk_path_beyond_its_tie_slack_draws_only_kept_tokens(monkeypatch):
+def test_the_topk_path_beyond_its_tie_slack_draws_only_kept_tokens(triton_draws):
     """A row whose k-th largest score is tied by more tokens than TIE_SLACK: the path draws
     among the top_k + TIE_SLACK it holds, every one a token the processors keep."""
-    from oxygen_torch.engine import sampling
-
-    monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
     vocab = 400
     logits = torch.zeros(4, vocab)
     logits[:, :3] = 1.0  # 3 above, 397 tied at the k-th score (top_k 10)
