@@ -41,7 +41,7 @@ from oxygen_torch.triton_kernels import (
     paged_prefill,
     paged_prefill_ref,
 )
-from oxygen_torch.triton_kernels.paged_decode import decode_launch
+from oxygen_torch.triton_kernels.paged_decode import balance_target, balanced_chunks, decode_launch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oxygen_torch.tools.progress import progress
@@ -191,8 +191,27 @@ def decode_case(b, n, gen):
         err = rel_err(out, ref[:, :, 0]) if ref is not None else None
         row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err,
             f"splits={splits}, host {host_us(fn):.0f} us a call")  # fmt: skip
+        balanced_row(case, fn, q3, kc, table, lens, bt, nbytes, ref)
         if (b, n) in FP8_CASES:
             fp8_case(q3, k, v, table, perm, lens, bt, ref, ROWS[-1]["ms"])
+
+
+def balanced_row(case, classic_fn, q3, kc, table, lens, bt, nbytes, ref):
+    """The same call in balanced mode (kernel.decode_balance): its time beside the classic
+    row just printed, and the chunks it cut (the host mirror of the device's cut)."""
+    classic_ms = ROWS[-1]["ms"]
+    out = torch.empty_like(q3)
+    fn = functools.partial(classic_fn, out=out, balance=True)
+    fn()
+    cfg, tiles_g, _ = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
+    target = balance_target(kc.shape[2], tiles_g, torch.cuda.get_device_properties(DEV)
+                            .multi_processor_count if DEV == "cuda" else 132)  # fmt: skip
+    n = balanced_chunks(lens.tolist(), 1 << 30, table.shape[1] * bt, cfg.block_n, target)
+    err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+    ms = bench(fn)
+    ratio = f"{ms / classic_ms:.2f}x the classic time" if ms and classic_ms else ""
+    row(case, f"ours balanced bt={bt}", ms, nbytes, "TB/s", err,
+        f"chunks {sum(n)} (most a row {max(n)}), {ratio}")  # fmt: skip
 
 
 def fp8_paged(k, v, table, bt, lens=None):
@@ -312,6 +331,7 @@ def skewed_case(gen):
     _, _, splits = decode_launch(q3, cache[0], table, 0, PrecisionMode.AUTO_MIXED, None, None)
     err = rel_err(fn(), ref[:, :, 0]) if ref is not None else None
     row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err, f"splits={splits}")
+    balanced_row(case, fn, q3, cache[0], table, seq_lens, bt, nbytes, ref)
     src, dst = blocks[0], torch.empty_like(blocks[0])  # read + write of K = the K+V bytes
     row(case, "copy (ceiling)", bench(lambda: dst.copy_(src)), 2 * src.nbytes, "TB/s")
 

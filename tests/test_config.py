@@ -127,6 +127,9 @@ def test_bad_kwargs_and_direct_construction():
     assert load_config(hysteresis_ms=20).pool.hysteresis_ms == 20
     assert load_config(kernel=KernelConfig(block_m=32)).kernel.block_m == 32
     assert load_config(kernel__block_n=64).kernel.block_n == 64
+    assert load_config(decode_balance=True).kernel.decode_balance is True
+    with pytest.raises(ValueError, match="kernel.decode_balance"):
+        KernelConfig(decode_balance="yes")
     assert SchedulerConfig(alpha=1, beta=0).alpha == 1
 
 
@@ -148,6 +151,10 @@ def test_yaml_file_errors(tmp_path, monkeypatch):
 
 
 def test_llama_profile_rounds_with_one_warning(caplog, tmp_path, monkeypatch):
+    from oxygen_torch.config import profiles
+
+    # (the once-only set starts empty here whatever ran before: test_ops rounds 96 too)
+    monkeypatch.setattr(profiles, "_warned", set())
     caplog.set_level(logging.WARNING, logger="oxygen_torch")
     prof = get_profile("llama")
     assert (prof.block_m, prof.block_n) == (None, None)  # measured: the adaptive tiles win

@@ -243,6 +243,38 @@ def test_decode_step_is_cuda_graph_capturable():
         assert_close_rel(out, ref, BF16)
 
 
+@pytest.mark.parametrize("kv", [BF16, "fp8"])
+@pytest.mark.parametrize("lens", [[20000] + [512] * 31, [300] * 40 + [9000], [4096] * 32, [1]])
+def test_decode_balanced_realistic_and_in_a_graph(lens, kv):
+    """Balanced mode at realistic shapes (a long row among short ones, first or last; uniform;
+    one token) against the reference, and captured once then replayed as lengths change: the
+    chunks follow the lengths on the device."""
+    dtype = torch.uint8 if kv == "fp8" else kv
+    p = make_paged([n + 700 for n in lens], 8, 128, 16, dtype, device=CUDA, seed=len(lens))
+    p.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    q = randn((len(lens), 32, 128), BF16, seed=5, device=CUDA)
+    out, ref = _decode(p, q, balance=True)
+    assert_close_rel(out, ref, BF16)
+    args = (q, p.k_cache, p.v_cache, p.block_table, p.seq_lens)
+    kw = dict(k_scale=p.k_scale, v_scale=p.v_scale, balance=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(*args, out=out, **kw)
+    grow = torch.zeros(len(lens), dtype=torch.int32, device=CUDA)
+    for step in (1, 2):
+        if step == 1:
+            grow[-1] = 600  # the last row alone grows (the skew moves), then every row
+        else:
+            grow.fill_(100)
+        p.seq_lens.add_(grow)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_decode_ref(q.double(), p.k_cache, p.v_cache, p.block_table, p.seq_lens,
+                               k_scale=p.k_scale, v_scale=p.v_scale)  # fmt: skip
+        assert_close_rel(out, ref, BF16)
+
+
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_dispatch_passes_profile_tiles_to_the_kernels(phase):
     """paged_attention (the one dispatch) with the llama profile's tiles (64, 64 after rounding):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oxygen_torch.triton_kernels import LaunchConfig, PrecisionMode, paged_decode, paged_decode_ref
+from oxygen_torch.triton_kernels.tiling import Tiles
 from test_kernels_helpers import assert_close_rel, make_paged, poisoned_like, randn
 
 CASES = [
@@ -175,3 +176,76 @@ def test_decode_float8_storage_equals_uint8_codes():
     p.k_cache = p.k_cache.view(torch.float8_e4m3fn)
     p.v_cache = p.v_cache.view(torch.float8_e4m3fn)
     torch.testing.assert_close(_run(p, q, num_splits=2), codes, rtol=0, atol=0)
+
+
+# Balanced mode: the key work cut into chunks of about equal size from the lengths on the device.
+# Key tiles of 16 make a chunk as short as 64 keys, so a few hundred keys take several chunks.
+BALANCED_CASES = [
+    # (lens, q_heads, kv_heads, head_dim, window): the long row first, last, in the middle
+    pytest.param([700, 20, 33, 5], 4, 2, 64, None, id="skewed-first"),
+    pytest.param([9, 0, 31, 16, 450], 6, 2, 64, None, id="skewed-last-empty"),
+    pytest.param([40, 610, 77], 7, 1, 80, 300, id="gqa7-window300"),
+    pytest.param([130, 129, 131], 8, 8, 64, None, id="uniform-mha"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lens,hq,hkv,d,window", BALANCED_CASES)
+def test_decode_balanced_matches_reference(lens, hq, hkv, d, window, dtype):
+    from oxygen_torch.triton_kernels.paged_decode import balance_target, balanced_chunks
+
+    p = make_paged(lens, hkv, d, 16, dtype, seed=sum(lens) % 97)
+    q = randn((len(lens), hq, d), dtype, seed=hq + d)
+    tiles = Tiles(block_n=16, balance=True)
+    out = _run(p, q, sliding_window=window, tiles=tiles)
+    assert_close_rel(out, _ref(p, q, sliding_window=window), dtype)
+    # the case really cut rows into several chunks (the combine ran)
+    target = balance_target(hkv, 1, 132)  # the interpreter plays an H200's 132 SMs
+    n = balanced_chunks(lens, window or 1 << 30, p.block_table.shape[1] * 16, 16, target)
+    assert max(n) > 1 and sum(n) < len(lens) + target
+    for b, length in enumerate(lens):
+        if length == 0:
+            assert (out[b] == 0).all(), "seq_len 0 must give zeros"
+
+
+def test_decode_balanced_cuts_the_long_row_into_about_equal_chunks():
+    """The host mirror of the device's cut (what the tests and benchmarks read): one 32k row
+    beside 31 of 512 on an H200's shape (8 KV heads, 64-key tiles) takes ~23 chunks of ~1.5k
+    keys, the short rows one each; uniform rows that fill the GPU stay one program a row."""
+    from oxygen_torch.triton_kernels.paged_decode import balance_target, balanced_chunks
+
+    target = balance_target(8, 1, 132)
+    skewed = balanced_chunks([32768] + [512] * 31, 1 << 30, 32768, 64, target)
+    assert skewed[1:] == [1] * 31 and 20 <= skewed[0] <= 24
+    assert balanced_chunks([1024] * 64, 1 << 30, 1024, 64, target) == [1] * 64
+    one = balanced_chunks([32768], 1 << 30, 32768, 64, target)  # the classic grid's 33 splits
+    assert one == [33]
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):  # the grid's bound holds for any lengths
+        lens = torch.randint(0, 70000, (int(torch.randint(1, 300, (1,), generator=rng)),),
+                             generator=rng).tolist()  # fmt: skip
+        for t in (1, 5, 33, 264):
+            assert sum(balanced_chunks(lens, 1 << 30, 70000, 64, t)) < len(lens) + t
+
+
+def test_decode_balanced_fp8_codes_and_precisions():
+    p = make_paged([29, 400, 16], 2, 64, 16, torch.uint8, seed=31)
+    q = randn((3, 6, 64), torch.float16, seed=32)
+    for precision in list(PrecisionMode):
+        out = _run(p, q, precision=precision, sliding_window=350,
+                   tiles=Tiles(block_n=16, balance=True))  # fmt: skip
+        assert_close_rel(out, _ref(p, q, sliding_window=350), torch.float16)
+
+
+def test_decode_balanced_equals_classic_and_refuses_conflicting_choices():
+    p = make_paged([500, 12, 40], 2, 64, 16, torch.float32, seed=33)
+    q = randn((3, 4, 64), torch.float32, seed=34)
+    classic = _run(p, q, tiles=Tiles(block_n=16))
+    torch.testing.assert_close(_run(p, q, tiles=Tiles(block_n=16), balance=True), classic,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="num_splits: given with balance=True"):
+        _run(p, q, num_splits=2, balance=True)
+    with pytest.raises(ValueError, match="balance: 1 must be"):
+        _run(p, q, balance=1)
+    with pytest.raises(ValueError, match="tiles.balance"):
+        Tiles(balance="yes")

@@ -58,19 +58,22 @@ def kv_types(fp8) -> str:
 FP8_KINDS = {False: 0, "words": 1, "bytes": 2}  # the kernels' FP8 constexpr (_flash.py)
 
 
-def decode_case(fp8, split, precision):
+def decode_case(fp8, split, precision, balanced=False):
     kv = kv_types(fp8)
     ptrs = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32",
                 bt_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32",
                 pml_ptr="*fp32")  # fmt: skip
     consts = dict(D, BLOCK_G=16, BLOCK_N=64, BLOCK_TOKENS=16, FP8=FP8_KINDS[fp8],
-                  PRECISION=precision, HALF_ACC=precision == 0, SPLIT=split)  # fmt: skip
+                  PRECISION=precision, HALF_ACC=precision == 0, SPLIT=split,
+                  BALANCED=balanced, BLOCK_B=256 if balanced else 1)  # fmt: skip
     return compile_sm90(kernel("paged_decode", "_decode_kernel"), ptrs, consts)
 
 
-def combine_case():
-    ptrs = dict(po_ptr="*fp32", pml_ptr="*fp32", out_ptr="*bf16")
-    return compile_sm90(kernel("paged_decode", "_combine_kernel"), ptrs, dict(D, SPLIT_TILE=16))
+def combine_case(balanced=False):
+    ptrs = dict(po_ptr="*fp32", pml_ptr="*fp32", out_ptr="*bf16", lens_ptr="*i32")
+    consts = dict(D, SPLIT_TILE=16, BALANCED=balanced, BLOCK_B=256 if balanced else 1,
+                  BLOCK_N=64)  # fmt: skip
+    return compile_sm90(kernel("paged_decode", "_combine_kernel"), ptrs, consts)
 
 
 def prefill_case(fp8, causal, window):
@@ -126,7 +129,9 @@ def sampling_case(kind, x_type):
 CASES = {
     **{f"decode fp8={f} split={s} precision={p}": (decode_case, (f, s, p))
        for f in FP8_KINDS for s in (False, True) for p in (0, 1, 2)},
+    **{f"decode balanced fp8={f}": (decode_case, (f, False, 1, True)) for f in FP8_KINDS},
     "decode combine": (combine_case, ()),
+    "decode combine balanced": (combine_case, (True,)),
     **{f"prefill fp8={f} causal={c} window={w}": (prefill_case, (f, c, w))
        for f in FP8_KINDS for c, w in ((True, False), (True, True), (False, False))},
     **{f"kv_append fp8={f}": (append_case, (f,)) for f in (False, True)},
@@ -182,6 +187,17 @@ def test_decode_streams_tiles_in_16_byte_copies(compiled, split, fp8):
         bytes_ = compiled[f"decode fp8=bytes split={split} precision=1"]["ptx"]
         assert bytes_["ld.shared.b8"] > 0, bytes_  # what the words path is for
         assert ptx["cvt"] < bytes_["cvt"] / 2, (ptx, bytes_)
+
+
+def test_balanced_decode_keeps_the_classic_loop(compiled):
+    """Balanced mode changes which keys a program reads, not how: the same 16-byte copies and
+    dots, and a main loop as long as the classic kernel's."""
+    for fp8 in (False, "words"):
+        ptx = compiled[f"decode balanced fp8={fp8}"]["ptx"]
+        classic = compiled[f"decode fp8={fp8} split=True precision=1"]["ptx"]
+        assert ptx["cp.async.cg (16 B)"] > 0 and ptx["ldmatrix"] > 0, ptx
+        assert ptx["ld.shared.b8"] == 0 and ptx["loop_mma"] == classic["loop_mma"], ptx
+        assert abs(ptx["loop"] - classic["loop"]) <= classic["loop"] // 10, (ptx, classic)
 
 
 def test_prefill_uses_hopper_wgmma(compiled):

@@ -138,6 +138,7 @@ def test_paged_decode_and_prefill_match_dense():
         (dict(block_n=32), dict(block_m=64, block_n=64), Tiles(64, 32)),  # per side
         (dict(block_m=128, block_n=16), dict(block_m=64, block_n=64), Tiles(128, 16)),
         (dict(attention_type="moe"), dict(), Tiles(attention_type="moe")),  # empty profile
+        (dict(decode_balance=True), dict(block_n=32), Tiles(None, 32, balance=True)),
     ],
 )
 def test_tiles_for_explicit_over_profile_over_automatic(kernel, profile, expected):

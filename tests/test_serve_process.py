@@ -184,9 +184,11 @@ def test_a_disconnect_mid_stream_ends_the_engines_call_and_frees_its_blocks(srv)
             break
     assert used_blocks(srv) > 0
     stream.close()
-    # cancelled in the engine process: its blocks back long before 4,000 tokens
-    assert wait_for(lambda: admission.counts["cancelled"] == before + 1, 10)
-    assert wait_for(lambda: used_blocks(srv) == 0, 10)
+    # Cancelled in the engine process: the outcome is "cancelled", not "ok" (a call that ran
+    # its 4,000 tokens out would count as ok), so the bound only has to outlast a loaded
+    # machine: 10 s was passed once with both CI suites side by side on 2 cores (3ca3045).
+    assert wait_for(lambda: admission.counts["cancelled"] == before + 1, 30), dict(admission.counts)
+    assert wait_for(lambda: used_blocks(srv) == 0, 30), used_blocks(srv)
     assert not srv.app.state.server.runner.jobs
 
 

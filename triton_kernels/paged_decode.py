@@ -9,6 +9,20 @@ them: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 
 The split boundaries come from seq_lens on the device, so nothing is read back to the host and
 the step is CUDA-graph capturable; num_splits itself is chosen from block_table's width.
+
+Balanced mode (`balance=True`, kernel.decode_balance): one long sequence among short ones left
+the classic grid waiting on the long row's few programs (one 32k row beside 31 of 512 keys:
+0.42 ms on the H200 against cuDNN's 0.09, 2026-12-05), because its splits are the same for
+every row and are chosen before the lengths are known. Here the grid is (kv_heads x
+group_tiles, batch + T) and every program reads all the lengths: the key work (each row's keys
+from its window start) is cut into chunks of C = max(4 key tiles, ceil(total / T)) keys, T =
+ceil(2 x SMs / (kv_heads x group_tiles)), so a row of n keys takes ceil(n / C) programs (at
+least one) and the rows' chunks, numbered in row order, are the programs' second index; the
+bound sum(ceil(n_b / C)) < batch + T holds for any lengths, and programs past the last chunk do
+nothing. A row of one chunk writes its output directly; the others write partials that the
+combine kernel, recomputing the same chunks, merges. Uniform batches that fill the GPU keep one
+program per row (C >= their length); the cost against the classic grid is the idle programs
+and a combine launch (measured in bench_attention.py).
 """
 
 from __future__ import annotations
@@ -26,6 +40,35 @@ from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window wider than any sequence: lo = max(seq_len - W, 0) = 0
+
+
+@triton.jit
+def _row_chunks(lens_ptr, batch, max_len, window, chunk_target, BLOCK_N: tl.constexpr,
+                BLOCK_B: tl.constexpr):  # fmt: skip
+    """Balanced mode: each row's chunk count n (at least one; 0 past the batch) and where its
+    chunks end in the numbering of all rows' chunks (inclusive cumsum)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    in_b = offs_b < batch
+    lens = tl.minimum(tl.load(lens_ptr + offs_b, mask=in_b, other=0), max_len)
+    work = lens - (tl.maximum(lens - window, 0) // BLOCK_N) * BLOCK_N
+    size = tl.maximum(tl.cdiv(tl.sum(work, 0), chunk_target), 4 * BLOCK_N)
+    n = tl.where(in_b, tl.maximum(tl.cdiv(work, size), 1), 0)
+    return offs_b, n, tl.cumsum(n, 0)
+
+
+@triton.jit
+def _chunk_of(lens_ptr, batch, max_len, window, chunk_target, chunk, BLOCK_N: tl.constexpr,
+              BLOCK_B: tl.constexpr):  # fmt: skip
+    """Balanced mode: which row chunk `chunk` belongs to, its index in the row, the row's chunk
+    count and whether the chunk exists (balanced_chunks() is the same on the host, for tests).
+    Every row's key work is [its window start rounded down to a key tile, its length)."""
+    offs_b, n, ends = _row_chunks(lens_ptr, batch, max_len, window, chunk_target, BLOCK_N, BLOCK_B)
+    row = tl.sum((ends <= chunk).to(tl.int32), 0)
+    live = row < batch
+    mine = offs_b == row
+    n_row = tl.sum(tl.where(mine, n, 0), 0)
+    first = tl.sum(tl.where(mine, ends - n, 0), 0)
+    return tl.minimum(row, batch - 1), chunk - first, tl.maximum(n_row, 1), live
 
 
 @triton.jit
@@ -47,6 +90,8 @@ def _decode_kernel(
     group,
     group_tiles,
     num_splits,
+    batch,
+    chunk_target,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -64,12 +109,22 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     HALF_ACC: tl.constexpr,
     SPLIT: tl.constexpr,
+    BALANCED: tl.constexpr = False,
+    BLOCK_B: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     gt = pid % group_tiles
-    kvh = (pid // group_tiles) % num_kv_heads
-    b = pid // (group_tiles * num_kv_heads)
+    if BALANCED:  # program (kv head x group tile, chunk): the chunk's row and its place in it
+        kvh = pid // group_tiles
+        b, split, n_chunks, live = _chunk_of(
+            lens_ptr, batch, max_len, window, chunk_target, split, BLOCK_N, BLOCK_B
+        )
+        num_splits = n_chunks
+    else:
+        kvh = (pid // group_tiles) % num_kv_heads
+        b = pid // (group_tiles * num_kv_heads)
+        live = b >= 0
 
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)
     lo = tl.maximum(seq_len - window, 0)  # no window: the host passes window > max_len
@@ -78,6 +133,8 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
     start = base + split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    if BALANCED:
+        end = tl.where(live, end, start)  # a program past the last chunk: no keys, no stores
 
     offs_g = gt * BLOCK_G + tl.arange(0, BLOCK_G)
     offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
@@ -108,7 +165,20 @@ def _decode_kernel(
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
 
     row = b * num_kv_heads * group + heads  # flat (batch, q head) index
-    if SPLIT:
+    if BALANCED:
+        # one chunk: the output itself; more: a partial in the chunk's slot (row order)
+        slot = tl.program_id(1) * num_kv_heads * group + heads
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        part = g_mask & live & (n_chunks > 1)
+        po = po_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(po, acc, mask=part[:, None] & d_mask)
+        tl.store(pml_ptr + slot * 2, m_i, mask=part)
+        tl.store(pml_ptr + slot * 2 + 1, l_i, mask=part)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        whole = g_mask & live & (n_chunks == 1)
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=whole[:, None] & d_mask)
+    elif SPLIT:
         po = po_ptr + (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
         tl.store(po, acc, mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
         tl.store(pml_ptr + (row * num_splits + split) * 2, m_i, mask=g_mask)
@@ -132,18 +202,39 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     SPLIT_TILE: tl.constexpr,
+    BALANCED: tl.constexpr = False,
+    BLOCK_B: tl.constexpr = 1,
+    BLOCK_N: tl.constexpr = 16,
+    lens_ptr=None,
+    batch=0,
+    max_len=0,
+    window=0,
+    chunk_target=1,
 ):
     row = tl.program_id(0)  # flat (batch, q head)
     b = row // num_q_heads
     h = row % num_q_heads
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < HEAD_DIM
+    # partial s of this row: slot (row * num_splits + s); balanced: (first + s) * heads + h
+    first = row * num_splits
+    stride = 1
+    count = num_splits
+    if BALANCED:  # the row's chunks, as the decode kernel cut them (one: written there)
+        offs_b, n, ends = _row_chunks(
+            lens_ptr, batch, max_len, window, chunk_target, BLOCK_N, BLOCK_B
+        )
+        mine = offs_b == b
+        count = tl.sum(tl.where(mine, n, 0), 0)
+        first = tl.sum(tl.where(mine, ends - n, 0), 0) * num_q_heads + h
+        stride = num_q_heads
+        count = tl.where(count > 1, count, 0)  # one chunk: nothing to combine
     # pass 1: the global max over splits
     m_all = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
+    for s0 in range(0, count, SPLIT_TILE):
         offs_s = s0 + tl.arange(0, SPLIT_TILE)
         m = tl.load(
-            pml_ptr + (row * num_splits + offs_s) * 2, mask=offs_s < num_splits, other=float("-inf")
+            pml_ptr + (first + offs_s * stride) * 2, mask=offs_s < count, other=float("-inf")
         )
         m_all = tl.maximum(m_all, m)
     m_max = tl.max(m_all, 0)
@@ -151,20 +242,21 @@ def _combine_kernel(
     # pass 2: weighted sums
     num = tl.zeros([D_PAD], tl.float32)
     den = tl.zeros([SPLIT_TILE], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_TILE):
+    for s0 in range(0, count, SPLIT_TILE):
         offs_s = s0 + tl.arange(0, SPLIT_TILE)
-        s_mask = offs_s < num_splits
-        m = tl.load(pml_ptr + (row * num_splits + offs_s) * 2, mask=s_mask, other=float("-inf"))
-        lsum = tl.load(pml_ptr + (row * num_splits + offs_s) * 2 + 1, mask=s_mask, other=0.0)
+        s_mask = offs_s < count
+        slot = first + offs_s * stride
+        m = tl.load(pml_ptr + slot * 2, mask=s_mask, other=float("-inf"))
+        lsum = tl.load(pml_ptr + slot * 2 + 1, mask=s_mask, other=0.0)
         w = tl.exp2(m - m_max)  # empty split: m = -inf -> w = 0
-        po = po_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+        po = po_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :]
         part = tl.load(po, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
         num += tl.sum(part * w[:, None], 0)
         den += w * lsum
     total = tl.sum(den, 0)
     o = num / tl.where(total == 0.0, 1.0, total)
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask & (count > 0))
 
 
 @functools.lru_cache(maxsize=16)
@@ -183,9 +275,40 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, slid
     return C.check_window(sliding_window)
 
 
-def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits, tiles=None):
-    """The launch choice (memoised per shape bucket) and the number of splits."""
+MAX_BALANCED_BATCH = 4096  # every balanced program holds all the lengths in registers
+
+
+def balance_target(num_kv_heads: int, group_tiles: int, num_sms: int) -> int:
+    """Balanced mode's T: chunks a (kv head, group tile) so that all programs fill 2 x SMs."""
+    return max(1, -(-2 * num_sms // (num_kv_heads * group_tiles)))
+
+
+def balanced_chunks(lens, window: int, max_len: int, block_n: int, target: int) -> list[int]:
+    """Balanced mode's chunk count of each row, as _row_chunks computes it on the device (for
+    tests and benchmarks): the key work [window start rounded down to a key tile, length) cut
+    into chunks of max(4 key tiles, ceil(total / target)) keys, at least one a row."""
+    lens = [min(int(n), max_len) for n in lens]
+    work = [n - (max(n - window, 0) // block_n) * block_n for n in lens]
+    size = max(-(-sum(work) // target), 4 * block_n)
+    return [max(-(-w // size), 1) for w in work]
+
+
+def decode_launch(
+    q, k_cache, block_table, window, precision, launch, num_splits, tiles=None, balance=None
+):
+    """The launch choice (memoised per shape bucket) and the number of splits (0: balanced
+    mode, its grid from balance_target)."""
     tiles = check_overrides(launch, tiles)
+    balance = tiles.balance if balance is None else balance
+    if not isinstance(balance, bool):
+        raise ValueError(f"balance: {balance!r} must be True, False or None")
+    if balance and num_splits is not None:
+        raise ValueError("num_splits: given with balance=True, which chooses the splits itself")
+    if balance and q.shape[0] > MAX_BALANCED_BATCH:
+        raise ValueError(
+            f"balance: a batch of {q.shape[0]} rows is more than balanced decode's "
+            f"{MAX_BALANCED_BATCH} (kernel.decode_balance false takes the classic splits)"
+        )
     batch, hq, d = q.shape
     hkv, bt = k_cache.shape[2], k_cache.shape[1]
     max_len = block_table.shape[1] * bt
@@ -205,6 +328,8 @@ def decode_launch(q, k_cache, block_table, window, precision, launch, num_splits
         )
         launch = launch_config(tq)
     group_tiles = triton.cdiv(hq // hkv, launch.block_m)
+    if balance:
+        return launch, group_tiles, 0
     splits = num_splits if num_splits is not None else launch.num_splits
     if splits is None:
         programs = batch * hkv * group_tiles
@@ -230,6 +355,7 @@ def paged_decode(
     num_splits=None,
     launch=None,
     tiles=None,
+    balance=None,
 ):
     """Attention of one query token per sequence over its paged K/V.
 
@@ -237,7 +363,9 @@ def paged_decode(
     head_dim]; block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (the query is the
     token at position seq_lens[b] - 1; seq_lens[b] == 0 gives zeros). sliding_window=W: keys at
     positions > seq_len - 1 - W only. num_splits / launch override the tiling choice; tiles
-    (a Tiles: key tile and attention type) steers it.
+    (a Tiles: key tile and attention type) steers it. balance (None: tiles.balance) cuts the
+    key work into chunks of about equal size from the lengths on the device (the module's
+    docstring), so one long row among short ones does not hold the whole batch.
     Returns out: [batch, num_q_heads, head_dim] in q's dtype.
     """
     precision = PrecisionMode.parse(precision)
@@ -248,18 +376,24 @@ def paged_decode(
         return out
     hkv, bt = k_cache.shape[2], k_cache.shape[1]
     cfg, group_tiles, splits = decode_launch(
-        q, k_cache, block_table, window, precision, launch, num_splits, tiles
+        q, k_cache, block_table, window, precision, launch, num_splits, tiles, balance
     )
     fp8 = C.is_fp8(k_cache.dtype)
-    if splits > 1:
-        part_o = torch.empty((batch * hq, splits, d), device=q.device, dtype=torch.float32)
-        part_ml = torch.empty((batch * hq, splits, 2), device=q.device, dtype=torch.float32)
+    balanced = splits == 0
+    target = balance_target(hkv, group_tiles, _num_sms(q.device)) if balanced else 1
+    slots = batch + target if balanced else splits  # balanced: chunks < batch + target
+    if balanced or splits > 1:  # balanced: slot (chunk, q head); else (batch, q head, split)
+        rows = slots * hq if balanced else batch * hq * splits
+        part_o = torch.empty((rows, d), device=q.device, dtype=torch.float32)
+        part_ml = torch.empty((rows, 2), device=q.device, dtype=torch.float32)
     else:
         part_o = part_ml = out  # unused
+    grid = (hkv * group_tiles, slots) if balanced else (batch * hkv * group_tiles, splits)
+    block_b = next_pow2(batch) if balanced else 1
     qk_scale = C.softmax_scale(scale, d) * LOG2E
     ks = k_scale if fp8 else q  # unused pointer when not fp8
     vs = v_scale if fp8 else q
-    _decode_kernel[(batch * hkv * group_tiles, splits)](
+    _decode_kernel[grid](
         q,
         C.as_codes(k_cache),
         C.as_codes(v_cache),
@@ -276,7 +410,9 @@ def paged_decode(
         hkv,
         hq // hkv,
         group_tiles,
-        splits,
+        max(splits, 1),
+        batch,
+        target,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -294,10 +430,34 @@ def paged_decode(
         PRECISION=int(precision),
         HALF_ACC=_half_acc(precision, q.dtype),
         SPLIT=splits > 1,
+        BALANCED=balanced,
+        BLOCK_B=block_b,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if balanced:
+        _combine_kernel[(batch * hq,)](
+            part_o,
+            part_ml,
+            out,
+            hq,
+            1,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=d,
+            D_PAD=next_pow2(d),
+            SPLIT_TILE=16,
+            BALANCED=True,
+            BLOCK_B=block_b,
+            BLOCK_N=cfg.block_n,
+            lens_ptr=seq_lens,
+            batch=batch,
+            max_len=block_table.shape[1] * bt,
+            window=window or NO_WINDOW,
+            chunk_target=target,
+            num_warps=4,
+        )
+    elif splits > 1:
         _combine_kernel[(batch * hq,)](
             part_o,
             part_ml,
@@ -309,6 +469,7 @@ def paged_decode(
             HEAD_DIM=d,
             D_PAD=next_pow2(d),
             SPLIT_TILE=min(16, next_pow2(splits)),
+            lens_ptr=seq_lens,  # (unused here: one signature for both modes)
             num_warps=4,
         )
     return out

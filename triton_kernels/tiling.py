@@ -71,15 +71,21 @@ class Tiles:
     attention_type: the seed rule's model kind ("dense", "moe", "sliding"); a call with a
     sliding window on "dense" tiles is tiled as "sliding".
     None leaves a side to `select_block_size`.
+    balance: decode cuts the key work into chunks of about equal size from the lengths on the
+    device (paged_decode's balanced mode; kernel.decode_balance) instead of the same number of
+    splits for every row.
     """
 
     block_m: int | None = None
     block_n: int | None = None
     attention_type: str = "dense"
+    balance: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             _check_side(f"tiles.{name}", getattr(self, name))
+        if not isinstance(self.balance, bool):
+            raise ValueError(f"tiles.balance: {self.balance!r} must be True or False")
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(
                 f"tiles.attention_type: {self.attention_type!r} not one of {ATTENTION_TYPES}"

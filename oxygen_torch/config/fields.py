@@ -355,6 +355,11 @@ class KernelConfig:
     attention_type: str = "dense"
     block_m: int | None = None  # tile overrides; powers of two (Triton block sides)
     block_n: int | None = None
+    # paged decode cuts the key work into chunks of about equal size from the lengths on the
+    # device (triton_kernels/paged_decode.py, balanced mode), so one long sequence among short
+    # ones does not hold the step: off until bench_attention.py has timed it on the H200 (the
+    # classic splits: one 32k row beside 31 of 512 took 0.42 ms against cuDNN's 0.09)
+    decode_balance: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "precision", PrecisionMode.parse(self.precision))

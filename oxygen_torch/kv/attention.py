@@ -30,7 +30,8 @@ __all__ = ["Tiles", "gather_blocks", "kv_write", "paged_attention", "tiles_for"]
 def tiles_for(kernel: KernelConfig, profile: ModelProfile | None = None) -> Tiles:
     """The paged kernels' tiles for a model: each side from kernel.block_m / block_n when set,
     else from the model profile's block_size (already rounded to a power of two), else None
-    (the tiling rule chooses); attention_type from kernel.attention_type."""
+    (the tiling rule chooses); attention_type from kernel.attention_type; balance (decode's
+    balanced mode) from kernel.decode_balance."""
 
     def side(name: str) -> int | None:
         given = getattr(kernel, name)
@@ -38,7 +39,7 @@ def tiles_for(kernel: KernelConfig, profile: ModelProfile | None = None) -> Tile
             return given
         return getattr(profile, name)
 
-    return Tiles(side("block_m"), side("block_n"), kernel.attention_type)
+    return Tiles(side("block_m"), side("block_n"), kernel.attention_type, kernel.decode_balance)
 
 
 def kv_write(
