@@ -103,6 +103,30 @@ def test_small_models_fp32_match_stock_on_gpu(arch, oxygen):
     assert torch.equal(out.sequences, ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_balanced_decode_gives_the_classic_splits_tokens(arch, oxygen):
+    """kernel.decode_balance (paged decode's balanced mode) inside generate(), eager and
+    replayed from decode graphs, on a batch whose rows' lengths differ (left padding): the
+    classic splits' tokens and logits (float32 rounding apart)."""
+    model, ids, mask = _small_model_and_batch(arch)
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=False,
+              return_dict_in_generate=True, output_logits=True)  # fmt: skip
+
+    def cfg(balance, graphs):  # (64-key chunks at 16-key tiles: the rows take 1-2 each)
+        kernel = dict(precision="fp32_safe", decode_balance=balance, block_n=16)
+        return _ns(dict(kv=dict(decode_graphs=graphs), kernel=kernel))
+
+    with torch.no_grad():
+        hf.apply(model, cfg(False, False))
+        classic = model.generate(ids, **kw)
+        for graphs in (False, True):
+            hf.apply(model, cfg(True, graphs))
+            got = model.generate(ids, **kw)
+            assert torch.equal(got.sequences, classic.sequences), graphs
+            err = max((a - b).abs().max().item() for a, b in zip(got.logits, classic.logits))
+            assert err <= 1e-4 * classic.logits[0].abs().max().item(), (graphs, err)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_decode_graphs_replay_the_eager_steps(arch, oxygen):
     """generate() with decode steps replayed from CUDA graphs gives the eager oxygen path's
