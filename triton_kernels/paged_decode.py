@@ -59,16 +59,15 @@ def _row_chunks(lens_ptr, batch, max_len, window, chunk_target, BLOCK_N: tl.cons
 @triton.jit
 def _chunk_of(lens_ptr, batch, max_len, window, chunk_target, chunk, BLOCK_N: tl.constexpr,
               BLOCK_B: tl.constexpr):  # fmt: skip
-    """Balanced mode: which row chunk `chunk` belongs to, its index in the row, the row's chunk
-    count and whether the chunk exists (balanced_chunks() is the same on the host, for tests).
-    Every row's key work is [its window start rounded down to a key tile, its length)."""
+    """Balanced mode: which row chunk `chunk` belongs to (batch or more: no such chunk), its
+    index in the row and the row's chunk count (balanced_chunks() is the same on the host, for
+    tests). Every row's key work is [its window start rounded down to a key tile, its length)."""
     offs_b, n, ends = _row_chunks(lens_ptr, batch, max_len, window, chunk_target, BLOCK_N, BLOCK_B)
     row = tl.sum((ends <= chunk).to(tl.int32), 0)
-    live = row < batch
     mine = offs_b == row
     n_row = tl.sum(tl.where(mine, n, 0), 0)
     first = tl.sum(tl.where(mine, ends - n, 0), 0)
-    return tl.minimum(row, batch - 1), chunk - first, tl.maximum(n_row, 1), live
+    return row, chunk - first, n_row
 
 
 @triton.jit
@@ -117,14 +116,15 @@ def _decode_kernel(
     gt = pid % group_tiles
     if BALANCED:  # program (kv head x group tile, chunk): the chunk's row and its place in it
         kvh = pid // group_tiles
-        b, split, n_chunks, live = _chunk_of(
+        b, split, n_chunks = _chunk_of(
             lens_ptr, batch, max_len, window, chunk_target, split, BLOCK_N, BLOCK_B
         )
+        if b >= batch:  # past the last chunk (the grid's bound is loose by up to T)
+            return
         num_splits = n_chunks
     else:
         kvh = (pid // group_tiles) % num_kv_heads
         b = pid // (group_tiles * num_kv_heads)
-        live = b >= 0
 
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)
     lo = tl.maximum(seq_len - window, 0)  # no window: the host passes window > max_len
@@ -133,8 +133,6 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
     start = base + split * per_split
     end = tl.minimum(start + per_split, seq_len)
-    if BALANCED:
-        end = tl.where(live, end, start)  # a program past the last chunk: no keys, no stores
 
     offs_g = gt * BLOCK_G + tl.arange(0, BLOCK_G)
     offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
@@ -169,14 +167,14 @@ def _decode_kernel(
         # one chunk: the output itself; more: a partial in the chunk's slot (row order)
         slot = tl.program_id(1) * num_kv_heads * group + heads
         d_mask = (offs_d < HEAD_DIM)[None, :]
-        part = g_mask & live & (n_chunks > 1)
+        part = g_mask & (n_chunks > 1)
         po = po_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(po, acc, mask=part[:, None] & d_mask)
         tl.store(pml_ptr + slot * 2, m_i, mask=part)
         tl.store(pml_ptr + slot * 2 + 1, l_i, mask=part)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        whole = g_mask & live & (n_chunks == 1)
+        whole = g_mask & (n_chunks == 1)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=whole[:, None] & d_mask)
     elif SPLIT:
         po = po_ptr + (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
@@ -228,7 +226,8 @@ def _combine_kernel(
         count = tl.sum(tl.where(mine, n, 0), 0)
         first = tl.sum(tl.where(mine, ends - n, 0), 0) * num_q_heads + h
         stride = num_q_heads
-        count = tl.where(count > 1, count, 0)  # one chunk: nothing to combine
+        if count <= 1:  # one chunk: the decode kernel wrote the output
+            return
     # pass 1: the global max over splits
     m_all = tl.full([SPLIT_TILE], float("-inf"), tl.float32)
     for s0 in range(0, count, SPLIT_TILE):
@@ -256,7 +255,7 @@ def _combine_kernel(
     total = tl.sum(den, 0)
     o = num / tl.where(total == 0.0, 1.0, total)
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask & (count > 0))
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.lru_cache(maxsize=16)
