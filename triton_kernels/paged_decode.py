@@ -167,14 +167,15 @@ def _decode_kernel(
         # one chunk: the output itself; more: a partial in the chunk's slot (row order)
         slot = tl.program_id(1) * num_kv_heads * group + heads
         d_mask = (offs_d < HEAD_DIM)[None, :]
-        part = g_mask & (n_chunks > 1)
+        chunks = heads * 0 + n_chunks  # (as a vector: a scalar's bool in a mask is refused)
+        part = g_mask & (chunks > 1)
         po = po_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(po, acc, mask=part[:, None] & d_mask)
         tl.store(pml_ptr + slot * 2, m_i, mask=part)
         tl.store(pml_ptr + slot * 2 + 1, l_i, mask=part)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        whole = g_mask & (n_chunks == 1)
+        whole = g_mask & (chunks == 1)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=whole[:, None] & d_mask)
     elif SPLIT:
         po = po_ptr + (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
