@@ -74,6 +74,35 @@ def test_freeze_once_collects_then_freezes_the_heap_once_per_process():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_refreeze_after_a_compile_freezes_what_was_made_since_once_frozen():
+    # in a process of its own: a freeze lasts for the process
+    code = textwrap.dedent(
+        """
+        import gc
+        from oxygen_torch.engine import gc_watch
+        gc_watch.install()
+        assert gc_watch.refreeze("a compile") is False  # never frozen: nothing done
+        assert gc.get_freeze_count() == 0
+        assert gc_watch.freeze_once() is True
+        frozen = gc.get_freeze_count()
+        class Node:
+            pass
+        a, b = Node(), Node()  # cyclic garbage made since the freeze: collected, not frozen
+        a.b, b.a = b, a
+        del a, b
+        made = [[i] for i in range(5000)]  # a compile's long-lived objects: frozen
+        assert gc_watch.refreeze("a compile") is True
+        assert gc.get_freeze_count() >= frozen + 5000, (gc.get_freeze_count(), frozen)
+        live = {id(o) for o in gc.get_objects()}
+        assert not any(id(x) in live for x in made[:100])
+        assert not any(type(o).__name__ == "Node" for o in gc.get_objects())
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_an_engine_on_the_cpu_does_not_freeze(oxygen, monkeypatch):
     calls = []
     monkeypatch.setattr(gc_watch, "freeze_once", lambda: calls.append(1))

@@ -122,7 +122,11 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     (kv.cpu_decode_graphs "fuse"). 8 concurrent calls of 1-3 rows pass through several rows
     buckets, each captured at once (whole: one compile, then sizes compiled symbolic); every
     call's tokens and its float32 logits at every step equal stock's."""
+    from oxygen_torch.engine import gc_watch
+
     monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", 0)
+    refrozen = []  # each compile's objects frozen after it (engine/gc_watch.py refreeze)
+    monkeypatch.setattr(gc_watch, "refreeze", refrozen.append)
     model = tiny(arch)
     seeds = torch.randint(0, 10_000, (8,)).tolist()
     kws = [dict(call(s), return_dict_in_generate=True, output_logits=True) for s in seeds]
@@ -139,6 +143,7 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["replays"] > 0 and st["failed"] == 0, st
     assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
+    assert refrozen == ["a merged decode graph's compile"] * st["captures"], (refrozen, st)
 
 
 def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(

@@ -205,7 +205,11 @@ def compiled(graphs, monkeypatch, fresh_compile):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3"])
-def test_compiled_decode_step_equals_eager(compiled, arch):
+def test_compiled_decode_step_equals_eager(compiled, arch, monkeypatch):
+    from oxygen_torch.engine import gc_watch
+
+    refrozen = []  # the compile's objects frozen after it (engine/gc_watch.py refreeze)
+    monkeypatch.setattr(gc_watch, "refreeze", refrozen.append)
     model = tiny(arch)
     ids, mask = batch()
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
@@ -220,6 +224,7 @@ def test_compiled_decode_step_equals_eager(compiled, arch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     st = hf_graphs.stats(model)
     assert st["captures"] == 1 and st["compiled"] == 1 and st["fused"] == 0, st
+    assert refrozen == ["a decode graph's compile"]
     layers = model.config.num_hidden_layers
     s = oc.stats()  # one graph, every layer's attention an oxygen::paged_step, nothing left
     assert s["graphs_compiled"] == 1, s

@@ -36,6 +36,7 @@ import torch
 
 from ... import _patching, context
 from ...compile.cudagraphs import CaptureError, GraphRunner
+from ...engine import gc_watch
 from . import fuse, trace_guard
 from .cache import PagedKVCache
 
@@ -286,6 +287,8 @@ def decode_step(model, forward, kw: dict, cache: PagedKVCache, cache_name: str):
         fuse_on = fuse_here and kv.decode_graph_fusion
         out = g.run(model, forward, core, kw, cache_name=cache_name, fuse_on=fresh and fuse_on)
         mg.captures += fresh
+        if fresh and fuse_on:  # its compile's objects out of later full collections
+            gc_watch.refreeze("a decode graph's compile")
         return out
     except CaptureError as failed:  # this signature stays eager; the step itself was done
         with _lock:

@@ -41,6 +41,7 @@ import torch
 
 from ... import _patching, context
 from ...compile.cudagraphs import CaptureError, GraphRunner
+from ...engine import gc_watch
 from ...kv.merged import MergedStep
 from ...kv.plan import StepPlan
 from ...kv.storage import GUARD_BLOCK
@@ -285,6 +286,8 @@ class MergedGraphs:
                 )
                 logits = failed.result[0]
             self.captures += fresh
+            if fresh and fuse_on:  # its compile's objects out of later full collections
+                gc_watch.refreeze("a merged decode graph's compile")
             self.out_type = g.out_type
             return logits[:r]
 
