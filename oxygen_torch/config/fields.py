@@ -411,9 +411,10 @@ class SchedulerConfig:
     # 29,866 / 23,909 / 23,524 in the same call (no clear gain; both before gc_freeze)
     engine_stream: bool = False
     # the first engine on a GPU runs a full garbage collection and freezes what survives
-    # (gc.freeze, once per process): later full collections walk only newer objects instead of
-    # every object of torch, transformers and the model, a 0.2-0.5 s pause of every thread
-    # (engine/gc_watch.py)
+    # (gc.freeze), and again after each decode graph compiled (a compile leaves ~10^5
+    # long-lived objects): later full collections walk only newer objects instead of every
+    # object of torch, transformers, the model and the compiles, a 0.1-0.5 s pause of every
+    # thread (engine/gc_watch.py)
     gc_freeze: bool = True
     # an idle engine (no row running) with generate() calls on their way in (from their start
     # to their rows' submission) waits while they keep coming: until none has passed for this
