@@ -51,8 +51,9 @@ def _row_chunks(lens_ptr, batch, max_len, window, chunk_target, BLOCK_N: tl.cons
     in_b = offs_b < batch
     lens = tl.minimum(tl.load(lens_ptr + offs_b, mask=in_b, other=0), max_len)
     work = lens - (tl.maximum(lens - window, 0) // BLOCK_N) * BLOCK_N
-    size = tl.maximum(tl.cdiv(tl.sum(work, 0), chunk_target), 4 * BLOCK_N)
-    n = tl.where(in_b, tl.maximum(tl.cdiv(work, size), 1), 0)
+    # (the total in int64: rows sharing a long prefix can sum past 2^31 keys)
+    size = tl.maximum(tl.cdiv(tl.sum(work.to(tl.int64), 0), chunk_target), 4 * BLOCK_N)
+    n = tl.where(in_b, tl.maximum(tl.cdiv(work, size), 1), 0).to(tl.int32)
     return offs_b, n, tl.cumsum(n, 0)
 
 
