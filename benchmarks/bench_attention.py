@@ -50,7 +50,9 @@ HQ, HKV, D = 32, 8, 128
 DECODE = [(32, 4096), (64, 1024), (8, 32768), (1, 32768)]
 PREFILL = [(4, 4096), (1, 16384)]
 FP8_CASES = ((32, 4096), (8, 32768))  # fp8 KV decode beside the bf16 one
-SKEWED = (32768, 512, 31)  # one sequence of 32k tokens beside 31 of 512 in one decode batch
+# skewed decode batches (n_long rows of `long` tokens beside n_short of `short`): one 32k row
+# beside 31 of 512 (issue 17's case), two 16k rows beside 62 of 256, four 8k beside 60 of 1k
+SKEWED = ((1, 32768, 31, 512), (2, 16384, 62, 256), (4, 8192, 60, 1024))
 BLOCK_TOKENS = (16, 64)
 ERR_SHAPE, ERR_NEW = (4, 4096, 16), 512  # (batch, seq_len, block_tokens), new tokens (prefill)
 BUDGET_S = 225  # the whole run stays under ~4 minutes; optional parts stop when it is spent
@@ -290,23 +292,23 @@ def prefill_case(b, s, gen):
             f"time vs bf16 = {ms / bf16_ms:.2f}x")  # fmt: skip
 
 
-def skewed_case(gen):
-    """One long sequence beside many short ones in one decode batch (issue 17: 32k + 31 x 512).
-    No SDPA call takes ragged lengths: the anchors run one call per length group, timed
-    together; ours is one paged call over the ragged batch."""
-    (long_, short, n_short), bt = SKEWED, 16
-    lens = [long_] + [short] * n_short
+def skewed_case(gen, n_long, long_, n_short, short):
+    """Long sequences beside many short ones in one decode batch. No SDPA call takes ragged
+    lengths: the anchors run one call per length group, timed together; ours is one paged
+    call over the ragged batch (the classic grid, then balanced mode)."""
+    bt = 16
+    lens = [long_] * n_long + [short] * n_short
     b = len(lens)
-    case = f"decode skewed 1x{long_}+{n_short}x{short}"
+    case = f"decode skewed {n_long}x{long_}+{n_short}x{short}"
     q = torch.randn(b, HQ, 1, D, device=DEV, dtype=BF16, generator=gen)
     kv = [torch.randn(2, n, HKV, n_tok, D, device=DEV, dtype=BF16, generator=gen)
-          for n, n_tok in ((1, long_), (n_short, short))]  # fmt: skip
+          for n, n_tok in ((n_long, long_), (n_short, short))]  # fmt: skip
     nbytes = sum(x.nbytes for x in kv)  # K + V read
     ref = None
     for name, backend in (("sdpa cuDNN", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
         fn = lambda: [F.scaled_dot_product_attention(qq, x[0], x[1], enable_gqa=True)
-                      for qq, x in zip((q[:1], q[1:]), kv)]  # fmt: skip
+                      for qq, x in zip((q[:n_long], q[n_long:]), kv)]  # fmt: skip
         try:
             with sdpa_kernel(backend):
                 out = torch.cat(fn())
@@ -493,7 +495,10 @@ def main():
         decode_case(b, n, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    skewed_case(gen)
+    for shape in SKEWED:
+        skewed_case(gen, *shape)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     for b, s in progress(PREFILL if not ARGS.decode_only else (), "prefill cases"):
         prefill_case(b, s, gen)
         if DEV == "cuda":
