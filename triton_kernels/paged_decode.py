@@ -71,7 +71,9 @@ def _chunk_of(lens_ptr, batch, max_len, window, chunk_target, chunk, BLOCK_N: tl
     return row, chunk - first, n_row
 
 
-@triton.jit
+# (batch and chunk_target: runtime values of balanced mode; specialised, they would compile
+# the classic kernel again for batches of 1, of multiples of 16 and of the rest)
+@triton.jit(do_not_specialize=["batch", "chunk_target"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -190,7 +192,7 @@ def _decode_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "max_len", "window", "chunk_target"])
 def _combine_kernel(
     po_ptr,
     pml_ptr,
