@@ -85,11 +85,10 @@ def refreeze(why: str) -> bool:
     process froze once (freeze_once: scheduler.gc_freeze on a GPU); True when it did."""
     if not _frozen:
         return False
-    with _lock:
-        t = time.perf_counter()
-        before = gc.get_freeze_count()
-        gc.collect()
-        gc.freeze()
+    t = time.perf_counter()
+    before = gc.get_freeze_count()
+    gc.collect()  # (no lock held: a collection runs finalizers)
+    gc.freeze()
     log.info(
         "oxygen_torch: froze %d more objects after %s in %.0f ms (scheduler.gc_freeze; "
         "engine/gc_watch.py)",
