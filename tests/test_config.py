@@ -128,6 +128,12 @@ def test_bad_kwargs_and_direct_construction():
     assert load_config(kernel=KernelConfig(block_m=32)).kernel.block_m == 32
     assert load_config(kernel__block_n=64).kernel.block_n == 64
     assert load_config(decode_balance=True).kernel.decode_balance is True
+    with pytest.raises(ValueError, match="kernel.decode_balance: true with scheduler.max_step_"):
+        load_config(decode_balance=True, max_step_seqs=5000)
+    assert load_config(decode_balance=True, max_step_seqs=4096).scheduler.max_step_seqs == 4096
+    from oxygen_torch.triton_kernels.paged_decode import MAX_BALANCED_BATCH
+
+    assert MAX_BALANCED_BATCH == 4096  # (the configuration's check holds the kernel's bound)
     with pytest.raises(ValueError, match="kernel.decode_balance"):
         KernelConfig(decode_balance="yes")
     assert SchedulerConfig(alpha=1, beta=0).alpha == 1

@@ -506,6 +506,16 @@ class OxygenConfig:
     # model profiles given in the YAML file's `optimizations:` block, merged over the built-ins
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self):
+        # balanced decode holds every row's length in each program's registers (at most 4096
+        # rows, paged_decode's MAX_BALANCED_BATCH): an engine step of more rows would fail
+        if self.kernel.decode_balance and self.scheduler.max_step_seqs > 4096:
+            raise ValueError(
+                f"kernel.decode_balance: true with scheduler.max_step_seqs "
+                f"{self.scheduler.max_step_seqs}; balanced decode takes at most 4096 rows a step "
+                "(lower scheduler.max_step_seqs, or leave kernel.decode_balance false)"
+            )
+
     def as_dict(self) -> dict[str, Any]:
         """Flat {dotted key: value} of every field."""
         out = {}
