@@ -399,13 +399,15 @@ def test_a_disconnect_mid_stream_ends_the_call_and_frees_its_blocks(srv, loaded)
     before = cancelled(srv)
     with Slow(model, 0.02):  # 200 tokens would take 4 s or more
         stream = srv.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200,
-                                                 temperature=0.8, stream=True)  # fmt: skip
+                                                 temperature=0.8, stream=True,
+                                                 extra_body={"min_tokens": 200})  # fmt: skip
         for n, _chunk in enumerate(stream):
             if n == 2:
                 break
         assert blocks_in_use() > 0
         stream.close()
-        # cancelled, not finished: the call did not reach its 200 tokens
+        # cancelled, not finished: the call did not reach its 200 tokens (min_tokens: nor a
+        # sampled EOS)
         assert wait_for(lambda: cancelled(srv) == before + 1 and blocks_in_use() == 0, 10)
 
 
@@ -415,5 +417,6 @@ def test_a_client_that_leaves_a_non_streamed_call_ends_it(srv, loaded):
     with Slow(model, 0.02):
         with pytest.raises(openai.APITimeoutError):
             srv.client(timeout=0.5).completions.create(model="tiny", prompt=PROMPTS[1],
-                                                      max_tokens=200)  # fmt: skip
+                                                      max_tokens=200,
+                                                      extra_body={"min_tokens": 200})  # fmt: skip
         assert wait_for(lambda: cancelled(srv) == before + 1 and blocks_in_use() == 0, 10)
