@@ -41,7 +41,12 @@ from oxygen_torch.triton_kernels import (
     paged_prefill,
     paged_prefill_ref,
 )
-from oxygen_torch.triton_kernels.paged_decode import balance_target, balanced_chunks, decode_launch
+from oxygen_torch.triton_kernels.paged_decode import (
+    _num_sms,
+    balance_target,
+    balanced_chunks,
+    decode_launch,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oxygen_torch.tools.progress import progress
@@ -207,8 +212,7 @@ def balanced_row(case, classic_fn, q3, kc, table, lens, bt, nbytes, ref):
     fn = functools.partial(classic_fn, out=out, balance=True)
     fn()
     cfg, tiles_g, _ = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
-    target = balance_target(kc.shape[2], tiles_g, torch.cuda.get_device_properties(DEV)
-                            .multi_processor_count if DEV == "cuda" else 132)  # fmt: skip
+    target = balance_target(kc.shape[2], tiles_g, _num_sms(q3.device))
     n = balanced_chunks(lens.tolist(), 1 << 30, table.shape[1] * bt, cfg.block_n, target)
     err = rel_err(out, ref[:, :, 0]) if ref is not None else None
     ms = bench(fn)

@@ -393,6 +393,7 @@ def paged_decode(
         part_o = part_ml = out  # unused
     grid = (hkv * group_tiles, slots) if balanced else (batch * hkv * group_tiles, splits)
     block_b = next_pow2(batch) if balanced else 1
+    win, max_len = window or NO_WINDOW, block_table.shape[1] * bt
     qk_scale = C.softmax_scale(scale, d) * LOG2E
     ks = k_scale if fp8 else q  # unused pointer when not fp8
     vs = v_scale if fp8 else q
@@ -408,8 +409,8 @@ def paged_decode(
         part_o,
         part_ml,
         qk_scale,
-        window or NO_WINDOW,
-        block_table.shape[1] * bt,
+        win,
+        max_len,
         hkv,
         hq // hkv,
         group_tiles,
@@ -438,42 +439,26 @@ def paged_decode(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if balanced:
+    if balanced or splits > 1:
+        # balanced: the combine recomputes the decode kernel's cut from the same lengths
+        cut = {}
+        if balanced:
+            cut = dict(BALANCED=True, BLOCK_B=block_b, BLOCK_N=cfg.block_n, batch=batch,
+                       max_len=max_len, window=win, chunk_target=target)  # fmt: skip
         _combine_kernel[(batch * hq,)](
             part_o,
             part_ml,
             out,
             hq,
-            1,
+            max(splits, 1),
             out.stride(0),
             out.stride(1),
             HEAD_DIM=d,
             D_PAD=next_pow2(d),
-            SPLIT_TILE=16,
-            BALANCED=True,
-            BLOCK_B=block_b,
-            BLOCK_N=cfg.block_n,
-            lens_ptr=seq_lens,
-            batch=batch,
-            max_len=block_table.shape[1] * bt,
-            window=window or NO_WINDOW,
-            chunk_target=target,
+            SPLIT_TILE=16 if balanced else min(16, next_pow2(splits)),
+            lens_ptr=seq_lens,  # (classic: unused; one signature for both modes)
             num_warps=4,
-        )
-    elif splits > 1:
-        _combine_kernel[(batch * hq,)](
-            part_o,
-            part_ml,
-            out,
-            hq,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=d,
-            D_PAD=next_pow2(d),
-            SPLIT_TILE=min(16, next_pow2(splits)),
-            lens_ptr=seq_lens,  # (unused here: one signature for both modes)
-            num_warps=4,
+            **cut,
         )
     return out
 
