@@ -1130,3 +1130,46 @@ def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen, monkeypatch)
     assert len(wakes) <= 2 + took / 0.08, (sizes, took)  # (each wake after the first: 80 ms on)
     gaps = sorted(b[0] - a[0] for a, b in zip(wakes, wakes[1:]))
     assert gaps[len(gaps) // 2] > 0.06, gaps  # (a late wake shortens the gap after it)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_fresh_prompts_attend_their_own_kv_in_the_engine(oxygen, arch):
+    """kv.fresh_prefill in the engine: a step of fresh prompts only (a batch with left padding:
+    runs of equal and unequal lengths once packed) attends its own K/V under "dense" and reads
+    the blocks under "paged"; tokens and logits agree with each other and with stock, and the
+    counts say which path each layer's prefill took. A step with a cached prefix (prompts cut
+    over steps of 32 tokens: a row's later chunk) stays paged under either."""
+    model = tiny(arch, seed=5)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    ids = torch.randint(3, 128, (4, 21), generator=g)
+    mask = torch.ones_like(ids)
+    for r, pad in enumerate((0, 6, 6, 2)):  # packed rows of 21, 15, 15, 19 tokens
+        mask[r, :pad] = 0
+        ids[r, :pad] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=5,
+              output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        got = {}
+        for setting in ("dense", "paged"):
+            hf.apply(model, load_config(scheduler={"engine": True}, fresh_prefill=setting))
+            oxygen_torch.compile.reset_stats()
+            got[setting] = model.generate(**kw)
+            paths = oxygen_torch.compile.stats()["prefill_attention"]
+            assert paths == {
+                "dense": layers if setting == "dense" else 0,
+                "paged": 0 if setting == "dense" else layers,
+                "why": {f"kv.fresh_prefill={setting}": layers},
+            }, paths
+            hf.apply(model, load_config(scheduler={"engine": True, "max_step_tokens": 32},
+                                        fresh_prefill=setting))  # fmt: skip
+            oxygen_torch.compile.reset_stats()
+            chunked = model.generate(**kw)
+            paths = oxygen_torch.compile.stats()["prefill_attention"]
+            assert paths["why"].get("cached prefix", 0) >= layers, paths
+            assert torch.equal(chunked.sequences, ref.sequences)
+    for setting, out in got.items():
+        assert torch.equal(out.sequences, ref.sequences), setting
+        for a, r in zip(out.logits, ref.logits):
+            assert (a - r).abs().max() / r.abs().max() < 1e-5, setting

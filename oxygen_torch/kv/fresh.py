@@ -6,8 +6,8 @@ Which path a call takes is decided per call (`choose`), from the cache's `kv.fre
 setting and, for ``auto``, the first entry of `AUTO` the call matches; nothing is stored but the
 counts of what ran (`stats`, shown as ``oxygen_torch.compile.stats()["prefill_attention"]``).
 Only a step with no stored token for any of its sequences is fresh: a chunked prefill's later
-chunks, a continued generation and the multi-task engine's merged steps read the cache, so they
-stay paged.
+chunks, a continued generation and an engine step with a cached prefix or a decode row in it
+read the cache, so they stay paged (an engine step of fresh prompts only: kv/merged.py).
 
 Semantics are the paged kernels' exactly: causal, window (p - W, p], padding never attended and
 its rows 0. Padding is skipped in storage, so the paged kernels count window distances between

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from . import engine_streams, transfer
+from . import fresh as _fresh
 from .attention import kv_write, paged_attention
 from .core import PagedKVCore
-from .fresh import count as count_prefill
 from .plan import StepPlan
 from .storage import GUARD_BLOCK
 from .swap import resident
@@ -31,6 +31,17 @@ from .window import check_narrow_window, narrowed_window
 @lru_cache(maxsize=256)
 def _pad(n: int) -> tuple[int, ...]:
     return (GUARD_BLOCK,) * n
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """(length, count) of each run of equal consecutive entries."""
+    out: list[tuple[int, int]] = []
+    for n in rows:
+        if out and out[-1][0] == n:
+            out[-1] = (n, out[-1][1] + 1)
+        else:
+            out.append((n, 1))
+    return out
 
 
 @dataclass
@@ -64,6 +75,8 @@ class MergedStep:
         self.tokens = sum(sum(p.counts) for p in parts)
         self._plan: StepPlan | None = None
         self._starts: list[list[int]] = []
+        self._rows: list[int] = []  # every row's new tokens, packed in this order
+        self._fresh = False  # no row with new tokens held a token before the step
         self._narrowed: int | None = None  # the narrowest window a part narrowed behind
 
     # --- planning (host) ---------------------------------------------------------------------
@@ -86,6 +99,10 @@ class MergedStep:
             if p.core._swapped is not None or p.core._ready is not None:
                 resident(p.core)
         self._starts = [list(p.core.seqs.lens) for p in self.parts]
+        self._rows = [n for p in self.parts for n in p.counts]
+        self._fresh = all(
+            n0 == 0 for p, st in zip(self.parts, self._starts) for n0, n in zip(st, p.counts) if n
+        )
         for p in self.parts:
             if p.counts == [1]:  # one token of one row (the engine's decodes): mostly no block
                 p.core._reserve_one_each()
@@ -169,15 +186,50 @@ class MergedStep:
         if self._narrowed is not None:  # a hybrid pool: the kernel may not read narrowed pages
             check_narrow_window(layer, sliding_window, self._narrowed, self.pool.key.window_layers)
         st = self.pool.storage
+        if plan.cu_seqlens_q is not None:
+            path, why = self._prefill_path(q, sliding_window, k is not None)
+            _fresh.count(path, why, layer)
+            if path == "dense":
+                return self._dense(q, k, v, scale, sliding_window)
         qq = q[0].transpose(0, 1)  # [T, Hq, D]
-        if plan.cu_seqlens_q is not None:  # prefill chunks beside decode rows: always paged
-            count_prefill("paged", "merged step", layer)
         out = paged_attention(
             qq, st.k[layer], st.v[layer], self.table, self.seq_lens, plan.cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, precision=self.precision,
             k_scale=self.pool.k_scale(layer), v_scale=self.pool.v_scale(layer), tiles=self.tiles,
         )  # fmt: skip
         return out.unsqueeze(0)
+
+    def _prefill_path(self, q, sliding_window, have_kv: bool) -> tuple[str, str]:
+        """kv/fresh.py's choice for a prefill step. Only a step whose every row is a fresh
+        prompt (no cached prefix, no decode row beside it) may attend its own K/V; its columns
+        are its shortest row's tokens, so every row is at least the size an auto entry was
+        measured on."""
+        first = self.parts[0].core
+        return _fresh.choose(
+            first.fresh_prefill, fresh=self._fresh and have_kv, device=q.device, dtype=q.dtype,
+            head_dim=q.shape[-1], columns=min(n for n in self._rows if n), padded=False,
+            window=sliding_window, kv_dtype=first.kv_dtype, precision=self.precision,
+        )  # fmt: skip
+
+    def _dense(self, q, k, v, scale, sliding_window) -> torch.Tensor:
+        """Every row's prompt attends its own K/V (q: [1, Hq, T, D], k/v: [1, Hkv, T, D], the
+        rows packed): SDPA once per run of consecutive rows of one length (a run is a batch of
+        equal prompts) -> [1, T, Hq, D]."""
+        outs, at = [], 0
+        for n, g in _runs(self._rows):
+            if not n:
+                continue
+            qkv = [x[0, :, at : at + g * n].unflatten(1, (g, n)).transpose(0, 1) for x in (q, k, v)]
+            o = _fresh.dense_attention(
+                *qkv,
+                real=None,
+                scale=scale,
+                sliding_window=sliding_window,
+                precision=self.precision,
+            )  # fmt: skip  [g, n, Hq, D]
+            outs.append(o.reshape(1, g * n, *o.shape[2:]))
+            at += g * n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # --- after the forward ---------------------------------------------------------------------
 

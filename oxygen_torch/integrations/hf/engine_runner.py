@@ -210,7 +210,10 @@ def _engine_key(model, cfg, text=None) -> tuple:
     if hit is not None and hit[0] is cfg and hit[1] is text:
         return hit[2]
     core = PagedKVCache(config=text, cfg=cfg)._core
-    key = (core.pool_key(*geometry), core.precision, core.tiles, cfg.scheduler)
+    # cfg.kv whole: the runner reads kv.* settings beyond the pool's (fresh_prefill, the step's
+    # tokens, the decode graphs' fusion...), so a configuration that changes one of them gets an
+    # engine that follows it rather than an earlier one that silently would not
+    key = (core.pool_key(*geometry), core.precision, core.tiles, cfg.scheduler, cfg.kv)
     with _engines_lock:
         memo = _keys.setdefault(model, {})
         if len(memo) >= 16:  # (configurations a model is called with: a bound)
