@@ -649,6 +649,59 @@ def test_lower_prompts_beside_a_higher_call_share_the_cap_of_a_step(oxygen, cap)
         assert max(beside, default=0) > 8, steps
 
 
+@pytest.mark.parametrize("cap", [6, 0])
+@pytest.mark.parametrize("level", ["normal", "high"])
+def test_prompts_beside_top_level_decodes_share_the_decode_cap(oxygen, cap, level):
+    """scheduler.decode_prefill_tokens: a call decodes (priority `level`) when three calls of
+    the same level with 40-token prompts arrive: in every step that serves the decoding call,
+    the prompts' chunks take at most `cap` tokens together (0: no cap, a whole prompt joins a
+    step), and the prompts still progress. lower_prefill_tokens is off, so only this cap acts.
+    Every call's tokens equal stock's."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    first = dict(input_ids=torch.randint(3, 128, (1, 5), generator=g), max_new_tokens=50,
+                 min_new_tokens=50, do_sample=False)  # fmt: skip
+    later = [dict(input_ids=torch.randint(3, 128, (1, 40), generator=g), max_new_tokens=4,
+                  do_sample=False) for _ in range(3)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**first)] + [model.generate(**kw) for kw in later]
+    sched = {"engine": True, "decode_prefill_tokens": cap, "lower_prefill_tokens": 0}
+    hf.apply(model, load_config(scheduler=sched))
+    _generate(model, dict(first, max_new_tokens=2, min_new_tokens=2))  # the engine exists
+    (eng,) = engines(model)
+    steps, launch = [], eng._launch
+
+    def recorded(rows):  # (the first call decodes in the step, the prompt tokens in it)
+        decoding = any(row.ids is None and len(row.req.prompt) == 5 for row in rows)
+        steps.append((decoding, sum(row.n for row in rows if row.ids is not None)))
+        return launch(rows)
+
+    eng._launch = recorded
+    going = threading.Event()
+
+    class Going(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.puts) == 4:  # the first call has 3 new tokens: the others come
+                going.set()
+
+    def run(i):
+        with oxygen_torch.task(priority=level):
+            if i == 0:
+                return _generate(model, dict(first, streamer=Going()))
+            assert going.wait(60)
+            return _generate(model, later[i - 1])
+
+    out, errors = in_threads(run, [(i,) for i in range(4)])
+    assert not errors, errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(4))
+    beside = [n for decoding, n in steps if decoding and n]
+    if cap:
+        assert len(beside) >= 120 // cap and max(beside) <= cap, steps
+    else:
+        assert max(beside, default=0) > 8, steps
+
+
 def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     from oxygen_torch.engine.stats import METRICS
 

@@ -395,6 +395,12 @@ class SchedulerConfig:
     # shape) a high row's slow steps under a trace were steps that carried a low call's prompt:
     # 28.4 ms at P99 against 4.0 ms with no low load
     lower_prefill_tokens: int = 256
+    # while rows of the highest live priority level decode, a step's prefill chunks (every
+    # level's) take at most this many tokens together, so those rows' time per token stays near
+    # a decode step's even when prompts arrive (a step of max_step_tokens prompt tokens is tens
+    # of ms on a 1B model); prompts then start over more steps. 0 = no such cap (the default
+    # until measured on a trace)
+    decode_prefill_tokens: int = 0
     # how long a step waits for a call that has not submitted yet before it goes without it
     gather_ms: float = 5.0
     # merged decode steps (every row one token) replayed from CUDA graphs by batch-size bucket;
@@ -461,6 +467,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduler.lower_prefill_tokens: {describe(self.lower_prefill_tokens)} is out "
                 "of range; allowed: 0 (no cap) … 1048576"
+            )
+        if not 0 <= self.decode_prefill_tokens <= 1 << 20:
+            raise ValueError(
+                f"scheduler.decode_prefill_tokens: {describe(self.decode_prefill_tokens)} is "
+                "out of range; allowed: 0 (no cap) … 1048576"
             )
         for name, top in (("max_step_tokens", 1 << 20), ("max_step_seqs", 1 << 16)):
             v = getattr(self, name)

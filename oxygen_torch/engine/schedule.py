@@ -7,7 +7,10 @@ The engine's rows are Requests (engine/request.py). A step takes, in this order:
    ones) in the policy's order (WFQ: the lowest virtual-token counter first), each cut to the
    token budget left (max_step_tokens). While a row of a higher priority level is live, the
    chunks of lower-level rows share at most `scheduler.lower_prefill_tokens` of a step: a
-   higher row's steps stay short, and a lower row still gets some of every step.
+   higher row's steps stay short, and a lower row still gets some of every step. While rows of
+   the highest live level decode in the step, every prefill chunk beside them shares at most
+   `scheduler.decode_prefill_tokens` (0: no such cap), so their time per token stays near a
+   decode step's when prompts arrive.
 
 KV blocks are counted before a row joins: when they are short, rows of a lower priority level
 (or the same level, younger) are preempted, their blocks freed and their tokens computed again
@@ -119,15 +122,22 @@ def choose(engine, budget: Budget) -> list[StepRow]:
          if r.pending == 0 and r.finished is None and not r.swapped and allowed(r)],
     )  # fmt: skip
     cap, top = engine.cfg.lower_prefill_tokens, None
-    if cap and prefills:  # the highest level live: lower rows' chunks share `cap` tokens
+    shared = engine.cfg.decode_prefill_tokens or None
+    if (cap or shared) and prefills:  # the highest level live
         top = max((r.task.level for rs in (engine.running, engine.waiting) for r in rs
                    if r.finished is None), default=None)  # fmt: skip
+    if shared is not None and (top is None or not any(w.req.task.level >= top for w in rows)):
+        shared = None  # (no row of the highest level decodes in this step: no shared cap)
+    capped = bool(cap) and top is not None
     for r in prefills:
         if budget.tokens <= 0:
             break
         if id(r) in gone:
             continue
-        limit = cap if top is not None and r.task.level < top else None
+        lower = capped and r.task.level < top  # lower rows share `cap`
+        limit = cap if lower else None
+        if shared is not None:  # every prefill chunk beside the top level's decodes
+            limit = shared if limit is None else min(limit, shared)
         if limit is not None and limit <= 0:
             continue
         if budget.seqs <= 0 and not _make_room(engine, r, budget, rows):
@@ -135,8 +145,10 @@ def choose(engine, budget: Budget) -> list[StepRow]:
         row = _chunk(engine, r, budget, rows, limit)
         if row is not None:
             rows.append(row)
-            if limit is not None:
+            if lower:
                 cap -= row.n
+            if shared is not None:
+                shared -= row.n
     return rows
 
 
