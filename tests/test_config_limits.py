@@ -48,6 +48,8 @@ def clean_env(monkeypatch):
         ("prefetch_distance", HUGE, "kv.prefetch_distance: an integer of 16610 bits"),
         ("block_m", HUGE, "kernel.block_m: an integer of 16610 bits"),
         ("hysteresis_ms", HUGE, "pool.hysteresis_ms: .* is not a number"),
+        ("decode_prefill_tokens", -1, "scheduler.decode_prefill_tokens: -1 is out of range"),
+        ("decode_prefill_tokens", 1 << 21, "scheduler.decode_prefill_tokens: 2097152 is out of"),
     ],
     ids=lambda v: "5000-digits" if v is HUGE else None,
 )
