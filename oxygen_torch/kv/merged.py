@@ -181,8 +181,9 @@ class MergedStep:
         return self._plan
 
     def attend(self, layer, q, plan, *, scale, sliding_window, k=None, v=None) -> torch.Tensor:
-        """q: [1, Hq, T, D] -> [1, T, Hq, D]. k, v (the packed new K/V) are not read: every row
-        attends over the blocks, where write() stored them."""
+        """q: [1, Hq, T, D] -> [1, T, Hq, D]. Every row attends over the blocks, where write()
+        stored its new K/V, except in a step of fresh prompts that kv.fresh_prefill sends to the
+        dense path: k, v (the packed new K/V, [1, Hkv, T, D]) are attended directly there."""
         if self._narrowed is not None:  # a hybrid pool: the kernel may not read narrowed pages
             check_narrow_window(layer, sliding_window, self._narrowed, self.pool.key.window_layers)
         st = self.pool.storage
