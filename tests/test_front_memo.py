@@ -148,11 +148,14 @@ def test_a_changed_generation_config_reaches_the_next_engine_call(oxygen):
 def test_the_engine_key_is_a_fresh_probes_for_each_configuration_and_dtype(oxygen):
     model = tiny("llama")
     confs = [ENGINE, load_config(scheduler={"engine": True}, kv={"block_tokens": 32}),
-             load_config(scheduler={"engine": True, "max_step_seqs": 7})]  # fmt: skip
+             load_config(scheduler={"engine": True, "max_step_seqs": 7}),
+             # a kv.* setting the runner reads and the pool does not: an engine of its own
+             load_config(scheduler={"engine": True}, kv={"fresh_prefill": "paged"})]  # fmt: skip
 
     def probe(cfg):
         core = PagedKVCache(config=model.config.get_text_config(decoder=True), cfg=cfg)._core
-        return (core.pool_key(*_geometry(model)), core.precision, core.tiles, cfg.scheduler)
+        return (core.pool_key(*_geometry(model)), core.precision, core.tiles, cfg.scheduler,
+                cfg.kv)  # fmt: skip
 
     for _ in range(2):
         for cfg in confs:
