@@ -77,6 +77,7 @@ class MergedStep:
         self._starts: list[list[int]] = []
         self._rows: list[int] = []  # every row's new tokens, packed in this order
         self._fresh = False  # no row with new tokens held a token before the step
+        self._masks: dict[int, dict] = {}  # the dense path's window masks, by row length
         self._narrowed: int | None = None  # the narrowest window a part narrowed behind
 
     # --- planning (host) ---------------------------------------------------------------------
@@ -221,13 +222,14 @@ class MergedStep:
             if not n:
                 continue
             qkv = [x[0, :, at : at + g * n].unflatten(1, (g, n)).transpose(0, 1) for x in (q, k, v)]
-            o = _fresh.dense_attention(
+            o = _fresh.dense_attention(  # [g, n, Hq, D]; a window's mask made once a step
                 *qkv,
                 real=None,
                 scale=scale,
                 sliding_window=sliding_window,
                 precision=self.precision,
-            )  # fmt: skip  [g, n, Hq, D]
+                masks=self._masks.setdefault(n, {}),
+            )
             outs.append(o.reshape(1, g * n, *o.shape[2:]))
             at += g * n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
