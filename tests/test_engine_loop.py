@@ -597,29 +597,27 @@ def test_a_high_call_into_a_full_engine_starts_within_a_bound_and_low_calls_fini
     assert eng.stats.preemptions >= 1
 
 
-@pytest.mark.parametrize("cap", [8, 0])
-def test_lower_prompts_beside_a_higher_call_share_the_cap_of_a_step(oxygen, cap):
-    """scheduler.lower_prefill_tokens: three low-priority calls with 40-token prompts arrive
-    while a high-priority call decodes: in every step that serves the high call, the low
-    calls' prompt chunks take at most `cap` tokens together, and they still progress beside it
-    (0: no cap, a whole prompt joins a step). Every call's tokens equal stock's."""
-    model = tiny("llama")
+def _prompts_beside_a_decode(model, sched: dict, levels: tuple[str, str], new: int) -> list:
+    """A call of 5 prompt tokens and `new` new ones (priority levels[0]) decodes when three calls
+    with 40-token prompts (priority levels[1]) arrive after its third token, on an engine with
+    `sched`; every call's tokens must equal stock's. Returns each step's (whether the first call
+    is in it, the later calls' prompt tokens in it)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    high = dict(input_ids=torch.randint(3, 128, (1, 5), generator=g), max_new_tokens=60,
-                min_new_tokens=60, do_sample=False)  # fmt: skip
-    low = [dict(input_ids=torch.randint(3, 128, (1, 40), generator=g), max_new_tokens=4,
-                do_sample=False) for _ in range(3)]  # fmt: skip
+    first = dict(input_ids=torch.randint(3, 128, (1, 5), generator=g), max_new_tokens=new,
+                 min_new_tokens=new, do_sample=False)  # fmt: skip
+    later = [dict(input_ids=torch.randint(3, 128, (1, 40), generator=g), max_new_tokens=4,
+                  do_sample=False) for _ in range(3)]  # fmt: skip
     with torch.no_grad():
-        ref = [model.generate(**high)] + [model.generate(**kw) for kw in low]
-    hf.apply(model, load_config(scheduler={"engine": True, "lower_prefill_tokens": cap}))
-    _generate(model, dict(high, max_new_tokens=2, min_new_tokens=2))  # the engine exists
+        ref = [model.generate(**first)] + [model.generate(**kw) for kw in later]
+    hf.apply(model, load_config(scheduler={"engine": True, **sched}))
+    _generate(model, dict(first, max_new_tokens=2, min_new_tokens=2))  # the engine exists
     (eng,) = engines(model)
     steps, launch = [], eng._launch
 
-    def recorded(rows):  # (the high call in the step, the low calls' prompt tokens in it)
-        high_in = any(row.req.task.level > 0 for row in rows)
-        low_prompt = sum(row.n for row in rows if row.ids is not None and row.req.task.level == 0)
-        steps.append((high_in, low_prompt))
+    def recorded(rows):
+        first_in = any(len(row.req.prompt) == 5 for row in rows)
+        prompt = sum(row.n for row in rows if row.ids is not None and len(row.req.prompt) == 40)
+        steps.append((first_in, prompt))
         return launch(rows)
 
     eng._launch = recorded
@@ -628,20 +626,32 @@ def test_lower_prompts_beside_a_higher_call_share_the_cap_of_a_step(oxygen, cap)
     class Going(Recorder):
         def put(self, value):
             super().put(value)
-            if len(self.puts) == 4:  # the high call has 3 new tokens: the low calls come
+            if len(self.puts) == 4:  # the first call has 3 new tokens: the others come
                 going.set()
 
     def run(i):
         if i == 0:
-            with oxygen_torch.task(priority="high"):
-                return _generate(model, dict(high, streamer=Going()))
+            with oxygen_torch.task(priority=levels[0]):
+                return _generate(model, dict(first, streamer=Going()))
         assert going.wait(60)
-        with oxygen_torch.task(priority="low"):
-            return _generate(model, low[i - 1])
+        with oxygen_torch.task(priority=levels[1]):
+            return _generate(model, later[i - 1])
 
     out, errors = in_threads(run, [(i,) for i in range(4)])
     assert not errors, errors
     assert all(torch.equal(out[i], ref[i]) for i in range(4))
+    return steps
+
+
+@pytest.mark.parametrize("cap", [8, 0])
+def test_lower_prompts_beside_a_higher_call_share_the_cap_of_a_step(oxygen, cap):
+    """scheduler.lower_prefill_tokens: three low-priority calls with 40-token prompts arrive
+    while a high-priority call decodes: in every step that serves the high call, the low
+    calls' prompt chunks take at most `cap` tokens together, and they still progress beside it
+    (0: no cap, a whole prompt joins a step). Every call's tokens equal stock's."""
+    steps = _prompts_beside_a_decode(
+        tiny("llama"), {"lower_prefill_tokens": cap}, ("high", "low"), 60
+    )
     beside = [n for high_in, n in steps if high_in and n]
     if cap:
         assert beside and max(beside) <= cap, steps
@@ -657,44 +667,8 @@ def test_prompts_beside_top_level_decodes_share_the_decode_cap(oxygen, cap, leve
     the prompts' chunks take at most `cap` tokens together (0: no cap, a whole prompt joins a
     step), and the prompts still progress. lower_prefill_tokens is off, so only this cap acts.
     Every call's tokens equal stock's."""
-    model = tiny("llama")
-    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    first = dict(input_ids=torch.randint(3, 128, (1, 5), generator=g), max_new_tokens=50,
-                 min_new_tokens=50, do_sample=False)  # fmt: skip
-    later = [dict(input_ids=torch.randint(3, 128, (1, 40), generator=g), max_new_tokens=4,
-                  do_sample=False) for _ in range(3)]  # fmt: skip
-    with torch.no_grad():
-        ref = [model.generate(**first)] + [model.generate(**kw) for kw in later]
-    sched = {"engine": True, "decode_prefill_tokens": cap, "lower_prefill_tokens": 0}
-    hf.apply(model, load_config(scheduler=sched))
-    _generate(model, dict(first, max_new_tokens=2, min_new_tokens=2))  # the engine exists
-    (eng,) = engines(model)
-    steps, launch = [], eng._launch
-
-    def recorded(rows):  # (the first call decodes in the step, the prompt tokens in it)
-        decoding = any(row.ids is None and len(row.req.prompt) == 5 for row in rows)
-        steps.append((decoding, sum(row.n for row in rows if row.ids is not None)))
-        return launch(rows)
-
-    eng._launch = recorded
-    going = threading.Event()
-
-    class Going(Recorder):
-        def put(self, value):
-            super().put(value)
-            if len(self.puts) == 4:  # the first call has 3 new tokens: the others come
-                going.set()
-
-    def run(i):
-        with oxygen_torch.task(priority=level):
-            if i == 0:
-                return _generate(model, dict(first, streamer=Going()))
-            assert going.wait(60)
-            return _generate(model, later[i - 1])
-
-    out, errors = in_threads(run, [(i,) for i in range(4)])
-    assert not errors, errors
-    assert all(torch.equal(out[i], ref[i]) for i in range(4))
+    sched = {"decode_prefill_tokens": cap, "lower_prefill_tokens": 0}
+    steps = _prompts_beside_a_decode(tiny("llama"), sched, (level, level), 50)
     beside = [n for decoding, n in steps if decoding and n]
     if cap:
         assert len(beside) >= 120 // cap and max(beside) <= cap, steps
