@@ -14,6 +14,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import groupby
 
 import numpy as np
 import torch
@@ -31,17 +32,6 @@ from .window import check_narrow_window, narrowed_window
 @lru_cache(maxsize=256)
 def _pad(n: int) -> tuple[int, ...]:
     return (GUARD_BLOCK,) * n
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """(length, count) of each run of equal consecutive entries."""
-    out: list[tuple[int, int]] = []
-    for n in rows:
-        if out and out[-1][0] == n:
-            out[-1] = (n, out[-1][1] + 1)
-        else:
-            out.append((n, 1))
-    return out
 
 
 @dataclass
@@ -218,7 +208,8 @@ class MergedStep:
         rows packed): SDPA once per run of consecutive rows of one length (a run is a batch of
         equal prompts) -> [1, T, Hq, D]."""
         outs, at = [], 0
-        for n, g in _runs(self._rows):
+        for n, run in groupby(self._rows):
+            g = len(list(run))
             if not n:
                 continue
             qkv = [x[0, :, at : at + g * n].unflatten(1, (g, n)).transpose(0, 1) for x in (q, k, v)]
