@@ -254,7 +254,15 @@ def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
         ("bytes", dataclasses.replace(cfg, num_splits=splits, fp8_words=False)),
         ("words 128/8/3", LaunchConfig(cfg.block_m, 128, 8, 3, num_splits=splits)),
         ("words 32/4/4", LaunchConfig(cfg.block_m, 32, 4, 4, num_splits=splits)),
-    )
+        # the next tile's codes loaded into registers while this one computes (fp8_prefetch)
+        ("words prefetch", dataclasses.replace(cfg, num_splits=splits, fp8_prefetch=True)),
+        ("bytes prefetch", dataclasses.replace(cfg, num_splits=splits, fp8_words=False,
+                                               fp8_prefetch=True)),  # fmt: skip
+        ("words prefetch 128/8/3",
+         LaunchConfig(cfg.block_m, 128, 8, 3, num_splits=splits, fp8_prefetch=True)),
+        ("words prefetch 2x splits",
+         dataclasses.replace(cfg, num_splits=min(2 * splits, 1024), fp8_prefetch=True)),
+    )  # fmt: skip
     for name, launch in variants:
         out = torch.empty_like(q3)
         fn = functools.partial(paged_decode, q3, kc, vc, table, lens, out=out, k_scale=ks,

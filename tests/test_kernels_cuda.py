@@ -151,6 +151,24 @@ def test_decode_fp8_realistic(bt, precision, qdtype):
     assert_close_rel(out, ref, qdtype)
 
 
+@pytest.mark.parametrize("fp8_words", [True, False])
+@pytest.mark.parametrize("bt", [16, 64])
+def test_decode_fp8_prefetch_on_the_gpu(bt, fp8_words):
+    """fp8_prefetch compiled for the GPU (the next tile's codes in registers while this one
+    computes): the reference's output on the rule's tiles and on 128-key tiles, split, unsplit
+    and balanced, over a long skewed batch."""
+    lens = _lens(16, 8192, seed=15) + [0, 20000]
+    p, kc, vc, ks, vs, _ = _fp8_cache(lens, bt, seed=16)
+    p.k_cache, p.v_cache, p.k_scale, p.v_scale = kc, vc, ks, vs
+    q = randn((len(lens), 32, 128), BF16, seed=17, device=CUDA)
+    for block_n, warps in ((64, 4), (128, 8)):
+        for splits in (1, 4, None):  # None: balanced mode
+            launch = LaunchConfig(16, block_n, warps, 3, num_splits=splits, fp8_words=fp8_words,
+                                  fp8_prefetch=True)  # fmt: skip
+            out, ref = _decode(p, q, launch=launch, balance=splits is None)
+            assert_close_rel(out, ref, BF16)
+
+
 def _prefill_case(dtype, bt, window=None, fp8=False):
     lens = [1024, 777, 2048, 300]
     new = [1024, 100, 513, 1]  # a dense prefill, prefixes, a single token

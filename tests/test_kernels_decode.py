@@ -82,6 +82,33 @@ def test_decode_fp8_both_loads(fp8_words):
         LaunchConfig(16, 16, 4, 2, fp8_words=1)
 
 
+@pytest.mark.parametrize("fp8_words", [True, False])
+@pytest.mark.parametrize("d", [64, 80])
+def test_decode_fp8_prefetch_gives_the_reference(fp8_words, d):
+    """fp8_prefetch (the next key tile's codes and scales loaded before this tile computes):
+    the reference's output, with ragged lengths, an empty row, a window, splits and balanced
+    mode, on whole and padded head dims; a bf16-style cache ignores the flag."""
+    p = make_paged([45, 0, 19, 70], 2, d, 16, torch.uint8, seed=31 + d)
+    q = randn((4, 4, d), torch.float16, seed=32 + d)
+    for window in (None, 24):
+        ref = _ref(p, q, sliding_window=window)
+        for splits in (1, 3):
+            cfg = LaunchConfig(16, 16, 4, 2, num_splits=splits, fp8_words=fp8_words,
+                               fp8_prefetch=True)  # fmt: skip
+            out = _run(p, q, launch=cfg, sliding_window=window)
+            assert_close_rel(out, ref, torch.float16)
+            assert (out[1] == 0).all(), "seq_len 0 must give zeros"
+        cfg = LaunchConfig(16, 16, 4, 2, fp8_words=fp8_words, fp8_prefetch=True)
+        assert_close_rel(_run(p, q, launch=cfg, sliding_window=window, balance=True), ref,
+                         torch.float16)  # fmt: skip
+    h = make_paged([33, 8], 2, d, 16, torch.float16, seed=33)
+    qh = randn((2, 4, d), torch.float16, seed=34)
+    out = _run(h, qh, launch=LaunchConfig(16, 16, 4, 2, fp8_prefetch=True))
+    assert_close_rel(out, _ref(h, qh), torch.float16)
+    with pytest.raises(ValueError, match="fp8_prefetch"):
+        LaunchConfig(16, 16, 4, 2, fp8_prefetch="yes")
+
+
 def test_decode_fp8_head_dim_80_and_fp32_queries():
     """A padded head dim (80 of 128 columns: the int32 words past it masked) and fp32 queries,
     which the fp8 path scales into fp16 for its dots."""

@@ -58,16 +58,34 @@ def load_kv(
     Triton's conversion of a byte tile: kept to measure the two in one run). fp8 caches arrive
     as uint8 views (the host reinterprets float8_e4m3fn storage), so one code path serves the
     GPU and the CPU interpreter."""
+    return decode_kv(load_kv_raw(ptr, rows, offs_d, mask, HEAD_DIM, D_PAD, FP8), D_PAD, FP8)
+
+
+@triton.jit
+def load_kv_raw(
+    ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr
+):
+    """load_kv's loads alone: FP8_WORDS, the [BLOCK_N, D_PAD / 4] int32 words; otherwise the
+    [BLOCK_N, D_PAD] tile as stored. decode_kv turns it into load_kv's tile, so a loop can load
+    the next key tile before it computes on this one (paged decode's fp8 prefetch)."""
     if FP8 == FP8_WORDS:
-        x = load_fp8_words(ptr, rows, mask, HEAD_DIM, D_PAD)
+        x = load_fp8_raw_words(ptr, rows, mask, HEAD_DIM, D_PAD)
     else:
         if HEAD_DIM == D_PAD:
             m = mask[:, None]  # a row mask is constant along D: the loads stay 16-byte vectors
         else:
             m = mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m, other=0)
-        if FP8 == FP8_BYTES:
-            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # the values themselves
+    return x
+
+
+@triton.jit
+def decode_kv(x, D_PAD: tl.constexpr, FP8: tl.constexpr):
+    """load_kv_raw's tile -> load_kv's."""
+    if FP8 == FP8_WORDS:
+        x = decode_fp8_words(x, D_PAD)
+    elif FP8 == FP8_BYTES:
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # the values themselves
     return x
 
 
@@ -112,6 +130,12 @@ def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr)
     operations, a pair of halves at a time: codes 0 and 2 of a word in one 32-bit register,
     1 and 3 in the next. So the tile that goes through shared memory to the dot's layout is
     already 16-bit (Triton re-lays out a tile of bytes one byte at a time)."""
+    return decode_fp8_words(load_fp8_raw_words(ptr, rows, mask, HEAD_DIM, D_PAD), D_PAD)
+
+
+@triton.jit
+def load_fp8_raw_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The [BLOCK_N, D_PAD / 4] int32 words of load_fp8_words' tile (four codes each)."""
     W: tl.constexpr = D_PAD // 4
     offs_w = tl.arange(0, W)
     wptr = ptr.to(tl.pointer_type(tl.int32))
@@ -119,7 +143,12 @@ def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr)
         m = mask[:, None]
     else:
         m = mask[:, None] & (offs_w * 4 < HEAD_DIM)[None, :]
-    w = tl.load(wptr + (rows // 4)[:, None] + offs_w[None, :], mask=m, other=0)
+    return tl.load(wptr + (rows // 4)[:, None] + offs_w[None, :], mask=m, other=0)
+
+
+@triton.jit
+def decode_fp8_words(w, D_PAD: tl.constexpr):
+    """load_fp8_raw_words' words -> load_fp8_words' fp16 tile."""
     # A half whose value is an e4m3 code's times 2^-8 has the code's sign at bit 15 and its
     # seven other bits (exponent, mantissa) at bits 7-13: exact for every finite code,
     # subnormals included. Codes 1 and 3 sit at bits 8-15 and 24-31: their magnitudes move
@@ -129,7 +158,7 @@ def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr)
     c0, c2 = _halves(even)
     c1, c3 = _halves(odd)
     # columns 4w + (0, 1, 2, 3) hold codes (0, 2, 1, 3): each register's pair side by side
-    return tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), [rows.shape[0], D_PAD])
+    return tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), [w.shape[0], D_PAD])
 
 
 @triton.jit

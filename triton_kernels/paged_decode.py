@@ -34,7 +34,17 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import dot_query, fp8_kind, kv_rows, load_kv, scores, softmax_step, tile_dims
+from ._flash import (
+    decode_kv,
+    dot_query,
+    fp8_kind,
+    kv_rows,
+    load_kv,
+    load_kv_raw,
+    scores,
+    softmax_step,
+    tile_dims,
+)
 from .precision import PrecisionMode
 from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select_num_splits
 
@@ -69,6 +79,28 @@ def _chunk_of(lens_ptr, batch, max_len, window, chunk_target, chunk, BLOCK_N: tl
     n_row = tl.sum(tl.where(mine, n, 0), 0)
     first = tl.sum(tl.where(mine, ends - n, 0), 0)
     return row, chunk - first, n_row
+
+
+@triton.jit
+def _tile_valid(n0, lo, end, BLOCK_N: tl.constexpr):
+    """The key tile at n0: which of its positions to read (never outside [lo, end): their
+    blocks may be unmapped or freed)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return (pos < end) & (pos >= lo)
+
+
+@triton.jit
+def _load_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, valid, kvh, offs_d, num_kv_heads,
+               stride_kb, stride_kt, stride_kh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """The fp8 key tile at n0 as loaded (load_kv_raw's K and V, their scales), not decoded."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    rows, blk = kv_rows(bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
+    k = load_kv_raw(k_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
+    v = load_kv_raw(v_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
+    k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+    v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+    return k, v, k_sc, v_sc
 
 
 # (batch and chunk_target: runtime values of balanced mode; specialised, they would compile
@@ -113,6 +145,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     BALANCED: tl.constexpr = False,
     BLOCK_B: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -149,21 +182,46 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
     bt_row = bt_ptr + b * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        # never touch positions outside [lo, seq_len): their blocks may be unmapped or freed
-        valid = (pos < end) & (pos >= lo)
-        rows, blk = kv_rows(bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
-        k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-        v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-        k_sc = 1.0  # scales are only read when FP8
-        v_sc = 1.0
-        if FP8:
-            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-            v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-        s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
+    if PREFETCH:
+        # fp8: the codes feed integer decoding, not a dot, so Triton's pipeline does not stage
+        # them in shared memory and each tile's loads would wait in full; here tile n + 1's
+        # codes and scales are loaded (into registers) before tile n is decoded and computed
+        valid = _tile_valid(start, lo, end, BLOCK_N)
+        k_raw, v_raw, k_sc, v_sc = _load_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, valid, kvh, offs_d, num_kv_heads,
+            stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_TOKENS, FP8,
+        )  # fmt: skip
+        for n0 in range(start, end, BLOCK_N):
+            nxt = _tile_valid(n0 + BLOCK_N, lo, end, BLOCK_N)  # past the end: all masked
+            k_nxt, v_nxt, ks_nxt, vs_nxt = _load_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0 + BLOCK_N, nxt, kvh, offs_d,
+                num_kv_heads, stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_N,
+                BLOCK_TOKENS, FP8,
+            )  # fmt: skip
+            k = decode_kv(k_raw, D_PAD, FP8)
+            v = decode_kv(v_raw, D_PAD, FP8)
+            s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
+            k_raw, v_raw, k_sc, v_sc, valid = k_nxt, v_nxt, ks_nxt, vs_nxt, nxt
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            # never touch positions outside [lo, seq_len): their blocks may be unmapped or freed
+            valid = (pos < end) & (pos >= lo)
+            rows, blk = kv_rows(
+                bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS
+            )
+            k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
+            v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
+            k_sc = 1.0  # scales are only read when FP8
+            v_sc = 1.0
+            if FP8:
+                k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+                v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
+            s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
 
     row = b * num_kv_heads * group + heads  # flat (batch, q head) index
     if BALANCED:
@@ -436,6 +494,7 @@ def paged_decode(
         SPLIT=splits > 1,
         BALANCED=balanced,
         BLOCK_B=block_b,
+        PREFETCH=fp8 and cfg.fp8_prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

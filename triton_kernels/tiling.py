@@ -157,10 +157,15 @@ class LaunchConfig:
     # bytes converted by Triton (False, the earlier path: both kept until the H200 has timed
     # them in one run, bench_attention.py)
     fp8_words: bool = True
+    # fp8 KV decode: the next key tile's codes and scales loaded (into registers) before this
+    # tile is decoded and computed; bf16 tiles and prefill ignore it (their loads feed dots,
+    # which Triton's pipeline stages in shared memory by num_stages)
+    fp8_prefetch: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.fp8_words, bool):
-            raise ValueError(f"fp8_words: {self.fp8_words!r} must be a bool")
+        for name in ("fp8_words", "fp8_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: {getattr(self, name)!r} must be a bool")
         for name in ("block_m", "block_n"):
             _check_side(name, getattr(self, name), optional=False)
         if self.num_warps not in (1, 2, 4, 8, 16):
