@@ -463,7 +463,8 @@ def test_no_step_of_the_sampler_synchronises_the_stream(kernel):
     logits = (torch.randn(len(params), V, generator=gen) * 2).cuda()
     held = [h.cuda() for h in held_tokens(len(params), gen)]
     sampler = Sampler(V, torch.device("cuda"), kernel)
-    sampler.start_row(0, held[0])
+    for r in range(len(params)):  # (as the engine does: every row's mask line before its step)
+        sampler.start_row(r, held[r])
     sampler(logits, rows)  # (warm: compiles and the first pinned blocks outside the check)
     torch.cuda.synchronize()
     slots = torch.arange(len(params), device="cuda")
