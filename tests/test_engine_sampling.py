@@ -480,6 +480,31 @@ def test_no_step_of_the_sampler_synchronises_the_stream(kernel):
     assert sampler.seen[slots, tokens].all()
 
 
+def test_a_penalised_row_without_its_mask_line_is_a_clear_error():
+    """A penalised row whose penalty-mask line was never started (start_row) is refused on
+    the host, naming its slot, before index_select could read past the mask (on a GPU a
+    device-side assert that leaves the CUDA context unusable); started, the same step runs."""
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))
+    slot = int(torch.randint(16, 40, (), generator=gen))
+    rows = [
+        RowSample(SamplingParams(repetition_penalty=1.3), 0, slot),
+        RowSample(SamplingParams(), 0, 0),
+    ]
+    logits = torch.randn(2, V, generator=gen)
+    sampler = Sampler(V, torch.device("cpu"))
+    for started in ([], [0]):
+        for r in started:
+            sampler.start_row(r, torch.tensor([1, 2]))
+        with pytest.raises(RuntimeError, match=f"slot {slot} has no penalty-mask line"):
+            sampler(logits, rows)
+    held = torch.randint(V, (5,), generator=gen)
+    sampler.start_row(slot, held)
+    tokens, scores = sampler(logits, rows)
+    ref = logits[0].clone()
+    ref[held] = torch.where(ref[held] < 0, ref[held] * 1.3, ref[held] / 1.3)
+    assert torch.allclose(scores[0], ref) and int(tokens[0]) == int(ref.argmax())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
 def test_put_value_equals_the_indexed_assignment(dtype):
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))

@@ -289,8 +289,15 @@ class Sampler:
     def _penalise(self, scores: torch.Tensor, rows: list[RowSample], pen: list[int]) -> None:
         """transformers' RepetitionPenaltyLogitsProcessor on the rows that ask: a held token's
         score is divided by the penalty (multiplied, when negative)."""
+        want = [rows[i].slot for i in pen]
+        lines = 0 if self.seen is None else self.seen.shape[0]
+        if max(want) >= lines:  # on a GPU, index_select past the mask is a device assert
+            raise RuntimeError(  # that leaves the CUDA context unusable for every call
+                f"Sampler: a penalised row's slot {max(want)} has no penalty-mask line "
+                f"({lines} started): start_row() before its first step"
+            )
         sub, idx = self._take(scores, pen)
-        slots = self._ints([rows[i].slot for i in pen])
+        slots = self._ints(want)
         penalty = self._floats([[rows[i].params.repetition_penalty] for i in pen])
         held = self.seen.index_select(0, slots)
         hit = torch.where(sub < 0, sub * penalty, sub / penalty)
