@@ -50,24 +50,32 @@ def kv_rows(
 
 
 @triton.jit
-def load_kv(
-    ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr
-):
-    """[BLOCK_N, D_PAD] tile in the cache's dtype; fp8: fp16, FP8_WORDS' tile from
-    load_fp8_words (the values x 2^-8, columns in tile_dims' order) or FP8_BYTES' (the values,
-    Triton's conversion of a byte tile: kept to measure the two in one run). fp8 caches arrive
-    as uint8 views (the host reinterprets float8_e4m3fn storage), so one code path serves the
-    GPU and the CPU interpreter."""
-    return decode_kv(load_kv_raw(ptr, rows, offs_d, mask, HEAD_DIM, D_PAD, FP8), D_PAD, FP8)
+def load_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, mask, kvh, offs_d, num_kv_heads,
+              stride_kb, stride_kt, stride_kh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              BLOCK_TOKENS: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """The key tile at positions `pos` ([BLOCK_N], read where `mask`) as loaded, not decoded
+    (so a loop can load the next tile before it computes on this one: paged decode's fp8
+    prefetch): load_kv_raw's K and V, which decode_kv makes tiles for the dots, and, fp8, the
+    keys' scales (1.0 otherwise: they are only read when FP8)."""
+    rows, blk = kv_rows(bt_row, pos, mask, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
+    k = load_kv_raw(k_ptr, rows, offs_d, mask, HEAD_DIM, D_PAD, FP8)
+    v = load_kv_raw(v_ptr, rows, offs_d, mask, HEAD_DIM, D_PAD, FP8)
+    k_sc = 1.0
+    v_sc = 1.0
+    if FP8:
+        k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=mask, other=0.0)
+        v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=mask, other=0.0)
+    return k, v, k_sc, v_sc
 
 
 @triton.jit
 def load_kv_raw(
     ptr, rows, offs_d, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr
 ):
-    """load_kv's loads alone: FP8_WORDS, the [BLOCK_N, D_PAD / 4] int32 words; otherwise the
-    [BLOCK_N, D_PAD] tile as stored. decode_kv turns it into load_kv's tile, so a loop can load
-    the next key tile before it computes on this one (paged decode's fp8 prefetch)."""
+    """One K or V tile's loads: FP8_WORDS, the [BLOCK_N, D_PAD / 4] int32 words
+    (load_fp8_raw_words); otherwise the [BLOCK_N, D_PAD] tile as stored. fp8 caches arrive as
+    uint8 views (the host reinterprets float8_e4m3fn storage), so one code path serves the GPU
+    and the CPU interpreter."""
     if FP8 == FP8_WORDS:
         x = load_fp8_raw_words(ptr, rows, mask, HEAD_DIM, D_PAD)
     else:
@@ -81,7 +89,9 @@ def load_kv_raw(
 
 @triton.jit
 def decode_kv(x, D_PAD: tl.constexpr, FP8: tl.constexpr):
-    """load_kv_raw's tile -> load_kv's."""
+    """load_kv_raw's tile -> [BLOCK_N, D_PAD] in the cache's dtype; fp8: fp16, FP8_WORDS'
+    tile from decode_fp8_words (the values x 2^-8, columns in tile_dims' order) or FP8_BYTES'
+    (the values, Triton's conversion of a byte tile: kept to measure the two in one run)."""
     if FP8 == FP8_WORDS:
         x = decode_fp8_words(x, D_PAD)
     elif FP8 == FP8_BYTES:
@@ -111,10 +121,10 @@ def _halves(x):
 
 @triton.jit
 def tile_dims(offs_d, FP8: tl.constexpr):
-    """The head dimension each column of a K/V tile holds. An FP8_WORDS tile (load_fp8_words) swaps
-    the middle two of every four columns; the query is loaded and the output stored in the same
-    order, so the dots need no shuffle. (head_dim is a multiple of 4, so `< HEAD_DIM` masks are
-    the same either way.)"""
+    """The head dimension each column of a K/V tile holds. An FP8_WORDS tile (decode_fp8_words)
+    swaps the middle two of every four columns; the query is loaded and the output stored in
+    the same order, so the dots need no shuffle. (head_dim is a multiple of 4, so `< HEAD_DIM`
+    masks are the same either way.)"""
     if FP8 == FP8_WORDS:
         dims = (offs_d & -4) | ((offs_d & 1) << 1) | ((offs_d >> 1) & 1)
     else:
@@ -123,19 +133,9 @@ def tile_dims(offs_d, FP8: tl.constexpr):
 
 
 @triton.jit
-def load_fp8_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """[BLOCK_N, D_PAD] fp16 tile of an fp8 e4m3 cache, each value times 2^-8, its columns in
-    tile_dims' order. The codes are loaded as int32 words (four codes each: 16-byte loads; the
-    caller checked that rows are 4-byte aligned) and decoded in registers with integer
-    operations, a pair of halves at a time: codes 0 and 2 of a word in one 32-bit register,
-    1 and 3 in the next. So the tile that goes through shared memory to the dot's layout is
-    already 16-bit (Triton re-lays out a tile of bytes one byte at a time)."""
-    return decode_fp8_words(load_fp8_raw_words(ptr, rows, mask, HEAD_DIM, D_PAD), D_PAD)
-
-
-@triton.jit
 def load_fp8_raw_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """The [BLOCK_N, D_PAD / 4] int32 words of load_fp8_words' tile (four codes each)."""
+    """An fp8 e4m3 tile's codes as [BLOCK_N, D_PAD / 4] int32 words (four codes each: 16-byte
+    loads; the caller checked that rows are 4-byte aligned), for decode_fp8_words."""
     W: tl.constexpr = D_PAD // 4
     offs_w = tl.arange(0, W)
     wptr = ptr.to(tl.pointer_type(tl.int32))
@@ -148,7 +148,11 @@ def load_fp8_raw_words(ptr, rows, mask, HEAD_DIM: tl.constexpr, D_PAD: tl.conste
 
 @triton.jit
 def decode_fp8_words(w, D_PAD: tl.constexpr):
-    """load_fp8_raw_words' words -> load_fp8_words' fp16 tile."""
+    """load_fp8_raw_words' words -> [BLOCK_N, D_PAD] fp16, each value times 2^-8, its columns
+    in tile_dims' order: decoded in registers with integer operations, a pair of halves at a
+    time (codes 0 and 2 of a word in one 32-bit register, 1 and 3 in the next), so the tile that
+    goes through shared memory to the dot's layout is already 16-bit (Triton re-lays out a
+    tile of bytes one byte at a time)."""
     # A half whose value is an e4m3 code's times 2^-8 has the code's sign at bit 15 and its
     # seven other bits (exponent, mantissa) at bits 7-13: exact for every finite code,
     # subnormals included. Codes 1 and 3 sit at bits 8-15 and 24-31: their magnitudes move
@@ -194,7 +198,7 @@ def dot_query(q, qk_scale, FP8: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def scores(q, k, k_sc, s_mul, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):
     """q: [M, D_PAD] and s_mul from `dot_query`, k: [N, D_PAD] -> fp32 [M, N] logits in the
-    log2 domain. fp8 KV: k is load_kv's fp16 tile, k_sc the keys' scales."""
+    log2 domain. fp8 KV: k is decode_kv's fp16 tile, k_sc the keys' scales."""
     if PRECISION == FP32_SAFE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif HALF_ACC:
@@ -211,7 +215,7 @@ def softmax_step(
     acc, l_i, m_i, s, v, v_sc, q, FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr
 ):
     """One online-softmax step over a key tile. s: [M, N] fp32 with -inf where masked; q is
-    passed for its dtype (the dtype of the P.V dot in the half modes). fp8 KV: v is load_kv's
+    passed for its dtype (the dtype of the P.V dot in the half modes). fp8 KV: v is decode_kv's
     fp16 tile and v_sc the keys' scales; the probabilities are weighted by each key's scale
     over the tile's largest, so they stay in [0, 1] in fp16, and the dot's result is
     multiplied back."""

@@ -34,17 +34,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import (
-    decode_kv,
-    dot_query,
-    fp8_kind,
-    kv_rows,
-    load_kv,
-    load_kv_raw,
-    scores,
-    softmax_step,
-    tile_dims,
-)
+from ._flash import decode_kv, dot_query, fp8_kind, load_tile, scores, softmax_step, tile_dims
 from .precision import PrecisionMode
 from .tiling import TileQuery, check_overrides, launch_config, next_pow2, select_num_splits
 
@@ -82,25 +72,22 @@ def _chunk_of(lens_ptr, batch, max_len, window, chunk_target, chunk, BLOCK_N: tl
 
 
 @triton.jit
-def _tile_valid(n0, lo, end, BLOCK_N: tl.constexpr):
-    """The key tile at n0: which of its positions to read (never outside [lo, end): their
-    blocks may be unmapped or freed)."""
+def _tile(n0, lo, end, BLOCK_N: tl.constexpr):
+    """The key tile at n0: its positions and which of them to read (never outside [lo, end):
+    their blocks may be unmapped or freed; past the end, none)."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    return (pos < end) & (pos >= lo)
+    return pos, (pos < end) & (pos >= lo)
 
 
 @triton.jit
-def _load_tile(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0, valid, kvh, offs_d, num_kv_heads,
-               stride_kb, stride_kt, stride_kh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
-    """The fp8 key tile at n0 as loaded (load_kv_raw's K and V, their scales), not decoded."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    rows, blk = kv_rows(bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS)
-    k = load_kv_raw(k_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-    v = load_kv_raw(v_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-    k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-    v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-    return k, v, k_sc, v_sc
+def _attend(acc, l_i, m_i, q, s_mul, k, v, k_sc, v_sc, valid, D_PAD: tl.constexpr,
+            FP8: tl.constexpr, PRECISION: tl.constexpr, HALF_ACC: tl.constexpr):  # fmt: skip
+    """One key tile (load_tile's, not decoded) into the running softmax."""
+    k = decode_kv(k, D_PAD, FP8)
+    v = decode_kv(v, D_PAD, FP8)
+    s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    return softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
 
 
 # (batch and chunk_target: runtime values of balanced mode; specialised, they would compile
@@ -171,7 +158,7 @@ def _decode_kernel(
     end = tl.minimum(start + per_split, seq_len)
 
     offs_g = gt * BLOCK_G + tl.arange(0, BLOCK_G)
-    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
+    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: decode_fp8_words' column order
     heads = kvh * group + offs_g  # [BLOCK_G] query heads of this KV head
     g_mask = offs_g < group
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -186,42 +173,29 @@ def _decode_kernel(
         # fp8: the codes feed integer decoding, not a dot, so Triton's pipeline does not stage
         # them in shared memory and each tile's loads would wait in full; here tile n + 1's
         # codes and scales are loaded (into registers) before tile n is decoded and computed
-        valid = _tile_valid(start, lo, end, BLOCK_N)
-        k_raw, v_raw, k_sc, v_sc = _load_tile(
-            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, valid, kvh, offs_d, num_kv_heads,
-            stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_TOKENS, FP8,
+        pos, valid = _tile(start, lo, end, BLOCK_N)
+        k, v, k_sc, v_sc = load_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, valid, kvh, offs_d, num_kv_heads,
+            stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_TOKENS, FP8,
         )  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
-            nxt = _tile_valid(n0 + BLOCK_N, lo, end, BLOCK_N)  # past the end: all masked
-            k_nxt, v_nxt, ks_nxt, vs_nxt = _load_tile(
-                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, n0 + BLOCK_N, nxt, kvh, offs_d,
-                num_kv_heads, stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_N,
-                BLOCK_TOKENS, FP8,
+            pos, nxt = _tile(n0 + BLOCK_N, lo, end, BLOCK_N)
+            k_nxt, v_nxt, ks_nxt, vs_nxt = load_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, nxt, kvh, offs_d, num_kv_heads,
+                stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_TOKENS, FP8,
             )  # fmt: skip
-            k = decode_kv(k_raw, D_PAD, FP8)
-            v = decode_kv(v_raw, D_PAD, FP8)
-            s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
-            k_raw, v_raw, k_sc, v_sc, valid = k_nxt, v_nxt, ks_nxt, vs_nxt, nxt
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, s_mul, k, v, k_sc, v_sc, valid, D_PAD,
+                                    FP8, PRECISION, HALF_ACC)  # fmt: skip
+            k, v, k_sc, v_sc, valid = k_nxt, v_nxt, ks_nxt, vs_nxt, nxt
     else:
         for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            # never touch positions outside [lo, seq_len): their blocks may be unmapped or freed
-            valid = (pos < end) & (pos >= lo)
-            rows, blk = kv_rows(
-                bt_row, pos, valid, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS
-            )
-            k = load_kv(k_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-            v = load_kv(v_ptr, rows, offs_d, valid, HEAD_DIM, D_PAD, FP8)
-            k_sc = 1.0  # scales are only read when FP8
-            v_sc = 1.0
-            if FP8:
-                k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-                v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=valid, other=0.0)
-            s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, v_sc, q, FP8, PRECISION, HALF_ACC)
+            pos, valid = _tile(n0, lo, end, BLOCK_N)
+            k, v, k_sc, v_sc = load_tile(
+                k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, valid, kvh, offs_d, num_kv_heads,
+                stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_TOKENS, FP8,
+            )  # fmt: skip
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, s_mul, k, v, k_sc, v_sc, valid, D_PAD,
+                                    FP8, PRECISION, HALF_ACC)  # fmt: skip
 
     row = b * num_kv_heads * group + heads  # flat (batch, q head) index
     if BALANCED:

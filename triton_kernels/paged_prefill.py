@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import _checks as C
-from ._flash import dot_query, fp8_kind, kv_rows, load_kv, scores, softmax_step, tile_dims
+from ._flash import decode_kv, dot_query, fp8_kind, load_tile, scores, softmax_step, tile_dims
 from .paged_decode import LOG2E, NO_WINDOW, _half_acc
 from .precision import PrecisionMode
 from .tiling import LaunchConfig, TileQuery, check_overrides, launch_config, next_pow2
@@ -87,16 +87,12 @@ def _key_phase(
         pos = n0 + tl.arange(0, BLOCK_N)
         # loads stay inside [lo_true, seq_len): blocks outside may be unmapped or freed
         load_ok = (pos < seq_len) & (pos >= lo_true)
-        rows, blk = kv_rows(
-            bt_row, pos, load_ok, kvh, stride_kb, stride_kt, stride_kh, BLOCK_TOKENS
-        )
-        k = load_kv(k_ptr, rows, offs_d, load_ok, HEAD_DIM, D_PAD, FP8)
-        v = load_kv(v_ptr, rows, offs_d, load_ok, HEAD_DIM, D_PAD, FP8)
-        k_sc = 1.0  # scales are only read when FP8
-        v_sc = 1.0
-        if FP8:
-            k_sc = tl.load(ks_ptr + blk * num_kv_heads + kvh, mask=load_ok, other=0.0)
-            v_sc = tl.load(vs_ptr + blk * num_kv_heads + kvh, mask=load_ok, other=0.0)
+        k, v, k_sc, v_sc = load_tile(
+            k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, load_ok, kvh, offs_d, num_kv_heads,
+            stride_kb, stride_kt, stride_kh, HEAD_DIM, D_PAD, BLOCK_TOKENS, FP8,
+        )  # fmt: skip
+        k = decode_kv(k, D_PAD, FP8)
+        v = decode_kv(v, D_PAD, FP8)
         s = scores(q, k, k_sc, s_mul, FP8, PRECISION, HALF_ACC)
         if MASKED or HAS_WINDOW:
             ok = load_ok[None, :]
@@ -160,7 +156,7 @@ def _prefill_kernel(
     kvh = head // group
     m0 = m_tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: load_fp8_words' column order
+    offs_d = tile_dims(tl.arange(0, D_PAD), FP8)  # fp8: decode_fp8_words' column order
     row_ok = offs_m < q_len
     pos_q = ctx + offs_m  # absolute positions of the queries
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
