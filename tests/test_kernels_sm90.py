@@ -58,14 +58,15 @@ def kv_types(fp8) -> str:
 FP8_KINDS = {False: 0, "words": 1, "bytes": 2}  # the kernels' FP8 constexpr (_flash.py)
 
 
-def decode_case(fp8, split, precision, balanced=False):
+def decode_case(fp8, split, precision, balanced=False, prefetch=False):
     kv = kv_types(fp8)
     ptrs = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, ks_ptr="*fp32", vs_ptr="*fp32",
                 bt_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", po_ptr="*fp32",
                 pml_ptr="*fp32")  # fmt: skip
     consts = dict(D, BLOCK_G=16, BLOCK_N=64, BLOCK_TOKENS=16, FP8=FP8_KINDS[fp8],
                   PRECISION=precision, HALF_ACC=precision == 0, SPLIT=split,
-                  BALANCED=balanced, BLOCK_B=256 if balanced else 1)  # fmt: skip
+                  BALANCED=balanced, BLOCK_B=256 if balanced else 1,
+                  PREFETCH=prefetch)  # fmt: skip
     return compile_sm90(kernel("paged_decode", "_decode_kernel"), ptrs, consts)
 
 
@@ -130,6 +131,8 @@ CASES = {
     **{f"decode fp8={f} split={s} precision={p}": (decode_case, (f, s, p))
        for f in FP8_KINDS for s in (False, True) for p in (0, 1, 2)},
     **{f"decode balanced fp8={f}": (decode_case, (f, False, 1, True)) for f in FP8_KINDS},
+    **{f"decode prefetch fp8={f} split={s}": (decode_case, (f, s, 1, False, True))
+       for f in ("words", "bytes") for s in (False, True)},
     "decode combine": (combine_case, ()),
     "decode combine balanced": (combine_case, (True,)),
     **{f"prefill fp8={f} causal={c} window={w}": (prefill_case, (f, c, w))
@@ -204,6 +207,23 @@ def test_prefill_uses_hopper_wgmma(compiled):
     for causal, window in ((True, False), (False, False)):
         ptx = compiled[f"prefill fp8=False causal={causal} window={window}"]["ptx"]
         assert ptx["wgmma"] > 0 and ptx["mma.sync"] == 0, ptx
+
+
+def test_fp8_prefetch_compiles(compiled):
+    """fp8_prefetch (the next key tile loaded into registers before this one computes) builds
+    for sm_90 with its dots in the main loop and its loads as 16-byte loads to registers, where
+    the classic loop's pipeline copies the codes into shared memory (cp.async); both builds'
+    counts are printed (-s) for the H200 run that times the two."""
+    for fp8 in ("words", "bytes"):
+        for split in (False, True):
+            ptx = compiled[f"decode prefetch fp8={fp8} split={split}"]["ptx"]
+            classic = compiled[f"decode fp8={fp8} split={split} precision=1"]["ptx"]
+            assert ptx["loop"] > 0 and ptx["loop_mma"] > 0, ptx
+            # its tiles go to registers by 16-byte loads; the classic loop's pipeline stages
+            # them through shared memory
+            assert ptx["ld.global.v4"] > 0 and ptx["cp.async.cg (16 B)"] == 0, ptx
+            assert classic["cp.async.cg (16 B)"] > 0, classic
+            print(f"fp8={fp8} split={split}: prefetch {ptx} classic {classic}")
 
 
 if __name__ == "__main__":

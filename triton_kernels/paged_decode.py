@@ -170,9 +170,9 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, D_PAD], tl.float32)
     bt_row = bt_ptr + b * stride_btb
     if PREFETCH:
-        # fp8: the codes feed integer decoding, not a dot, so Triton's pipeline does not stage
-        # them in shared memory and each tile's loads would wait in full; here tile n + 1's
-        # codes and scales are loaded (into registers) before tile n is decoded and computed
+        # fp8 (LaunchConfig.fp8_prefetch): tile n + 1's codes and scales are loaded straight
+        # into registers before tile n is decoded and computed, instead of the pipeline's
+        # cp.async staging through shared memory that the loop below gets
         pos, valid = _tile(start, lo, end, BLOCK_N)
         k, v, k_sc, v_sc = load_tile(
             k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, pos, valid, kvh, offs_d, num_kv_heads,

@@ -157,9 +157,11 @@ class LaunchConfig:
     # bytes converted by Triton (False, the earlier path: both kept until the H200 has timed
     # them in one run, bench_attention.py)
     fp8_words: bool = True
-    # fp8 KV decode: the next key tile's codes and scales loaded (into registers) before this
-    # tile is decoded and computed; bf16 tiles and prefill ignore it (their loads feed dots,
-    # which Triton's pipeline stages in shared memory by num_stages)
+    # fp8 KV decode: the next key tile's codes and scales loaded straight into registers
+    # (ld.global) before this tile is decoded and computed, instead of Triton's pipeline, which
+    # stages them through shared memory (cp.async, num_stages deep) before the integer decode
+    # reads them back; an alternative to time (bench_attention.py), not known to be faster.
+    # bf16 tiles and prefill ignore it
     fp8_prefetch: bool = False
 
     def __post_init__(self):
