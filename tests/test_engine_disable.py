@@ -199,3 +199,30 @@ def test_a_pool_a_core_is_bound_to_stays_until_the_core_lets_go():
     core.release()
     release_pools()
     assert pool() is None and kv_pool._open.get(key) is None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_cache_left_in_a_reference_cycle_does_not_keep_its_pool(cleanup, seed):
+    """A generate() result's cache, holding its blocks, dropped while in a reference cycle (a
+    traceback or a closure still pointing at it): release_pools() collects it first, so its
+    blocks come back and its pool goes; the next get_pool for that geometry makes a fresh pool
+    (with a CPU tier of the size asked then, not the last pool's)."""
+    (kw,) = calls(1, new=4 + seed, rows=1 + seed, length=20 + 7 * seed)
+    oxygen_torch.enable(**MODES["alone"])
+    model = llama()
+    with torch.no_grad():
+        out = model.generate(**kw, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert pool_stats()[0]["blocks_used"] > 0
+    key, pool = cache._core.pool.key, weakref.ref(cache._core.pool)
+    cache.cycle = cache  # unreachable once dropped, but only the cycle collector frees it
+    gc.disable()
+    try:
+        del out, cache
+        assert pool() is not None and pool().manager.num_used > 0  # (held by the cycle)
+        release_pools()
+    finally:
+        gc.enable()
+    assert pool() is None and kv_pool._open.get(key) is None
+    assert pool_stats() == []
+    assert kv_pool.get_pool(key).manager.num_used == 0

@@ -49,12 +49,6 @@ def _ns(d):
     return load_config(**d)
 
 
-@pytest.fixture
-def oxygen():
-    yield
-    hf.disable_hf()
-
-
 def _padded_batch(b, n, vocab, pads, device):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, vocab, (b, n), generator=g)

@@ -14,18 +14,11 @@ from oxygen_torch.config import load_config
 from oxygen_torch.config.fields import default_cpu_tier_bytes
 from oxygen_torch.integrations.hf import integration as hf
 from oxygen_torch.kv import pool_stats, transfer
-from oxygen_torch.kv.pool import PoolKey, get_pool, release_pools
+from oxygen_torch.kv.pool import PoolKey, get_pool
 
 # the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
 pytestmark = [pytest.mark.cuda, pytest.mark.per_call]
 MiB = 1 << 20
-
-
-@pytest.fixture
-def oxygen():
-    yield
-    hf.disable_hf()
-    release_pools()
 
 
 def _cuda(kw: dict) -> dict:

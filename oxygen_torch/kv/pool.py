@@ -317,7 +317,10 @@ def release_pools() -> None:
     blocks are given back first. A pool let go is unmapped when it is collected, here, unless
     something still refers to it: a cache bound to it (a call running through this whose
     blocks come and go: preempted, swapped to the CPU tier, or binding just now) keeps it open,
-    and get_pool gives it again. Busy pools stay (with their prefix cache)."""
+    and get_pool gives it again. Busy pools stay (with their prefix cache). Caches no longer
+    reachable but left in reference cycles are collected first: their blocks come back, so their
+    pools go too (else such a pool stayed, with its CPU tier, for the next get_pool)."""
+    gc.collect()
     _let_go_idle()
     gc.collect()  # (pools refer to themselves through their block manager's callbacks)
 
