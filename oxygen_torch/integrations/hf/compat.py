@@ -60,9 +60,10 @@ def head_dim(text_config) -> int:
 
 
 def local_kv_heads(model, text_config) -> int:
-    """The KV heads of `model` on this rank: all of them, or under a tensor-parallel plan
+    """The KV heads of `model` on this rank (a config without num_key_value_heads, GPT-2's or
+    GPT-NeoX's: one a query head): all of them, or under a tensor-parallel plan
     (`model.tp_size` > 1, public on 5.17 to 5.24) this rank's share, as its k_proj shards them."""
-    heads = text_config.num_key_value_heads
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     tp = getattr(model, "tp_size", None) or 1
     return heads // tp if tp > 1 and heads % tp == 0 else heads
 
