@@ -142,3 +142,41 @@ def test_a_family_left_out_keeps_stock_attention_and_says_why_once(
     assert not errors, {i: repr(e) for i, e in errors.items()}
     for i, r in enumerate(ref):
         assert torch.equal(out[i], r), (family, i)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "family, head_dim",
+    [("phi3", 96), ("gpt2", 64), ("gpt_neox", 80), ("mixtral", 128), ("starcoder2", 64)],
+)
+def test_a_family_on_the_gpu_gives_stock_tokens(oxygen, family, head_dim):
+    """The same on CUDA in float32 (kernel precision fp32_safe; the paged kernels, the decode
+    graphs): head sizes of the families' real checkpoints (Phi-3 96, GPT-NeoX 80), KV heads one a
+    query head where the config has none; three calls at once, stock's tokens."""
+    from oxygen_torch.config import load_config
+
+    heads = 4
+    shape = dict(hidden_size=heads * head_dim, head_dim=head_dim)
+    if FAMILIES[family] is MHA:
+        shape.pop("head_dim")
+    extra = {**COMMON, **FAMILIES[family], **shape, "vocab_size": 256}
+    config = CONFIG_MAPPING[family](**{k: v for k, v in extra.items() if v is not None})
+    if getattr(config, "sliding_window", None) is not None or family == "starcoder2":
+        config.sliding_window = 16
+    torch.manual_seed(5)
+    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])(config).cuda().eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    kws = [
+        {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        for kw in calls(7)
+    ]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, load_config(kernel=dict(precision="fp32_safe")))
+    assert hf.uses_oxygen(model)
+    out, errors = in_threads(lambda kw: model.generate(**kw), [(kw,) for kw in kws])
+    assert not errors, {i: repr(e) for i, e in errors.items()}
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), (family, i)
+    assert oxygen_torch.engine_stats(model)["steps"] > 0
