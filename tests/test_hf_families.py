@@ -147,7 +147,8 @@ def test_a_family_left_out_keeps_stock_attention_and_says_why_once(
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "family, head_dim",
-    [("phi3", 96), ("gpt2", 64), ("gpt_neox", 80), ("mixtral", 128), ("starcoder2", 64)],
+    [("phi3", 96), ("gpt2", 64), ("gpt_neox", 80), ("mixtral", 128), ("starcoder2", 64)]
+    + [("opt", 64), ("cohere", 128)],
 )
 def test_a_family_on_the_gpu_gives_stock_tokens(oxygen, family, head_dim):
     """The same on CUDA in float32 (kernel precision fp32_safe; the paged kernels, the decode
