@@ -41,6 +41,9 @@ def greedy(model, **kw):
 
 @pytest.fixture
 def enabled():
+    from oxygen_torch import _patching
+
+    _patching.forget_warnings()  # (a warning said once in an earlier test is said again here)
     hf.enable_hf(CFG)
     yield
     hf.disable_hf()

@@ -8,7 +8,9 @@ one (64 MiB) holds 127."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 
 import pytest
@@ -169,13 +171,29 @@ def test_prefix_allowed_tokens_fn_sees_the_full_batchs_row_index(oxygen):
     assert pool_of(15)["oversubscribed"]["calls_split"] == 1
 
 
-def test_concurrent_calls_with_one_oversubscribed(oxygen):
+def test_concurrent_calls_with_one_oversubscribed(oxygen, monkeypatch):
     """A low-priority call of 20 rows runs as groups of 7, 7 and 6 rows, two at a time (14 of
     the 15 blocks); two calls of 4 rows (normal priority) arrive once those two hold their
     blocks: a group, tagged low as its caller (the groups' threads carry its context), is
     preempted and swaps to the CPU tier. Every call gets the tokens it gets alone on
     the large pool, and the tier gives back what it took."""
     small, big = pair("llama", cpu_tier_bytes=64 << 20)
+    # the first two groups start together: on a loaded machine the first one's thread could
+    # run all its steps before the second's began, and 14 blocks were never held at once
+    threads, gated_runs = oversubscribe._in_threads, []
+
+    def together(fn, subs, workers, device):
+        gated_runs.append(workers)
+        gate, started = threading.Barrier(min(workers, len(subs))), itertools.count()
+
+        def gated(sub):
+            if next(started) < gate.parties:
+                gate.wait(timeout=30)
+            return fn(sub)
+
+        return threads(gated, subs, workers, device)
+
+    monkeypatch.setattr(oversubscribe, "_in_threads", together)
     ids, mask = batch(10, rows=20, length=8)
     kws = [dict(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False)]
     for s in range(2):
@@ -199,7 +217,7 @@ def test_concurrent_calls_with_one_oversubscribed(oxygen):
     for i, ref in enumerate(refs):
         assert torch.equal(out[i], ref), f"call {i}"
     p = pool_of(15)
-    assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3}
+    assert p["oversubscribed"] == {"calls_split": 1, "groups_run": 3} and gated_runs == [2]
     (sched,) = schedulers(small)
     assert max(sched.stats.batch_sizes) >= 11  # a group's 7 rows with another call's 4 or more
     assert sched.stats.swaps > 0  # a group swapped out and back, not recomputed
