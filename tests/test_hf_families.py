@@ -40,14 +40,17 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def tiny_family(family: str, seed: int = 0):
-    extra = {**COMMON, **FAMILIES[family]}
+def tiny_family(family: str, seed: int = 0, window: int | None = 8, **fields):
+    """A tiny random float32 model of `family`: COMMON, then the family's FAMILIES entry, then
+    `fields` (None: the field left out); a sliding window of `window` where the config has one
+    (None: the config's own)."""
+    extra = {**COMMON, **FAMILIES.get(family, {}), **fields}
     config = CONFIG_MAPPING[family](**{k: v for k, v in extra.items() if v is not None})
-    if getattr(config, "sliding_window", None) is not None or family == "starcoder2":
-        config.sliding_window = 8  # (shorter than the prompts: the window cuts)
-    model_cls = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    has_window = getattr(config, "sliding_window", None) is not None or family == "starcoder2"
+    if window is not None and has_window:
+        config.sliding_window = window  # (shorter than the prompts: the window cuts)
     torch.manual_seed(seed)
-    model = model_cls(config).eval()
+    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])(config).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
@@ -68,15 +71,8 @@ def calls(seed: int) -> list[dict]:
 
 def test_every_family_here_is_in_the_supported_list():
     assert set(FAMILIES) <= set(hf.SUPPORTED_MODEL_TYPES)
-    assert set(hf.SUPPORTED_MODEL_TYPES) - set(FAMILIES) == {
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "gemma",
-        "gemma2",
-        "gemma3_text",
-    }  # fmt: skip (the seven the other files test)
+    seven = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+    assert set(hf.SUPPORTED_MODEL_TYPES) - set(FAMILIES) == seven  # (the other files test them)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -123,13 +119,7 @@ def test_a_family_left_out_keeps_stock_attention_and_says_why_once(
 ):
     """apply() leaves the model as it is, warns once naming what is unsupported, and its
     generate() calls (two, at once) give stock's tokens."""
-    config = CONFIG_MAPPING[family](
-        **{k: v for k, v in {**COMMON, **extra}.items() if v is not None}
-    )
-    torch.manual_seed(3)
-    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])(config).eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
+    model = tiny_family(family, 3, None, **extra)
     kws = calls(3)[:2]
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
@@ -157,18 +147,10 @@ def test_a_family_on_the_gpu_gives_stock_tokens(oxygen, family, head_dim):
     query head where the config has none; three calls at once, stock's tokens."""
     from oxygen_torch.config import load_config
 
-    heads = 4
-    shape = dict(hidden_size=heads * head_dim, head_dim=head_dim)
-    if FAMILIES[family] is MHA:
-        shape.pop("head_dim")
-    extra = {**COMMON, **FAMILIES[family], **shape, "vocab_size": 256}
-    config = CONFIG_MAPPING[family](**{k: v for k, v in extra.items() if v is not None})
-    if getattr(config, "sliding_window", None) is not None or family == "starcoder2":
-        config.sliding_window = 16
-    torch.manual_seed(5)
-    model = getattr(T, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])(config).cuda().eval()
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None
+    shape = dict(hidden_size=4 * head_dim, vocab_size=256)  # 4 query heads
+    if FAMILIES[family] is not MHA:
+        shape["head_dim"] = head_dim
+    model = tiny_family(family, 5, 16, **shape).cuda()
     kws = [
         {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
         for kw in calls(7)
