@@ -183,7 +183,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     import multitask_at_once as mo  # (beside this script)
 
     t0, compiles = time.perf_counter(), mo._compile_log()
-    captured = mo._graphs(model).get("captures", 0) if oxygen else 0
+    before = mo._graphs(model) if oxygen else {}
+    captured, padded = before.get("captures", 0), before.get("padded", 0)
     if mode == "generate_batch":
         results, oom, took = run_batch(model, reqs)
     else:
@@ -206,7 +207,9 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         out["max_step_seqs"] = seqs
         out["full_steps"] = round(sum(e[1] >= seqs for e in timeline) / max(1, len(timeline)), 3)
         out["mean_rows"] = round(statistics.fmean(e[1] for e in timeline), 1) if timeline else 0
-        out["graph_captures"] = mo._graphs(model).get("captures", 0) - captured
+        g = mo._graphs(model)
+        out["graph_captures"] = g.get("captures", 0) - captured
+        out["graph_padded"] = g.get("padded", 0) - padded  # replays of a larger graph
     if compiles is not None:  # Triton kernels built in the timed run: (at ms, took ms, kernel)
         out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name[:80])
                            for t, d, name in compiles]  # fmt: skip
@@ -221,17 +224,22 @@ def slow_steps(timeline: list, limit: int = 40) -> dict:
     """The engine's steps of the timed run whose period (its start to the next one's, less the
     GPU's idle before the next one: an idle engine's waits for arrivals are not a slow step)
     passed SLOW_MS: how many, their ms, and the longest `limit` as (start ms, period ms, GPU idle
-    after it ms, rows, tokens, choose / launch / complete ms, GPU ms, collection pause ms):
-    where a slow token's time went."""
+    after it ms, rows, tokens, choose / launch / complete ms, GPU ms, the engine thread's CPU ms
+    in the launch, collection pause ms): where a slow token's time went (a launch far longer
+    than its CPU ms waited: for the interpreter lock, other threads' Python, a sync). On a GPU
+    a step after the engine paused (nothing to run: its GPU idle unknown) starts no period."""
     periods = []
+    on_gpu = any(e[7] is not None for e in timeline)
     for a, b in zip(timeline, timeline[1:]):
+        if on_gpu and b[7] is None:  # the engine paused in between: waits for arrivals
+            continue
         idle = b[7] or 0.0
         periods.append((b[0] - a[0] - idle, idle, a))
     slow = sorted((p for p in periods if p[0] >= SLOW_MS), key=lambda p: -p[0])
     return dict(
         steps=len(timeline), slow=len(slow), slow_ms=round(sum(p[0] for p in slow), 1),
         median_ms=round(statistics.median(p[0] for p in periods), 3) if periods else None,
-        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[9])
+        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[8], a[9])
                  for p, idle, a in slow[:limit]],
     )  # fmt: skip
 

@@ -201,12 +201,15 @@ def test_a_pool_a_core_is_bound_to_stays_until_the_core_lets_go():
     assert pool() is None and kv_pool._open.get(key) is None
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["collected", "frozen"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_cache_left_in_a_reference_cycle_does_not_keep_its_pool(cleanup, seed):
+def test_a_cache_left_in_a_reference_cycle_does_not_keep_its_pool(cleanup, seed, frozen):
     """A generate() result's cache, holding its blocks, dropped while in a reference cycle (a
     traceback or a closure still pointing at it): release_pools() collects it first, so its
     blocks come back and its pool goes; the next get_pool for that geometry makes a fresh pool
-    (with a CPU tier of the size asked then, not the last pool's)."""
+    (with a CPU tier of the size asked then, not the last pool's). Frozen: the heap was frozen
+    while the cache was live (scheduler.gc_freeze does so on a GPU, and again after each decode
+    graph's compile), which a plain collection never reaches."""
     (kw,) = calls(1, new=4 + seed, rows=1 + seed, length=20 + 7 * seed)
     oxygen_torch.enable(**MODES["alone"])
     model = llama()
@@ -218,10 +221,17 @@ def test_a_cache_left_in_a_reference_cycle_does_not_keep_its_pool(cleanup, seed)
     cache.cycle = cache  # unreachable once dropped, but only the cycle collector frees it
     gc.disable()
     try:
+        if frozen:
+            gc.freeze()
         del out, cache
         assert pool() is not None and pool().manager.num_used > 0  # (held by the cycle)
+        if frozen:
+            gc.collect()
+            assert pool() is not None  # (a collection alone leaves what was frozen)
         release_pools()
+        assert gc.get_freeze_count() > 0 if frozen else gc.get_freeze_count() == 0
     finally:
+        gc.unfreeze()
         gc.enable()
     assert pool() is None and kv_pool._open.get(key) is None
     assert pool_stats() == []

@@ -8,6 +8,8 @@ handed back row by row, and each core left as its eager step leaves it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_engine import call_kw, generate, in_threads, llama, prompt, schedulers, together_as_alone
@@ -85,6 +87,53 @@ def test_a_bucket_not_captured_replays_a_larger_graph_with_padding(rerun, monkey
         assert st["padded"] >= 1 and st["captures"] < len(merged_graphs.BUCKETS), st
     else:
         assert st["padded"] == 0, st
+
+
+class _Pool:
+    """What a graph keeps of a step's KV pool: its device (and a weak reference to it)."""
+
+    def __init__(self):
+        self.key = SimpleNamespace(device=torch.device("cpu"))
+
+
+_CORE = _Pool()  # (a step's cores: the fingerprint is checked once per set of them)
+
+
+def _picks(graphs, model, pool, asks):
+    """(rows, width) of the graph each (rows, width) ask replays; each new graph counts as
+    captured at once (its runner set: the later asks may replay it)."""
+    step = SimpleNamespace(pool=pool, precision=None, tiles=None, cores=[_CORE])
+    got = []
+    for rows, width in asks:
+        g = graphs.pick(model, step, width, rows)
+        g.runner = g.runner or object()
+        got.append((g.rows, g.width))
+    return got
+
+
+@pytest.mark.parametrize("after", [3, 5])
+def test_table_widths_never_capture_alone_and_rows_buckets_pad_until_asked_enough(
+    monkeypatch, after
+):
+    """The merged graphs' choice (MergedGraphs.pick), on a model and pools stood in for: an
+    ask with a table narrower than a graph of its rows bucket replays that graph at once; a new
+    capture is as wide as the widest graph of its pool so far; a rows bucket with a larger
+    graph replays it (the smallest that holds it, rows x width) until asked for more than
+    CAPTURE_AFTER times, then gets its own. Another pool's graphs are neither replayed nor
+    widened to."""
+    monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", after)
+    model, graphs = torch.nn.Linear(4, 4), merged_graphs.MergedGraphs(max_graphs=16)
+    pool, other = _Pool(), _Pool()
+    w = merged_graphs.graphs.WIDTH_STEP
+    got = _picks(graphs, model, pool, [(5, w), (5, 4 * w), (6, 2 * w), (7, w)])
+    assert got == [(8, w), (8, 4 * w), (8, 4 * w), (8, w)]  # (the last: its own)
+    assert graphs.captures == 0 and len(graphs.graphs) == 2  # (captures: play's)
+    got = _picks(graphs, model, pool, [(3, 2 * w)] * (after + 1))
+    assert got == [(8, 4 * w)] * after + [(4, 4 * w)]  # its own after `after` padded asks
+    # the smallest that holds it (rows x width), and a wider one of its own rows bucket
+    assert _picks(graphs, model, pool, [(2, w), (4, w)]) == [(8, w), (4, 4 * w)]
+    assert graphs.padded == 1 + after + 2
+    assert _picks(graphs, model, other, [(3, w), (3, 2 * w)]) == [(4, w), (4, 2 * w)]
 
 
 def test_sliding_window_calls_replay_merged_graphs(rerun):

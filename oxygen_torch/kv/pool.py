@@ -319,10 +319,14 @@ def release_pools() -> None:
     blocks come and go: preempted, swapped to the CPU tier, or binding just now) keeps it open,
     and get_pool gives it again. Busy pools stay (with their prefix cache). Caches no longer
     reachable but left in reference cycles are collected first: their blocks come back, so their
-    pools go too (else such a pool stayed, with its CPU tier, for the next get_pool)."""
-    gc.collect()
-    _let_go_idle()
-    gc.collect()  # (pools refer to themselves through their block manager's callbacks)
+    pools go too (else such a pool stayed, with its CPU tier, for the next get_pool), frozen
+    ones included (scheduler.gc_freeze froze the heap while they were live: engine/gc_watch.py)."""
+    from ..engine import gc_watch  # (here: the engine imports this module)
+
+    with gc_watch.thawed():
+        gc.collect()
+        _let_go_idle()
+        gc.collect()  # (pools refer to themselves through their block manager's callbacks)
 
 
 def _let_go_idle() -> None:

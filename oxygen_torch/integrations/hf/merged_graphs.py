@@ -50,10 +50,13 @@ from . import fuse, graphs
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 8
 # A signature not captured yet replays the smallest captured graph that holds it (more rows,
-# a wider table: padding) until it has been asked for this many times, then gets its own: a
-# capture costs 60-100 ms on the H200 (1B shape), a padded replay a fraction of a step, and the
-# rows buckets a batch passes through as its calls finish are each asked for a few steps only.
-CAPTURE_AFTER = 16
+# a wider table: padding) until it has been asked for this many times, then gets its own. A
+# capture costs 60-100 ms on the H200 (1B shape; 130-190 ms each on the H100 in the arrival
+# trace, where this count at 16 let 19 captures take ~3 s of a 15.8 s run and the high class's
+# slowest tokens), a padded replay next to nothing up to ~64 rows (the step's matmuls read the
+# weights once however many rows), and the rows buckets a batch passes through as its calls
+# finish are each asked for a few steps only.
+CAPTURE_AFTER = 256
 
 
 def bucket(rows: int) -> int:
@@ -247,6 +250,11 @@ class MergedGraphs:
             g = self.graphs.get(key)
             if g is not None and g.core._pool() is not step.pool:  # a new pool at the same id
                 g = None
+            if g is None:  # a wider table costs only its copy: never a capture of its own
+                g = self._larger(rows, width, step.pool, same_rows=True)
+                if g is not None:
+                    self.padded += 1
+                    key = (g.rows, g.width, id(step.pool))
             if g is None:
                 asked = self._asked[key] = self._asked.get(key, 0) + 1
                 g = self._larger(rows, width, step.pool) if asked <= CAPTURE_AFTER else None
@@ -255,6 +263,9 @@ class MergedGraphs:
                     key = (g.rows, g.width, id(step.pool))
             if g is None:
                 self._asked.pop(key, None)
+                # as wide as the widest captured so far: narrower tables later replay it
+                width = max([width] + [w for (_, w, p) in self.graphs if p == id(step.pool)])
+                key = (rows, width, id(step.pool))
                 g = self.graphs[key] = MergedDecodeGraph(rows, width, step, step.pool.key.device)
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
@@ -291,11 +302,13 @@ class MergedGraphs:
             self.out_type = g.out_type
             return logits[:r]
 
-    def _larger(self, rows: int, width: int, pool):
-        """The smallest captured graph of at least `rows` rows and `width` blocks on `pool`."""
+    def _larger(self, rows: int, width: int, pool, same_rows: bool = False):
+        """The smallest captured graph of at least `rows` rows (`same_rows`: exactly) and
+        `width` blocks on `pool`."""
         best = None
         for (r, w, _), g in self.graphs.items():
-            if r >= rows and w >= width and g.runner is not None and g.core._pool() is pool:
+            fits = r == rows if same_rows else r >= rows
+            if fits and w >= width and g.runner is not None and g.core._pool() is pool:
                 if best is None or (r * w, r) < (best.rows * best.width, best.rows):
                     best = g
         return best
