@@ -53,6 +53,8 @@ SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
 SLEEP = os.environ.get("BENCH_MULTITASK_SLEEP")
 SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
+# --profile-slow MS: the engine's launches that took this many ms of its thread's CPU, profiled
+PROFILE_SLOW_MS = float(os.environ.get("BENCH_MULTITASK_PROFILE_SLOW") or 0)
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -182,6 +184,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     import multitask_at_once as mo  # (beside this script)
 
+    slow_launches = _profile_launches(PROFILE_SLOW_MS) if oxygen and PROFILE_SLOW_MS else None
     t0, compiles = time.perf_counter(), mo._compile_log()
     before = mo._graphs(model) if oxygen else {}
     captured, padded = before.get("captures", 0), before.get("padded", 0)
@@ -210,6 +213,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         g = mo._graphs(model)
         out["graph_captures"] = g.get("captures", 0) - captured
         out["graph_padded"] = g.get("padded", 0) - padded  # replays of a larger graph
+    if slow_launches is not None:
+        out["slow_launches"] = slow_launches(mode)
     if compiles is not None:  # Triton kernels built in the timed run: (at ms, took ms, kernel)
         out["compiles"] = [(round(1e3 * (t - t0), 1), round(1e3 * d, 1), name[:80])
                            for t, d, name in compiles]  # fmt: skip
@@ -218,6 +223,53 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
 
 
 SLOW_MS = 15.0  # a step this long is a slow one: a high row's token waits through all of it
+
+
+def _profile_launches(min_ms: float, keep: int = 6):
+    """--profile-slow: every engine step's launch (Engine._launch) under cProfile; the `keep`
+    launches whose engine-thread CPU passed `min_ms` the most, each's functions by cumulative
+    and own time, go to $OUT/slow_launches_<mode>.txt. Returns a function that writes them and
+    says how many launches passed (the profiler slows every launch: the run's figures are not
+    figures)."""
+    import cProfile
+    import heapq
+    import io
+    import pstats
+
+    from oxygen_torch.engine import loop
+
+    real, kept, passed = loop.Engine._launch, [], [0]
+
+    def launch(self, rows):
+        prof, cpu = cProfile.Profile(), time.thread_time()
+        prof.enable()
+        try:
+            return real(self, rows)
+        finally:
+            prof.disable()
+            ms = 1e3 * (time.thread_time() - cpu)
+            if ms >= min_ms:
+                passed[0] += 1
+                what = (ms, len(rows), sum(r.n for r in rows))
+                heapq.heappush(kept, (ms, id(prof), what, prof))
+                if len(kept) > keep:
+                    heapq.heappop(kept)
+
+    loop.Engine._launch = launch
+
+    def write(mode: str) -> dict:
+        loop.Engine._launch = real
+        text = io.StringIO()
+        for ms, _, (cpu, rows, tokens), prof in sorted(kept, reverse=True):
+            text.write(f"=== launch: engine-thread CPU {cpu:.1f} ms, {rows} rows, {tokens} "
+                       "tokens\n")  # fmt: skip
+            for order, n in (("cumulative", 45), ("tottime", 25)):
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], f"slow_launches_{mode}.txt").write_text(text.getvalue())
+        return dict(min_ms=min_ms, passed=passed[0], kept=[k[2] for k in sorted(kept)[::-1]])
+
+    return write
 
 
 def slow_steps(timeline: list, limit: int = 40) -> dict:
@@ -421,6 +473,14 @@ def main() -> None:
     ap.add_argument("--cv", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, 12 requests")
     ap.add_argument(
+        "--profile-slow",
+        type=float,
+        metavar="MS",
+        help="trace modes: every engine launch under cProfile; the slowest of those that took "
+        "MS ms of the engine thread's CPU or more, profiled, to $OUT/slow_launches_<mode>.txt "
+        "(the profiler slows every launch: the run's figures are not figures)",
+    )
+    ap.add_argument(
         "--sleep-model", metavar="MS_A_STEP,MS_A_TOKEN",
         help="trace modes: the tiny model on the CPU, each step first sleeping this long with "
         "the interpreter lock released (a GPU's step as the host sees it: e.g. 2.5,0.005 for "
@@ -528,6 +588,10 @@ def main() -> None:
                      "MS_A_STEP,MS_A_TOKEN")  # fmt: skip
         os.environ["BENCH_MULTITASK_SLEEP"] = args.sleep_model
         args.modes = [m for m in args.modes if m != "generate_batch"]
+    if args.profile_slow is not None:
+        if not args.profile_slow > 0:
+            ap.error(f"--profile-slow: {args.profile_slow} is not a positive number of ms")
+        os.environ["BENCH_MULTITASK_PROFILE_SLOW"] = str(args.profile_slow)
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)
