@@ -260,7 +260,7 @@ def _profile_launches(min_ms: float, keep: int = 6):
     def write(mode: str) -> dict:
         loop.Engine._launch = real
         text = io.StringIO()
-        for ms, _, (cpu, rows, tokens), prof in sorted(kept, reverse=True):
+        for _ms, _, (cpu, rows, tokens), prof in sorted(kept, reverse=True):
             text.write(f"=== launch: engine-thread CPU {cpu:.1f} ms, {rows} rows, {tokens} "
                        "tokens\n")  # fmt: skip
             for order, n in (("cumulative", 45), ("tottime", 25)):
