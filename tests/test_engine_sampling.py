@@ -449,34 +449,42 @@ def test_a_step_of_every_processor_on_the_gpu_does_not_wait_for_the_stream():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["torch", "fused"])
+@pytest.mark.parametrize("kernel", ["torch", "fused", "topk"])
 def test_no_step_of_the_sampler_synchronises_the_stream(kernel):
     """A penalised row's start, a step of every setting (suppressed ids included) and the new
     tokens noted, under torch.cuda.set_sync_debug_mode("error"): none of it may wait for the
-    stream (`t[rows, cols] = value` did: its Python value is copied from pageable memory)."""
+    stream (`t[rows, cols] = value` did: its Python value is copied from pageable memory).
+    "topk" (the default): every sampling row given a top_k and no scores wanted, so its path
+    takes the step."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ()).item()))
     names = list(SETTINGS) + ["greedy"]
     params = [SETTINGS.get(n, SamplingParams()) for n in names] * 4
+    if kernel == "topk":
+        params = [dataclasses.replace(p, top_k=p.top_k or 40) if p.do_sample else p for p in params]
     rows = [RowSample(p, 2, r, (1, 5) if r % 2 == 0 else ()) for r, p in enumerate(params)]
     logits = (torch.randn(len(params), V, generator=gen) * 2).cuda()
     held = [h.cuda() for h in held_tokens(len(params), gen)]
     sampler = Sampler(V, torch.device("cuda"), kernel)
     for r in range(len(params)):  # (as the engine does: every row's mask line before its step)
         sampler.start_row(r, held[r])
-    sampler(logits, rows)  # (warm: compiles and the first pinned blocks outside the check)
+    wanted = kernel != "topk"
+    sampler(logits, rows, scores_wanted=wanted)  # (warm: compiles, first pinned blocks)
     torch.cuda.synchronize()
     slots = torch.arange(len(params), device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
         for r in range(len(params)):
             sampler.start_row(r, held[r])
-        tokens, scores = sampler(logits, rows)
+        tokens, scores = sampler(logits, rows, scores_wanted=wanted)
         sampler.note(slots, tokens)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert scores[torch.arange(0, len(params), 2), 5].eq(float("-inf")).all()
+    if kernel == "topk":  # (no scores: the suppressed ids were never drawn)
+        assert scores is None and not tokens[0::2].eq(5).any() and not tokens[0::2].eq(1).any()
+    else:
+        assert scores[torch.arange(0, len(params), 2), 5].eq(float("-inf")).all()
     assert sampler.seen[slots, tokens].all()
 
 

@@ -448,9 +448,10 @@ class SchedulerConfig:
     # scores: the warpers and the draw over each row's top_k + 64 largest scores, no sort of
     # the vocabulary; else as "torch") or "fused" (triton_kernels/sampling.py sample_warped:
     # temperature, top-k, top-p by bisection, min-p and the draw in one kernel over the raw
-    # logits; 1.3-2.6x "torch"'s time on the H200). Elsewhere "torch". "torch" until the H200
-    # has measured "topk"
-    sampling_kernel: str = "torch"
+    # logits; 1.3-2.6x "torch"'s time on the H200, 1.7-5.6x on the H100). Elsewhere "torch".
+    # "topk" took 0.52 / 0.33 / 0.16x "torch"'s time at 1 / 64 / 256 rows of a 128k vocabulary
+    # on the H100 (bench_sampling.py), the same tokens but at ties of the bf16 logits
+    sampling_kernel: str = "topk"
 
     def __post_init__(self):
         _check_types(self, "scheduler")
