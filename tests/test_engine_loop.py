@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -144,6 +145,83 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     assert st["replays"] > 0 and st["failed"] == 0, st
     assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
     assert refrozen == ["a merged decode graph's compile"] * st["captures"], (refrozen, st)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_prefill_steps_run_the_compiled_forward_and_equal_stock(oxygen, arch):
+    """kv.prefill_compile: the engine's steps that carry prompt tokens run the forward compiled
+    whole by backend "oxygen" with dynamic shapes (on CPU: kv.cpu_decode_graphs "fuse", decode
+    graphs off so the decode steps stay eager and every compile counted is the prefill's). One
+    call compiles it; then 8 calls of 1-3 rows arriving 15 ms apart make steps of several token
+    counts, prompts beside decoding rows: every call's tokens and its float32 logits at every
+    step equal stock's, every step with prompt tokens ran compiled, and those token counts
+    compiled nothing more (the sizes are symbolic)."""
+    seeds = torch.randint(0, 10_000, (9,)).tolist()
+    model = tiny(arch)
+    kws = []
+    for s in seeds:
+        kw = dict(call(s), return_dict_in_generate=True, output_logits=True, max_new_tokens=20)
+        kw.pop("max_length", None)
+        kw.pop("eos_token_id", None)  # (every call decodes its 20 tokens: they overlap)
+        kws.append(kw)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    kv = {"cpu_decode_graphs": "fuse", "prefill_compile": True, "decode_graphs": False}
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    first = _generate(model, kws[0])  # (the compile)
+    (eng,) = engines(model)
+    assert eng.runner.prefill_compiled == 1
+    steps_before = len(eng.stats.timeline)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def arriving(i, kw):
+        time.sleep(0.015 * i)
+        return _generate(model, kw)
+
+    out, errors = in_threads(arriving, [(i, kw) for i, kw in enumerate(kws[1:])])
+    assert not errors, errors
+    for got, r, seed in zip([first] + [out[i] for i in range(8)], ref, seeds):
+        assert torch.equal(got.sequences, r.sequences), (arch, seed)
+        for a, b in zip(got.logits, r.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    prefill = [(e[1], e[2]) for e in list(eng.stats.timeline)[steps_before:] if e[2] > e[1]]
+    assert len({tokens for _, tokens in prefill}) >= 2, prefill
+    assert eng.runner.prefill_compiled == 1 + len(prefill), (eng.runner.prefill_compiled, prefill)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before <= 1
+
+
+def test_a_prefill_compile_that_fails_warns_once_and_the_steps_run_eagerly(
+    oxygen, monkeypatch, caplog
+):
+    """kv.prefill_compile whose compile fails (here: raises at once): one warning naming the
+    setting, the steps with prompt tokens run eagerly from then on (the compile is not tried
+    again), and every call's tokens equal stock's."""
+    from oxygen_torch.integrations.hf import fuse
+
+    tried = []
+
+    @contextlib.contextmanager
+    def failing(*a, **k):
+        tried.append(1)
+        raise RuntimeError("no compile here")
+        yield  # (a generator: the context manager's shape)
+
+    monkeypatch.setattr(fuse, "compiled", failing)
+    model = tiny("llama")
+    kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    kv = {"cpu_decode_graphs": "fuse", "prefill_compile": True, "decode_graphs": False}
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    said = [r.getMessage() for r in caplog.records if "kv.prefill_compile" in r.getMessage()]
+    assert len(said) == 1 and "no compile here" in said[0], said
+    assert tried == [1]
+    (eng,) = engines(model)
+    assert eng.runner.prefill_compiled == 0
 
 
 def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(

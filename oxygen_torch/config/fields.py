@@ -271,6 +271,14 @@ class KVConfig:
     decode_graph_fusion: bool = True
     # ... the whole forward compiled by backend "oxygen" (False: RMSNorm / MLP / rotary only)
     decode_graph_compile: bool = True
+    # the engine's steps that carry prompt tokens (the steps no decode graph replays) run the
+    # model's forward compiled whole by backend "oxygen" too, with dynamic shapes (one compile
+    # for every token count, at the first such step; it runs alone) instead of eagerly: an
+    # eager forward's Python (the H100's arrival trace: 25-47 ms of the engine thread for a
+    # 22-layer step, whatever its tokens) is what every decoding row of the step waits for.
+    # On a GPU, or on a CPU with cpu_decode_graphs "fuse"; a compile that fails warns once and
+    # the steps run eagerly. Off until measured on a GPU
+    prefill_compile: bool = False
     # on a CPU, where there is no CUDA graph: "off", decode graphs on a GPU only; "rerun", the
     # decode-graph path runs all its host bookkeeping and a "replay" runs the captured forward
     # again (the tests of that path, and benchmarks/bench_multitask.py --host-only, which times

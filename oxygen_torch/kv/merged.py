@@ -171,6 +171,13 @@ class MergedStep:
         )  # fmt: skip
         return self._plan
 
+    def step(self, layer, q, k, v, *, scale, sliding_window) -> torch.Tensor:
+        """One layer as a compiled forward's oxygen::paged_step runs it (kv.prefill_compile):
+        stores the packed k/v ([1, Hkv, T, D]) and attends q ([1, Hq, T, D]) -> [1, T, Hq, D],
+        as the eager layer does through PagedKVCache.attend (no padding in a merged step)."""
+        plan = self.write(layer, k, v)
+        return self.attend(layer, q, plan, scale=scale, sliding_window=sliding_window, k=k, v=v)
+
     def attend(self, layer, q, plan, *, scale, sliding_window, k=None, v=None) -> torch.Tensor:
         """q: [1, Hq, T, D] -> [1, T, Hq, D]. Every row attends over the blocks, where write()
         stored its new K/V, except in a step of fresh prompts that kv.fresh_prefill sends to the

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ... import _patching, context
 from ...engine import gc_watch
 from ...engine.kv_rows import RowKV
 from ...engine.loop import Engine
@@ -25,7 +26,7 @@ from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
-from . import graphs, merged_graphs, trace_guard
+from . import fuse, graphs, merged_graphs, trace_guard
 from . import prefix as prefix_cache
 from .batched import _forward, _geometry, _graph_forward, step_cache
 from .cache import PagedKVCache
@@ -55,6 +56,11 @@ class HFRunner:
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
         self.replayed = 0
+        # kv.prefill_compile: the cache object its compiled forward runs on, whether it compiled
+        # (its first step runs alone) or failed (eager from then on)
+        self._prefill_cache = None
+        self._prefill_ready = self._prefill_failed = False
+        self.prefill_compiled = 0  # steps run through it
 
     # --- rows' KV (their accounting: engine/kv_rows.py) ------------------------------------
 
@@ -96,13 +102,17 @@ class HFRunner:
             # a capture that compiles runs alone (trace_guard.py); any other step beside the
             # other engines' steps, not beside a compile of ours
             fuse_on = graph is not None and graph.runner is None and self._fuses()
-            with trace_guard.GUARD.compile() if fuse_on else trace_guard.GUARD.step():
+            compiled = not decode and self._compiles_prefill()
+            alone = fuse_on or (compiled and not self._prefill_ready)
+            with trace_guard.GUARD.compile() if alone else trace_guard.GUARD.step():
                 logits = None
                 if graph is not None:
                     whole = self.cfg.kv.decode_graph_compile
                     logits = self.graphs.play(graph, model, step, [ids], pos, _graph_forward,
                                               fuse_on, whole, step_cache)  # fmt: skip
                     self.replayed += logits is not None
+                if logits is None and compiled:
+                    logits = self._compiled(model, step, rows, ids, pos)
                 if logits is None:
                     if replay:  # its capture failed before: eager after all
                         step.build()
@@ -132,7 +142,8 @@ class HFRunner:
         width = max(graphs.WIDTH_STEP, 1 << (need - 1).bit_length())
         return self.graphs.pick(model, step, width, rows)
 
-    def _eager(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor:
+    def _inputs(self, rows, pos):
+        """The step's positions [1, T] and the kept logits' indices [K], on the device."""
         keep, at = [], 0
         for row in rows:
             at += row.n
@@ -140,7 +151,55 @@ class HFRunner:
                 keep.append(at - 1)
         dev = to_device(torch.tensor(pos + keep, dtype=torch.int64), self.device)
         n = len(pos)
-        out = _forward(model, step, ids.view(1, -1), dev[:n].view(1, -1), dev[n:])
+        return dev[:n].view(1, -1), dev[n:]
+
+    def _eager(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor:
+        at, keep = self._inputs(rows, pos)
+        return _forward(model, step, ids.view(1, -1), at, keep).logits[0]
+
+    def _compiles_prefill(self) -> bool:
+        """Whether a step with prompt tokens runs the compiled forward (kv.prefill_compile, on
+        a GPU or with kv.cpu_decode_graphs "fuse"; not after its compile failed)."""
+        kv = self.cfg.kv
+        here = self.device.type == "cuda" or kv.cpu_decode_graphs == "fuse"
+        return kv.prefill_compile and here and not self._prefill_failed
+
+    def _compiled(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor | None:
+        """The step's logits through the model's forward compiled whole by backend "oxygen"
+        with dynamic shapes (kv.prefill_compile): its layers' attention is oxygen::paged_step
+        over `step` (lent to this thread while it runs), on the runner's one cache object (a
+        compiled forward guards on its inputs). None when the first compile fails (warned
+        once; these steps run eagerly from then on: a step is idempotent, the eager run writes
+        the same K/V to the same slots)."""
+        at, keep = self._inputs(rows, pos)
+        if self._prefill_cache is None:
+            self._prefill_cache = step_cache(step, model)
+        cache = self._prefill_cache
+        cache._core = step
+        bound = type(model).forward.__get__(model)
+        try:
+            with fuse.compiled(model, bound, step, dynamic=True) as fn:
+                context.lend(step)
+                try:
+                    with context.tracing():
+                        out = _forward(model, step, ids.view(1, -1), at, keep, fn, cache)
+                finally:
+                    context.forget(step)
+        except Exception as err:  # noqa: BLE001 - the first compile: eager from now on
+            if self._prefill_ready:  # it compiled and ran before: this step's own error
+                raise
+            self._prefill_failed = True
+            _patching.warn_once(
+                "oxygen_torch: the engine's prefill steps run eagerly: compiling the forward "
+                f"whole (kv.prefill_compile) failed: {err!r}"
+            )
+            return None
+        finally:
+            cache._core = None  # (the step is not kept alive by the runner)
+        if not self._prefill_ready:
+            self._prefill_ready = True
+            gc_watch.refreeze("the engine's prefill forward's compile")
+        self.prefill_compiled += 1
         return out.logits[0]
 
 
