@@ -54,6 +54,51 @@ def test_concurrent_calls_on_the_gpu_equal_stock_through_decode_graphs(oxygen, a
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
+    """kv.prefill_compile on the GPU (float32): one call compiles the forward for the steps with
+    prompt tokens, then 10 calls arriving 20 ms apart make such steps of several token counts
+    beside decoding rows (replayed from graphs); each call's tokens agree with stock's (a
+    rate: other kernel shapes), every such step ran compiled, and no token count compiled
+    again."""
+    import time
+
+    model = tiny(arch).cuda()
+    kws = []
+    for s in range(11):
+        kw = call(s)
+        kw.pop("max_length", None)
+        kw["max_new_tokens"] = 24
+        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+        kws.append(kw)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True, "decode_graphs": True},
+                      kv={"debug_checks": False, "prefill_compile": True})  # fmt: skip
+    hf.apply(model, cfg)
+    first = _generate(model, kws[0])
+    (eng,) = engines(model)
+    assert eng.runner.prefill_compiled == 1
+    steps_before = len(eng.stats.timeline)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def arriving(i, kw):
+        time.sleep(0.02 * i)
+        return _generate(model, kw)
+
+    out, errors = in_threads(arriving, [(i, kw) for i, kw in enumerate(kws[1:])])
+    assert not errors, errors
+    got = [first] + [out[i] for i in range(10)]
+    agree = [float((g == r).float().mean()) if g.shape == r.shape else 0.0
+             for g, r in zip(got, ref)]  # fmt: skip
+    assert sum(agree) / len(agree) >= 0.98, agree
+    prefill = [(e[1], e[2]) for e in list(eng.stats.timeline)[steps_before:] if e[2] > e[1]]
+    assert len({tokens for _, tokens in prefill}) >= 2, prefill
+    assert eng.runner.prefill_compiled == 1 + len(prefill), (eng.runner.prefill_compiled, prefill)
+    # (decode graphs of new rows buckets may compile their sizes symbolic once)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before <= 2
+
+
 def _generate(model, kw):
     with torch.no_grad():
         return model.generate(**kw)
