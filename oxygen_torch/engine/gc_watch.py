@@ -10,7 +10,7 @@ fast enough to set one off in the first steps of a burst. So the engine counts t
 objects made since. What was frozen is never collected as cyclic garbage (freed by reference
 counting as usual); ``gc.unfreeze()`` undoes it. A cache that was live when the heap froze
 and later left in a reference cycle would so keep its pool (and the pool's CPU tier) for good:
-``release_pools()`` (disable(), tests) thaws the heap around its collections (`thawed`).
+``release_pools()`` (disable(), tests) thaws the heap around its collections (kv/pool.py).
 
 The first engine is made before its graphs are compiled, and a compile leaves far more
 long-lived objects than the model did (on the CPU machine, the tiny model's first steps
@@ -99,19 +99,3 @@ def refreeze(why: str) -> bool:
         1e3 * (time.perf_counter() - t),
     )
     return True
-
-
-class thawed:
-    """``with thawed():`` collections in the block reach what was frozen too (a cache frozen
-    while live, since dropped in a reference cycle); the heap is frozen again on the way out
-    when it was frozen on the way in. Holds no lock: a collection runs finalizers."""
-
-    def __enter__(self) -> thawed:
-        self._was = gc.get_freeze_count() > 0
-        if self._was:
-            gc.unfreeze()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._was:
-            gc.freeze()

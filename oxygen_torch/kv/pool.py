@@ -321,12 +321,16 @@ def release_pools() -> None:
     reachable but left in reference cycles are collected first: their blocks come back, so their
     pools go too (else such a pool stayed, with its CPU tier, for the next get_pool), frozen
     ones included (scheduler.gc_freeze froze the heap while they were live: engine/gc_watch.py)."""
-    from ..engine import gc_watch  # (here: the engine imports this module)
-
-    with gc_watch.thawed():
+    frozen = gc.get_freeze_count() > 0  # (thawed for the collections, frozen again after)
+    if frozen:
+        gc.unfreeze()
+    try:
         gc.collect()
         _let_go_idle()
         gc.collect()  # (pools refer to themselves through their block manager's callbacks)
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def _let_go_idle() -> None:
