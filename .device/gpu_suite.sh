@@ -11,6 +11,11 @@ set -u
 cmd=$1 o=$2
 case $cmd in
 start)
+    # the tree as carried has no oxygen_torch.triton_kernels (setup.py maps triton_kernels/
+    # there) and no built library: install it first, as run_h200.sh does
+    python3 -c "import oxygen_torch.triton_kernels" 2>/dev/null \
+        || python3 -m pip install -q --no-build-isolation --no-deps -e . >/root/suite_install.log 2>&1 \
+        || { echo "install failed"; tail -20 /root/suite_install.log; exit 1; }
     extra=""; [ "$o" = rev ] && extra="--reverse"
     vis=""; [ -n "${3:-}" ] && vis="CUDA_VISIBLE_DEVICES=$3"
     rm -rf "/root/st_$o" "/root/suite_$o.rc"; cp -a . "/root/st_$o"; cd "/root/st_$o" || exit 1
