@@ -120,7 +120,7 @@ def test_table_widths_never_capture_alone_and_rows_buckets_pad_until_asked_enoug
     capture is as wide as the widest graph of its pool so far; a rows bucket with a larger
     graph replays it (the smallest that holds it, rows x width) until asked for more than
     CAPTURE_AFTER times, then gets its own. Another pool's graphs are neither replayed nor
-    widened to."""
+    widened to. A capture that failed at the widened width is not tried again."""
     monkeypatch.setattr(merged_graphs, "CAPTURE_AFTER", after)
     model, graphs = torch.nn.Linear(4, 4), merged_graphs.MergedGraphs(max_graphs=16)
     pool, other = _Pool(), _Pool()
@@ -134,6 +134,10 @@ def test_table_widths_never_capture_alone_and_rows_buckets_pad_until_asked_enoug
     assert _picks(graphs, model, pool, [(2, w), (4, w)]) == [(8, w), (4, 4 * w)]
     assert graphs.padded == 1 + after + 2
     assert _picks(graphs, model, other, [(3, w), (3, 2 * w)]) == [(4, w), (4, 2 * w)]
+    # a rows bucket whose capture at the widened width failed runs eagerly (None), not again
+    graphs.failed.add((16, 4 * w, id(pool)))
+    step = SimpleNamespace(pool=pool, precision=None, tiles=None, cores=[_CORE])
+    assert graphs.pick(model, step, w, 13) is None and (16, 4 * w, id(pool)) not in graphs.graphs
 
 
 def test_sliding_window_calls_replay_merged_graphs(rerun):

@@ -266,6 +266,8 @@ class MergedGraphs:
                 # as wide as the widest captured so far: narrower tables later replay it
                 width = max([width] + [w for (_, w, p) in self.graphs if p == id(step.pool)])
                 key = (rows, width, id(step.pool))
+                if key in self.failed:  # (that width's capture failed: eager, not again)
+                    return None
                 g = self.graphs[key] = MergedDecodeGraph(rows, width, step, step.pool.key.device)
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
