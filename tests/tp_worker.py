@@ -10,6 +10,7 @@ tables it decided, the oversubscription counters and the step schedulers' figure
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -142,6 +143,9 @@ def sched_stats(model) -> list:
 
 def main(path: str, out_path: str, seed: int) -> None:
     warnings.simplefilter("ignore", FutureWarning)
+    # a rank still running near the test's limit (240 s) says where each of its threads is
+    # (once seen: a hang on the CPU machine under CI's load, not reproduced since)
+    faulthandler.dump_traceback_later(200, exit=False)
     model = AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
     ).eval()
