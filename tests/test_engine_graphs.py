@@ -99,10 +99,15 @@ class _Pool:
 _CORE = _Pool()  # (a step's cores: the fingerprint is checked once per set of them)
 
 
+def _step(pool):
+    """A reserved step on `pool`, as MergedGraphs.pick reads one."""
+    return SimpleNamespace(pool=pool, precision=None, tiles=None, cores=[_CORE])
+
+
 def _picks(graphs, model, pool, asks):
     """(rows, width) of the graph each (rows, width) ask replays; each new graph counts as
     captured at once (its runner set: the later asks may replay it)."""
-    step = SimpleNamespace(pool=pool, precision=None, tiles=None, cores=[_CORE])
+    step = _step(pool)
     got = []
     for rows, width in asks:
         g = graphs.pick(model, step, width, rows)
@@ -136,8 +141,8 @@ def test_table_widths_never_capture_alone_and_rows_buckets_pad_until_asked_enoug
     assert _picks(graphs, model, other, [(3, w), (3, 2 * w)]) == [(4, w), (4, 2 * w)]
     # a rows bucket whose capture at the widened width failed runs eagerly (None), not again
     graphs.failed.add((16, 4 * w, id(pool)))
-    step = SimpleNamespace(pool=pool, precision=None, tiles=None, cores=[_CORE])
-    assert graphs.pick(model, step, w, 13) is None and (16, 4 * w, id(pool)) not in graphs.graphs
+    assert graphs.pick(model, _step(pool), w, 13) is None
+    assert (16, 4 * w, id(pool)) not in graphs.graphs
 
 
 def test_sliding_window_calls_replay_merged_graphs(rerun):

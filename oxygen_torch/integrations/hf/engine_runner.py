@@ -123,12 +123,14 @@ class HFRunner:
         step.commit()
         return logits
 
+    def _compiles_here(self) -> bool:
+        """Whether this runner compiles forwards at all: on a GPU, or on a CPU with
+        kv.cpu_decode_graphs "fuse"."""
+        return self.device.type == "cuda" or self.cfg.kv.cpu_decode_graphs == "fuse"
+
     def _fuses(self) -> bool:
-        """Whether a capture fuses its forward (kv.decode_graph_fusion; on a CPU only with
-        kv.cpu_decode_graphs "fuse")."""
-        kv = self.cfg.kv
-        here = self.device.type == "cuda" or kv.cpu_decode_graphs == "fuse"
-        return here and kv.decode_graph_fusion
+        """Whether a capture fuses its forward (kv.decode_graph_fusion, where it compiles)."""
+        return self._compiles_here() and self.cfg.kv.decode_graph_fusion
 
     def _replayable(self, rows) -> bool:
         """A step of decodes only, with decode graphs on (kv.decode_graphs, on a GPU)."""
@@ -158,11 +160,9 @@ class HFRunner:
         return _forward(model, step, ids.view(1, -1), at, keep).logits[0]
 
     def _compiles_prefill(self) -> bool:
-        """Whether a step with prompt tokens runs the compiled forward (kv.prefill_compile, on
-        a GPU or with kv.cpu_decode_graphs "fuse"; not after its compile failed)."""
-        kv = self.cfg.kv
-        here = self.device.type == "cuda" or kv.cpu_decode_graphs == "fuse"
-        return kv.prefill_compile and here and not self._prefill_failed
+        """Whether a step with prompt tokens runs the compiled forward (kv.prefill_compile,
+        where it compiles; not after its compile failed)."""
+        return self.cfg.kv.prefill_compile and self._compiles_here() and not self._prefill_failed
 
     def _compiled(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor | None:
         """The step's logits through the model's forward compiled whole by backend "oxygen"
