@@ -110,6 +110,65 @@ def test_disable_while_calls_run_finishes_them_or_says_so(cleanup, mode, after):
     assert pool_stats() == []  # nothing left held
 
 
+class _DisableAt:
+    """A stopping criterion that calls disable() in its generate()'s own thread (between two of
+    its forwards) at its `at`-th step, then waits for the other calls to end (so its next
+    forward runs alone); never stops the call."""
+
+    def __init__(self, at: int, model, others_done: threading.Event):
+        self.at, self.model, self.others_done = at, model, others_done
+        self.steps = self.rows = 0
+
+    def __call__(self, input_ids, scores, **kw):
+        self.steps += 1
+        if self.steps == self.at:
+            self.rows = merged_rows(self.model)
+            oxygen_torch.disable()
+            assert self.others_done.wait(60), "the other calls did not end"
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("at", [2, 5])
+def test_disable_between_merged_steps_ends_the_call_left_alone_clearly(cleanup, at):
+    """Calls of left-padded rows whose forwards ran as merged steps (K/V stored with the padding
+    skipped); disable() between two steps of one of them, which then runs its next forward
+    alone on stock attention over a paged cache it cannot read. It raises OxygenDisabledError,
+    never another error (CI once saw NotImplementedError from the dense read-back: the merged
+    steps had not marked the call's cache as written for oxygen); the others raise it too or
+    return stock's tokens."""
+    from transformers import StoppingCriteriaList
+
+    kws = calls(4, new=12, rows=2)
+    ref = stock_answers(kws)
+    oxygen_torch.enable(**MODES["merged"])
+    model = llama()
+    left, others_done, lock = [len(kws) - 1], threading.Event(), threading.Lock()
+    trip = _DisableAt(at, model, others_done)
+    kws[0] = dict(kws[0], stopping_criteria=StoppingCriteriaList([trip]))
+
+    def run(i, kw):
+        try:
+            return generate(model, kw)
+        finally:
+            if i:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        others_done.set()
+
+    out, errors = in_threads(run, list(enumerate(kws)))
+    told = {i: (type(e), str(e)) for i, e in errors.items()}
+    del errors
+    assert trip.steps >= at and trip.rows > 2, (trip.steps, trip.rows)  # merged before it
+    assert 0 in told, "the call that disabled went on without an error"
+    for i, r in enumerate(ref):
+        if i in told:
+            kind, text = told[i]
+            assert kind is OxygenDisabledError, f"call {i}: {kind.__name__}: {text}"
+        else:
+            assert torch.equal(out[i], r), f"call {i}"
+
+
 @pytest.mark.parametrize("mode", ["merged", "alone"])
 def test_release_pools_between_a_bind_and_its_first_blocks_takes_no_pool(cleanup, mode):
     """Every core binding to its pool is followed at once by release_pools() (what another

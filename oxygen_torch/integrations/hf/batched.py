@@ -324,6 +324,9 @@ class Merger:
     def _bind(model, cache: PagedKVCache, batch: int) -> None:
         if cache._core.pool is None:
             cache._core.bind(batch, *_geometry(model))
+        # the merged step writes its K/V for oxygen attention (padding skipped): a forward of
+        # the call's after disable() ends in OxygenDisabledError, not a dense read-back
+        cache._on_oxygen = True
 
     @staticmethod
     def _pack(chunks: list[Chunk]):
