@@ -55,6 +55,9 @@ SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
 # --profile-slow MS: the engine's launches that took this many ms of its thread's CPU, profiled
 PROFILE_SLOW_MS = float(os.environ.get("BENCH_MULTITASK_PROFILE_SLOW") or 0)
+# --no-warm-up: oxygen's trace modes skip oxygen_torch.warm_up() (every rows bucket's decode
+# graph captured before the timed run, as a server does at its start)
+NO_WARM_UP = os.environ.get("BENCH_MULTITASK_NO_WARM_UP") == "1"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -179,6 +182,11 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         reqs = [r for r in reqs if r["priority"] == "high"]
     for w in warm:
         run_requests(model, w, threaded=True)
+    warmed = None
+    if oxygen and not NO_WARM_UP:
+        warmed = oxygen_torch.warm_up(
+            model, max_length=min(cap_p + cap_n, model.config.max_position_embeddings)
+        )
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -195,6 +203,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
     out["rate"] = rate
+    if warmed is not None:  # (before the timed run)
+        out["warm_up"] = {k: warmed[k] for k in ("captured", "table_blocks", "seconds")}
     if oxygen:  # the engine's steps: how many, how full, the GPU's idle share between them
         st = oxygen_torch.engine_stats(model)
         out["steps"] = st.get("steps", 0)
@@ -481,6 +491,12 @@ def main() -> None:
         "(the profiler slows every launch: the run's figures are not figures)",
     )
     ap.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="trace modes: skip oxygen_torch.warm_up() before the timed run (every rows "
+        "bucket's decode graph captured first, as `serve` does at its start)",
+    )
+    ap.add_argument(
         "--sleep-model", metavar="MS_A_STEP,MS_A_TOKEN",
         help="trace modes: the tiny model on the CPU, each step first sleeping this long with "
         "the interpreter lock released (a GPU's step as the host sees it: e.g. 2.5,0.005 for "
@@ -592,6 +608,8 @@ def main() -> None:
         if not args.profile_slow > 0:
             ap.error(f"--profile-slow: {args.profile_slow} is not a positive number of ms")
         os.environ["BENCH_MULTITASK_PROFILE_SLOW"] = str(args.profile_slow)
+    if args.no_warm_up:
+        os.environ["BENCH_MULTITASK_NO_WARM_UP"] = "1"
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)

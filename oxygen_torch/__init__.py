@@ -18,6 +18,7 @@ from .api import (
     is_enabled,
     kv_stats,
     memory_stats,
+    warm_up,
 )
 from .config import KernelConfig, KVConfig, OxygenConfig, PoolConfig, SchedulerConfig, load_config
 from .engine.task import Cancelled, task
@@ -46,6 +47,7 @@ __all__ = [
     "clear_prefix_cache",
     "decode_graph_stats",
     "engine_stats",
+    "warm_up",
     "empty_cache",
     "pool",
     "VirtualPool",

@@ -187,6 +187,19 @@ def engine_stats(model=None) -> dict:
     return {**engine_runner.engine_stats(model), "per_call": reasons}
 
 
+def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None) -> dict:
+    """Pay the engine's first-use costs before traffic: one short greedy generate() per rows
+    bucket up to `max_rows` (default scheduler.max_step_seqs), so each bucket's decode CUDA
+    graph is captured (and the forward compiled) now, with block tables for sequences up to
+    `max_length` tokens (default the model's max_position_embeddings, at most 8,192). Later
+    steps of those sizes replay instead of stalling every running call for a capture. Needs the
+    model on oxygen attention (enable() before creating it, or apply()) and the engine
+    (scheduler.engine). Returns the buckets run, graphs captured, table width and seconds."""
+    from .integrations.hf.warm import warm_up as _warm_up
+
+    return _warm_up(model, max_rows=max_rows, max_length=max_length)
+
+
 def empty_cache() -> None:
     """Unmap pages with nothing live and release cached physical handles."""
     pool.empty_cache()

@@ -55,7 +55,7 @@ def tiny(arch="llama", seed=0, **overrides):
     extra = {**extra, **overrides}
     torch.manual_seed(seed)
     stock = "sdpa" if model_cls._supports_sdpa else "eager"  # transformers 5.24: gemma2 eager
-    model = model_cls(conf_cls(**COMMON, **extra, attn_implementation=stock)).eval()
+    model = model_cls(conf_cls(**{**COMMON, **extra}, attn_implementation=stock)).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model

@@ -54,6 +54,7 @@ class HFRunner:
         self.block_tokens = self._proto.block_tokens
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
+        self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
         self.replayed = 0
         # kv.prefill_compile: the cache object its compiled forward runs on, whether it compiled
@@ -141,8 +142,14 @@ class HFRunner:
     def _pick(self, model, step: MergedStep, rows: int):
         """The merged decode graph of this reserved step (None: its signature runs eagerly)."""
         need = max(len(c.seqs.blocks[0]) for c in step.cores)
-        width = max(graphs.WIDTH_STEP, 1 << (need - 1).bit_length())
-        return self.graphs.pick(model, step, width, rows)
+        return self.graphs.pick(model, step, max(self.graph_blocks, _width(need)), rows)
+
+    def widen_graphs(self, tokens: int) -> int:
+        """Decode graphs captured from now on have tables for sequences of `tokens` tokens at
+        least (oxygen_torch.warm_up): later steps up to that length replay them. Returns the
+        width in blocks (never narrower than before)."""
+        self.graph_blocks = max(self.graph_blocks, _width(-(-tokens // self.block_tokens)))
+        return self.graph_blocks
 
     def _inputs(self, rows, pos):
         """The step's positions [1, T] and the kept logits' indices [K], on the device."""
@@ -201,6 +208,11 @@ class HFRunner:
             gc_watch.refreeze("the engine's prefill forward's compile")
         self.prefill_compiled += 1
         return out.logits[0]
+
+
+def _width(blocks: int) -> int:
+    """A decode graph's table width for `blocks` blocks: a power of two, WIDTH_STEP at least."""
+    return max(graphs.WIDTH_STEP, 1 << (max(1, blocks) - 1).bit_length())
 
 
 def _vocab(model) -> int:

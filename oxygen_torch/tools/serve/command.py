@@ -65,7 +65,12 @@ def parser() -> argparse.ArgumentParser:
     )
     a("--max-connections", type=int, default=1024, help="open connections before 503")
     a("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    a("--no-warmup", action="store_true", help="skip the generate() call made before serving")
+    a(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up before serving (oxygen_torch.warm_up: every rows bucket's "
+        "decode graph captured; else the first steps of each batch size capture theirs)",
+    )
     a(
         "--one-process",
         action="store_true",
@@ -102,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer = load(args.path, args.dtype, args.device)
             app = build_app(model, tokenizer, cfg)
             if not args.no_warmup:
-                warm_up(model, app.state.server.served.pad)
+                warm_up(model, app.state.server.served.pad, args.max_model_len)
             engine_on, where = oxygen.scheduler.engine, "this process"
         else:
             serve_overrides(args.conf)  # (a bad configuration is told before anything loads)
             tokenizer = load_tokenizer(args.path)
             spec = EngineSpec(args.path, args.dtype, args.device, args.conf, not args.no_warmup,
-                              None, args.max_queue, args.log_level)  # fmt: skip
+                              None, args.max_queue, args.log_level, args.max_model_len)  # fmt: skip
             engine = EngineProcess(spec)
             served = Served(engine.facts, tokenizer, cfg.max_model_len, engine.kv_tokens)
             app = app_for(Server(served, engine, cfg))

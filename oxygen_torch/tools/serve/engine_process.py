@@ -57,6 +57,7 @@ class EngineSpec:
     workers: int | None = None  # generate() threads; None: scheduler.max_step_seqs + max_queue
     max_queue: int = 256
     log_level: str = "info"
+    max_model_len: int | None = None  # --max-model-len: the warm-up's graph tables' length
 
 
 class EngineFailed(RuntimeError):
@@ -224,7 +225,7 @@ def engine_main(fd: int) -> None:
         model, tokenizer = load(spec.path, spec.dtype, spec.device)
         facts = model_facts(model, tokenizer)
         if spec.warm_up:
-            warm_up(model, facts.pad)
+            warm_up(model, facts.pad, spec.max_model_len)
         workers = worker_count(ServeConfig(workers=spec.workers, max_queue=spec.max_queue))
     except BaseException as err:  # noqa: BLE001 - told to the front, which says it and exits
         conn.send(("failed", f"{type(err).__name__}: {err}"))

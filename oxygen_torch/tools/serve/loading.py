@@ -56,14 +56,26 @@ def load(path: str, dtype: str = "auto", device: str | None = None):
     return model.to(device).eval(), tokenizer
 
 
-def warm_up(model, pad: int) -> float:
-    """Short greedy calls of one and of two rows: the KV pool is made (its size bounds
-    requests) and first-call costs are paid before the first client (the engine's decode
-    graphs compile at one row, then their sizes symbolic at a second rows bucket; later
-    buckets only capture). Returns seconds."""
+def warm_up(model, pad: int, max_length: int | None = None) -> float:
+    """The first-use costs paid before the first client: with the engine on,
+    oxygen_torch.warm_up() (every rows bucket's decode graph captured, tables for sequences up
+    to `max_length` tokens, at most its default 8,192; the KV pool made: its size bounds
+    requests); else short greedy calls of one and of two rows. Returns seconds."""
     import torch
 
+    import oxygen_torch
+    from oxygen_torch.integrations.hf.warm import DEFAULT_LENGTH
+
     t0 = time.perf_counter()
+    cfg = oxygen_torch.active_config()
+    if cfg is not None and cfg.scheduler.engine:
+        length = None
+        if max_length:
+            top = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0)
+            length = max(2, min(max_length, DEFAULT_LENGTH, top if isinstance(top, int) and top >= 2
+                                else max_length))  # fmt: skip
+        oxygen_torch.warm_up(model, max_length=length)
+        return time.perf_counter() - t0
     for rows in (1, 2):
         ids = torch.full((rows, 4), pad, device=model.device)
         with torch.no_grad():

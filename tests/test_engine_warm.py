@@ -1,0 +1,119 @@
+"""oxygen_torch.warm_up(model): every rows bucket's decode graph captured before the calls come,
+with tables wide enough for the sequences up to `max_length`, so the calls' steps replay and
+capture none. On CPU through the decode-graph path's stand-in (kv.cpu_decode_graphs "rerun":
+a "capture" is counted as on a GPU, a "replay" runs the captured forward again)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import in_threads
+from test_engine_loop import call
+from test_hf_generate import tiny
+
+import oxygen_torch
+from oxygen_torch import _patching
+from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import integration as hf
+
+RERUN = {"cpu_decode_graphs": "rerun"}
+
+
+@pytest.fixture
+def switched():
+    """Models a test switches get stock attention back afterwards; warnings are said again."""
+    _patching.forget_warnings()
+    yield
+    hf.disable_hf()
+
+
+def _generate(model, kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+def long_call(seed: int, length: int, new: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (1, length), generator=g)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=new)  # fmt: skip
+
+
+def merged(model) -> dict:
+    return oxygen_torch.decode_graph_stats(model)["merged"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_after_warm_up_the_calls_steps_replay_and_capture_nothing(switched, arch):
+    """warm_up(max_rows=32, max_length=480): buckets 1..32 captured once each, tables 32 blocks
+    wide (480 tokens in 16-token blocks: 30, rounded up to a power of two). Then 10 concurrent
+    calls of 1-3 rows (up to 24 rows a step) and one of 440 + 4 tokens (28 blocks: wider than a
+    graph's table would be without the warm-up) equal stock and capture no graph; a call of 600
+    tokens (38 blocks: past max_length) captures one of its own, and equals stock too."""
+    model = tiny(arch, max_position_embeddings=1024)
+    seeds = torch.randint(0, 10_000, (10,)).tolist()
+    kws = [call(s) for s in seeds] + [long_call(seeds[0], 440)]
+    past = long_call(seeds[1], 600)
+    ref = [_generate(model, kw) for kw in kws + [past]]
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=RERUN))
+    got = oxygen_torch.warm_up(model, max_rows=32, max_length=480)
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12, 16, 24, 32], got
+    assert got["table_blocks"] == 32 and got["max_length"] == 480, got
+    st = merged(model)
+    assert got["captured"] == st["captures"] == st["graphs"] == 8, (got, st)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    for i, r in enumerate(ref[:-1]):
+        assert torch.equal(out[i], r), (arch, i)
+    after = merged(model)
+    assert after["captures"] == 8 and after["failed"] == 0, after
+    assert after["replays"] > st["replays"], after  # (the calls' decode steps replayed)
+    assert torch.equal(_generate(model, past), ref[-1])
+    assert merged(model)["captures"] == 9  # a table of 64 blocks: not warmed
+
+
+def test_a_limit_between_buckets_warms_the_bucket_above_it(switched):
+    """scheduler.max_step_seqs 10: the default max_rows is 10; a step of 10 rows replays bucket
+    12, which the warm-up's last call (10 rows) captures. The default max_length is the model's
+    max_position_embeddings (1024: 64 blocks)."""
+    model = tiny("llama", max_position_embeddings=1024)
+    hf.apply(model, load_config(scheduler={"engine": True, "max_step_seqs": 10}, kv=RERUN))
+    got = oxygen_torch.warm_up(model)
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12] and got["captured"] == 5, got
+    assert got["max_length"] == 1024 and got["table_blocks"] == 64, got
+    assert oxygen_torch.engine_stats(model)["running"] == 0
+
+
+def test_warm_up_refuses_what_it_cannot_do_naming_it(switched):
+    stock = tiny("llama")
+    with pytest.raises(RuntimeError, match="does not attend through oxygen"):
+        oxygen_torch.warm_up(stock)
+    off = tiny("llama")
+    hf.apply(off, load_config(scheduler={"engine": False}))
+    with pytest.raises(RuntimeError, match="scheduler.engine"):
+        oxygen_torch.warm_up(off)
+    model = tiny("llama")  # max_position_embeddings 256
+    hf.apply(model, load_config(scheduler={"engine": True, "max_step_seqs": 64}, kv=RERUN))
+    for bad, kind, text in [
+        (dict(max_rows=0), ValueError, "max_rows 0 is out of range; allowed: 1 to 64"),
+        (dict(max_rows=65), ValueError, "max_rows 65"),
+        (dict(max_rows="8"), TypeError, "max_rows '8' is not an integer"),
+        (dict(max_rows=True), TypeError, "max_rows True"),
+        (dict(max_length=1), ValueError, "max_length 1 is out of range; allowed: 2 to 256"),
+        (dict(max_length=257), ValueError, "max_position_embeddings"),
+        (dict(max_length=2.5), TypeError, "max_length 2.5"),
+    ]:
+        with pytest.raises(kind, match=text):
+            oxygen_torch.warm_up(model, **bad)
+    assert merged(model)["captures"] == 0  # nothing ran for a refused call
+
+
+def test_without_decode_graphs_it_runs_one_and_two_rows_only(switched):
+    """On a CPU without the stand-in there is nothing to capture: the KV pool is made (one and
+    two rows of one token, two new tokens each) and the engine is idle after."""
+    model = tiny("qwen3")
+    hf.apply(model, load_config(scheduler={"engine": True}))
+    got = oxygen_torch.warm_up(model)
+    assert got["decode_graphs"] is False and got["rows_buckets"] == [1, 2], got
+    assert got["captured"] == 0 and merged(model)["graphs"] == 0, got
+    assert oxygen_torch.kv_stats() and oxygen_torch.engine_stats(model)["tokens"] > 0
