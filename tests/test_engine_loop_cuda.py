@@ -55,6 +55,36 @@ def test_concurrent_calls_on_the_gpu_equal_stock_through_decode_graphs(oxygen, a
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_after_warm_up_the_gpu_captures_no_graph(oxygen, arch):
+    """oxygen_torch.warm_up(max_rows=32): buckets 1..32 captured (CUDA graphs, the forward
+    compiled whole); then 12 calls of 1-3 rows from threads replay them, capture none, and
+    agree with stock (a rate, as above)."""
+    import oxygen_torch
+
+    model = tiny(arch, max_position_embeddings=1024).cuda()
+    kws = []
+    for s in range(12):
+        kw = call(s)
+        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+        kws.append(kw)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, GRAPHS)
+    got = oxygen_torch.warm_up(model, max_rows=32, max_length=512)
+    assert got["decode_graphs"] and got["captured"] == 8 and got["table_blocks"] == 32, got
+    (eng,) = engines(model)
+    before = eng.runner.graphs.stats()
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    agree = [float((out[i] == r).float().mean()) if out[i].shape == r.shape else 0.0
+             for i, r in enumerate(ref)]  # fmt: skip
+    assert sum(agree) / len(agree) >= 0.98, agree
+    st = eng.runner.graphs.stats()
+    assert st["captures"] == before["captures"] == 8 and st["failed"] == 0, st
+    assert st["replays"] > before["replays"], st
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
     """kv.prefill_compile on the GPU (float32): one call compiles the forward for the steps with
     prompt tokens, then 10 calls arriving 20 ms apart make such steps of several token counts
