@@ -92,6 +92,11 @@ def test_warm_up_refuses_what_it_cannot_do_naming_it(switched):
     hf.apply(off, load_config(scheduler={"engine": False}))
     with pytest.raises(RuntimeError, match="scheduler.engine"):
         oxygen_torch.warm_up(off)
+    hooked = tiny("llama")
+    hf.apply(hooked, load_config(scheduler={"engine": True}))
+    hooked.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="per-call path, not the engine .forward hooks"):
+        oxygen_torch.warm_up(hooked)
     model = tiny("llama")  # max_position_embeddings 256
     hf.apply(model, load_config(scheduler={"engine": True, "max_step_seqs": 64}, kv=RERUN))
     for bad, kind, text in [

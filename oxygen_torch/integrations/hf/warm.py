@@ -51,7 +51,7 @@ def buckets_up_to(rows: int) -> list[int]:
 def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None) -> dict:
     """See the module docstring. Returns what it did: the buckets run, the graphs captured, the
     table width, the seconds it took."""
-    from . import engine_runner, graphs
+    from . import engine_runner, front, graphs
     from .integration import config_of, uses_oxygen
 
     text = model.config.get_text_config(decoder=True)
@@ -93,11 +93,21 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     for b in sizes:
         # (a limit between two buckets: its steps of `limit` rows replay the larger one)
         ids = torch.full((min(b, limit), 1), token, dtype=torch.long, device=device)
+        steps = eng.snapshot()["steps"]
+        with front._reasons_lock:
+            reasons = dict(front.REASONS)
         with torch.no_grad():
             model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                 do_sample=False, pad_token_id=token,
             )  # fmt: skip
+        if eng.snapshot()["steps"] == steps:  # it ran its own loop: nothing of the engine's
+            with front._reasons_lock:
+                why = [r for r, n in front.REASONS.items() if n > reasons.get(r, 0)]
+            raise RuntimeError(
+                "warm_up: generate() on this model runs on the per-call path, not the engine "
+                f"({'; '.join(why) or 'another engine of it'}): there is nothing to warm up"
+            )
         done.append(b)
     return {
         "decode_graphs": replays,
