@@ -139,6 +139,18 @@ def test_bad_kwargs_and_direct_construction():
     assert SchedulerConfig(alpha=1, beta=0).alpha == 1
 
 
+@pytest.mark.parametrize("kernel", ["fused", "fast"])
+def test_sampling_kernel_is_torch_or_topk(kernel):
+    """scheduler.sampling_kernel: "torch" or "topk" (the default). Anything else, "fused" too
+    (a one-kernel variant measured slower than both and removed), is refused naming the field
+    and the values allowed."""
+    assert SchedulerConfig().sampling_kernel == "topk"
+    assert load_config(scheduler={"sampling_kernel": "torch"}).scheduler.sampling_kernel == "torch"
+    want = rf"scheduler\.sampling_kernel: '{kernel}' is not allowed; allowed: torch, topk$"
+    with pytest.raises(ValueError, match=want):
+        load_config(scheduler={"sampling_kernel": kernel})
+
+
 def test_yaml_file_errors(tmp_path, monkeypatch):
     f = tmp_path / "c.yaml"
     f.write_text("pool: [1, 2\n")

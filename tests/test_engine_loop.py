@@ -497,13 +497,12 @@ def test_sampling_is_reproducible_by_seed_whatever_runs_beside(oxygen):
     assert torch.equal(_generate(model, kw), a)  # a call alone after torch.manual_seed
 
 
-@pytest.mark.parametrize("kernel", ["fused", "topk"])
-def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, monkeypatch, kernel):
-    """scheduler.sampling_kernel "fused" or "topk" (their kernels under the interpreter here)
-    in the engine:
+def test_the_topk_sampling_path_draws_the_torch_processors_tokens(oxygen, monkeypatch):
+    """scheduler.sampling_kernel "topk" (its draw under the interpreter here) in the engine:
     temperature, top-k and the repetition penalty (no top-p, whose cut may round to the other
     side) give the tokens the PyTorch processors give for the same seeds, beside a call that
-    wants its scores (output_scores: those equal too) and one that does not."""
+    wants its scores (output_scores: those equal too; a step holding it takes the processors)
+    and one that does not."""
     from oxygen_torch.engine import sampling
 
     monkeypatch.setattr(sampling, "_kernel_ok", lambda t: True)
@@ -523,11 +522,11 @@ def test_the_fused_sampling_kernel_draws_the_torch_processors_tokens(oxygen, mon
         assert not errors, errors
         return out
 
-    fused, plain = run(kernel), run("torch")
+    topk, plain = run("topk"), run("torch")
     for i in range(2):
-        assert torch.equal(fused[i].sequences, plain[i].sequences), i
-    assert fused[1].scores is None and len(fused[0].scores) == 8
-    for a, b in zip(fused[0].scores, plain[0].scores):  # (the steps' batches may differ)
+        assert torch.equal(topk[i].sequences, plain[i].sequences), i
+    assert topk[1].scores is None and len(topk[0].scores) == 8
+    for a, b in zip(topk[0].scores, plain[0].scores):  # (the steps' batches may differ)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -15,8 +15,6 @@ from oxygen_torch.triton_kernels.sampling import (
     sample_candidates,
     sample_rows,
     sample_rows_ref,
-    sample_warped,
-    top_p_cut_ref,
 )
 
 from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed, step_seeds
@@ -53,7 +51,7 @@ def stock_processors(p: SamplingParams) -> T.LogitsProcessorList:
 
 @pytest.fixture
 def triton_draws(monkeypatch):
-    """The Sampler's Triton paths (the draws, "fused", "topk") on CPU tensors, under the
+    """The Sampler's Triton paths (the draws, "topk") on CPU tensors, under the
     interpreter: by default it takes them on CUDA only."""
     from oxygen_torch.engine import sampling
 
@@ -126,173 +124,15 @@ def test_every_row_sampling_with_its_own_values_each_gets_its_own():
     assert_each_row_as_stock(params, torch.randn(len(params), V, generator=gen) * 3, gen)
 
 
-def warped(scores, seeds=None, greedy=None, temperature=None, top_k=None, top_p=None,
-           min_p=None):  # fmt: skip
-    """sample_warped with the warpers off where not given: (tokens, cuts)."""
-    r, dev = scores.shape[0], scores.device
-    full = lambda v, dt: torch.full((r,), v, dtype=dt, device=dev)  # noqa: E731
-    cut = torch.empty(r, dtype=torch.float32, device=dev)
-    tokens = sample_warped(
-        scores,
-        seeds if seeds is not None else torch.arange(r, device=dev) * 7919,
-        greedy if greedy is not None else full(False, torch.bool),
-        temperature if temperature is not None else full(1.0, torch.float32),
-        top_k if top_k is not None else full(0, torch.int32),
-        top_p if top_p is not None else full(1.0, torch.float32),
-        min_p if min_p is not None else full(0.0, torch.float32),
-        cut=cut,
-    )
-    return tokens, cut
-
-
 def near_the_cut(s: torch.Tensor, top_p: float) -> bool:
     """Whether the mass below some score of row s is within float32 rounding of 1 - top_p
-    (where the kernel's sums and the sort's may fall on either side of it). top_p 1 keeps
+    (where the topk path's sums and the sort's may fall on either side of it). top_p 1 keeps
     every token by definition, with no sums."""
     if top_p >= 1.0:
         return False
     p = s.double().softmax(-1)
     below = torch.stack([p[s < v].sum() for v in s.unique()])
     return bool((below - (1 - top_p)).abs().min() < 1e-5)
-
-
-@pytest.mark.parametrize("vocab", [7, 300, 1500])
-def test_the_fused_kernels_top_p_cut_equals_its_float64_reference(vocab):
-    """sample_warped with top-p alone, under the interpreter, against the sort in float64 on
-    fresh rows: random scores, integer ones (ties at the cut), half the vocabulary filtered,
-    top_p from 0 to 1. A row may differ only where the mass below a score is within float32
-    rounding of 1 - top_p (the sums' order differs); most rows are not such rows."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    ps = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0])
-    s = torch.randn(len(ps), vocab, generator=gen) * 3
-    s[1] = torch.randint(-3, 3, (vocab,), generator=gen).float()  # ties
-    s[2, torch.randperm(vocab, generator=gen)[: vocab // 2]] = float("-inf")
-    tokens, got = warped(s, top_p=ps)
-    want = top_p_cut_ref(s, ps)
-    checked = 0
-    for r in range(len(ps)):
-        if near_the_cut(s[r], float(ps[r])):
-            continue
-        checked += 1
-        assert torch.equal(s[r] >= got[r], s[r] >= want[r]), (r, float(got[r]), float(want[r]))
-        assert float(s[r, tokens[r]]) >= float(got[r])  # the token drawn is one kept
-    assert checked >= len(ps) - 3  # (rows 0 and 6, top_p 0 and 1, are never near)
-    # the cut's meaning, directly: at p = 0 only the maximum stays; at p = 1 every token
-    assert float(got[0]) == float(s[0].max()) and float(got[-1]) == float("-inf")
-
-
-@pytest.mark.parametrize("vocab", [9, 700])
-def test_the_fused_kernel_keeps_what_transformers_warpers_keep(vocab):
-    """Every warper at once and each alone, per-row values, under the interpreter: the tokens
-    the kernel keeps (its cut over the temperature-scaled scores) are the ones transformers'
-    warpers leave finite, and its draw is sample_rows' over those scores with the same seeds
-    (so a step's tokens are the same whichever path processed its scores)."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    rows = 12
-    logits = torch.randn(rows, vocab, generator=gen) * 3
-    t = torch.rand(rows, generator=gen) * 1.5 + 0.3
-    k = torch.randint(0, vocab + 3, (rows,), generator=gen).to(torch.int32)
-    p = torch.rand(rows, generator=gen) * 0.6 + 0.4
-    mp = torch.rand(rows, generator=gen) * 0.3
-    t[0], k[1], p[2], mp[3] = 1.0, 0, 1.0, 0.0  # each warper off in one row
-    k[4], p[4], mp[4] = 0, 1.0, 0.0  # temperature alone
-    seeds = torch.tensor([step_seed(r, 4) for r in range(rows)])
-    tokens, cut = warped(logits, seeds, temperature=t, top_k=k, top_p=p, min_p=mp)
-    scaled = logits / t[:, None]
-    checked = 0
-    for r in range(rows):
-        procs = T.LogitsProcessorList()
-        if t[r] != 1.0:
-            procs.append(T.TemperatureLogitsWarper(float(t[r])))
-        if 0 < k[r]:
-            procs.append(T.TopKLogitsWarper(int(k[r])))
-        if p[r] < 1.0:
-            procs.append(T.TopPLogitsWarper(float(p[r])))
-        if mp[r] > 0:
-            procs.append(T.MinPLogitsWarper(float(mp[r])))
-        want = procs(None, logits[r : r + 1].clone())[0]
-        if p[r] < 1.0 and near_the_cut(want if k[r] else scaled[r], float(p[r])):
-            continue
-        checked += 1
-        assert torch.equal(scaled[r] >= cut[r], want.isfinite()), r
-        assert float(scaled[r, tokens[r]]) >= float(cut[r])
-    assert checked >= rows - 3
-    kept = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
-    assert torch.equal(tokens, sample_rows(kept, seeds, torch.zeros(rows, dtype=torch.bool)))
-
-
-def test_the_fused_kernels_greedy_rows_take_the_raw_argmax():
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    logits = torch.randn(4, 50, generator=gen)
-    logits[1, 7] = logits[1, 30] = logits[1].max() + 1  # a tie: the first index
-    greedy = torch.tensor([True, True, False, True])
-    small_t = torch.full((4,), 0.05)  # (ignored by greedy rows)
-    tokens, cut = warped(logits, greedy=greedy, temperature=small_t,
-                         top_k=torch.full((4,), 2, dtype=torch.int32))  # fmt: skip
-    assert tokens[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()
-    assert int(tokens[1]) == 7 and float(cut[0]) == float("-inf")
-
-
-@pytest.mark.parametrize("name", list(SETTINGS) + ["mixed"])
-def test_the_sampler_with_the_fused_kernel(triton_draws, name):
-    """scheduler.sampling_kernel "fused" (the kernel under the interpreter here): the tokens
-    are the torch path's own draw rule over transformers' processed scores (same seeds, rows
-    with the penalty and suppressed ids too); the processed scores come back only when
-    wanted, equal to transformers'; a bad setting names the field."""
-    from oxygen_torch.config import load_config
-
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    rows = 6
-    if name == "mixed":
-        params = [SETTINGS[n] for n in list(SETTINGS)[:5]] + [SamplingParams()]
-    else:
-        params = [SETTINGS[name]] * rows
-    samples = [RowSample(pp, 2, r, (3,) if r % 2 else ()) for r, pp in enumerate(params)]
-    logits = torch.randn(rows, V, generator=gen) * 3
-    held = held_tokens(rows, gen)
-    fused, plain = Sampler(V, torch.device("cpu"), "fused"), Sampler(V, torch.device("cpu"))
-    for sampler in (fused, plain):
-        for r in range(rows):
-            sampler.start_row(r, held[r])
-    tokens, none = fused(logits, samples, scores_wanted=False)
-    assert none is None
-    _, scores = fused(logits, samples)  # (the same draw: the same seeds and steps)
-    want_tokens, want_scores = plain(logits, samples)
-    torch.testing.assert_close(scores, want_scores, rtol=0, atol=0)
-    for r, pp in enumerate(params):
-        row = logits[r : r + 1].clone()
-        if r % 2:
-            row[0, 3] = float("-inf")  # (min_new_tokens' suppression runs before the warpers)
-        want = stock_processors(pp)(held[r : r + 1], row)
-        torch.testing.assert_close(scores[r : r + 1], want, rtol=1e-6, atol=1e-6)
-        if pp.top_p < 1.0 and near_the_cut(want[0], pp.top_p):
-            continue  # (the kernel's cut may fall on the other side of the rounding)
-        assert int(tokens[r]) == int(want_tokens[r]), r
-    with pytest.raises(ValueError, match="scheduler.sampling_kernel"):
-        load_config(scheduler={"sampling_kernel": "fast"})
-
-
-@pytest.mark.cuda
-def test_the_fused_kernel_on_the_gpu_keeps_what_the_sort_keeps():
-    """On the GPU at a real vocabulary: 64 rows of 32,000 scores, float32 and bf16 (ties),
-    top_p 0.5-0.99 with top-k 50 in half the rows: the kept tokens equal the float64 sort's on
-    rows whose cut is not within rounding (most of them), and every token drawn is kept."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
-    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    s = torch.randn(64, 32000, device="cuda", generator=gen) * 2
-    ps = torch.rand(64, device="cuda", generator=gen) * 0.49 + 0.5
-    for scores in (s, s.bfloat16()):
-        tokens, got = warped(scores, top_p=ps)
-        f = scores.float()
-        want = top_p_cut_ref(f, ps)
-        same = ((f >= got[:, None]) == (f >= want[:, None])).all(-1)
-        assert same.float().mean() > 0.9, same.float().mean()
-        assert (f.gather(1, tokens[:, None])[:, 0] >= got).all()
-        k = torch.where(torch.arange(64, device="cuda") % 2 == 0, 50, 0).to(torch.int32)
-        tokens, got = warped(scores, top_k=k, top_p=ps)
-        kth = f.topk(50, -1).values[:, -1]
-        assert (got[::2] >= kth[::2]).all() and (f.gather(1, tokens[:, None])[:, 0] >= got).all()
 
 
 TOPK_SETTINGS = [
@@ -430,26 +270,10 @@ def test_a_step_of_every_processor_on_the_gpu_does_not_wait_for_the_stream():
     greedy = [r for r, p in enumerate(params) if not p.do_sample]
     assert tokens[greedy].tolist() == out["cpu"][1][greedy].tolist()
     assert host_s < 0.1, f"the sampler waited {host_s:.3f} s for the stream"
-    # the fused kernel (scheduler.sampling_kernel "fused") on the same rows: no wait either,
-    # greedy rows the same tokens, every draw a token the processors keep
-    fused = Sampler(V, torch.device("cuda"), "fused")
-    for r in range(len(params)):
-        fused.start_row(r, held[r])
-    on = logits.cuda()
-    fused(on, rows, scores_wanted=False)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1 << 30)
-    t0 = time.perf_counter()
-    ftokens, none = fused(on, rows, scores_wanted=False)
-    host_s = time.perf_counter() - t0
-    ftokens = ftokens.cpu()
-    assert none is None and host_s < 0.1, f"the fused sampler waited {host_s:.3f} s"
-    assert ftokens[greedy].tolist() == tokens[greedy].tolist()
-    assert scores.gather(1, ftokens[:, None]).isfinite().all()
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kernel", ["torch", "fused", "topk"])
+@pytest.mark.parametrize("kernel", ["torch", "topk"])
 def test_no_step_of_the_sampler_synchronises_the_stream(kernel):
     """A penalised row's start, a step of every setting (suppressed ids included) and the new
     tokens noted, under torch.cuda.set_sync_debug_mode("error"): none of it may wait for the

@@ -117,14 +117,8 @@ def sampling_case(kind, x_type):
     if kind == "draw":
         ptrs = dict(scores_ptr=x_type, seeds_ptr="*i64", greedy_ptr="*i8", out_ptr="*i64")
         return compile_sm90(kernel("sampling", "_sample_kernel"), ptrs, dict(BLOCK=4096))
-    if kind == "candidates":
-        ptrs = dict(vals_ptr="*fp32", ids_ptr="*i64", seeds_ptr="*i64", out_ptr="*i64")
-        return compile_sm90(kernel("sampling", "_candidates_kernel"), ptrs, dict(BLOCK=128))
-    ptrs = dict(x_ptr=x_type, seeds_ptr="*i64", greedy_ptr="*i8", temp_ptr="*fp32",
-                top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", out_ptr="*i64",
-                cut_ptr="*fp32")  # fmt: skip
-    return compile_sm90(kernel("sampling", "_warped_kernel"), ptrs, dict(BLOCK=512, NP=16),
-                        num_warps=8)  # fmt: skip
+    ptrs = dict(vals_ptr="*fp32", ids_ptr="*i64", seeds_ptr="*i64", out_ptr="*i64")
+    return compile_sm90(kernel("sampling", "_candidates_kernel"), ptrs, dict(BLOCK=128))
 
 
 CASES = {
@@ -140,8 +134,7 @@ CASES = {
     **{f"kv_append fp8={f}": (append_case, (f,)) for f in (False, True)},
     **{f"dense mask_kind={m} causal={c}": (dense_case, (m, c))
        for m in (0, 1, 2) for c in (False, True)},
-    **{f"sampling {k} {x}": (sampling_case, (k, x))
-       for k in ("draw", "warped") for x in ("*fp32", "*bf16")},
+    **{f"sampling draw {x}": (sampling_case, ("draw", x)) for x in ("*fp32", "*bf16")},
     "sampling candidates": (sampling_case, ("candidates", "*fp32")),
 }  # fmt: skip
 

@@ -454,17 +454,15 @@ class SchedulerConfig:
     # (transformers' processors in PyTorch on a float32 copy: top-p sorts every sampling row's
     # vocabulary), "topk" (when every sampling row has a top_k <= 1024 and no row wants its
     # scores: the warpers and the draw over each row's top_k + 64 largest scores, no sort of
-    # the vocabulary; else as "torch") or "fused" (triton_kernels/sampling.py sample_warped:
-    # temperature, top-k, top-p by bisection, min-p and the draw in one kernel over the raw
-    # logits; 1.3-2.6x "torch"'s time on the H200, 1.7-5.6x on the H100). Elsewhere "torch".
-    # "topk" took 0.52 / 0.33 / 0.16x "torch"'s time at 1 / 64 / 256 rows of a 128k vocabulary
-    # on the H100 (bench_sampling.py), the same tokens but at ties of the bf16 logits
+    # the vocabulary; else as "torch"). Elsewhere "torch". "topk" took 0.52 / 0.33 / 0.16x
+    # "torch"'s time at 1 / 64 / 256 rows of a 128k vocabulary on the H100 (bench_sampling.py),
+    # the same tokens but at ties of the bf16 logits. A fused variant (the warpers, top-p by
+    # bisection, and the draw in one kernel) was measured slower than both and removed
     sampling_kernel: str = "topk"
 
     def __post_init__(self):
         _check_types(self, "scheduler")
-        kernels = ("torch", "topk", "fused")
-        _check_choice("scheduler", "sampling_kernel", self.sampling_kernel, kernels)
+        _check_choice("scheduler", "sampling_kernel", self.sampling_kernel, ("torch", "topk"))
         for name in ("alpha", "beta"):
             v = getattr(self, name)
             if not (0.0 <= v <= 1.0) or math.isnan(v):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..kv.transfer import put_value, to_device
-from ..triton_kernels.sampling import sample_candidates, sample_rows, sample_rows_ref, sample_warped
+from ..triton_kernels.sampling import sample_candidates, sample_rows, sample_rows_ref
 
 _MASK64 = (1 << 64) - 1
 # scheduler.sampling_kernel "topk": rows whose top_k is at most TOPK_MAX are warped and drawn
@@ -101,7 +101,7 @@ class Sampler:
 
     def __init__(self, vocab: int, device: torch.device, kernel: str = "torch"):
         self.vocab, self.device = vocab, device
-        self.kernel = kernel  # scheduler.sampling_kernel: "torch", "topk" or "fused"
+        self.kernel = kernel  # scheduler.sampling_kernel: "torch" or "topk"
         self.seen: torch.Tensor | None = None  # [slots, V] bool: tokens a penalised row holds
 
     # --- the penalty mask ---------------------------------------------------------------
@@ -133,24 +133,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[RowSample], scores_wanted=True) -> tuple:
         """logits: [K, V] (any float dtype) for the step's kept rows, in `rows` order.
         Returns (tokens [K] int64 on the device, the processed scores [K, V] float32, or None
-        when not `scores_wanted` and the fused kernel drew the tokens)."""
-        if self.kernel == "fused" and _kernel_ok(logits):
-            return self._fused(logits, rows, scores_wanted)
+        when not `scores_wanted` and the "topk" path drew the tokens)."""
         if self.kernel == "topk" and not scores_wanted and _kernel_ok(logits) and _topk_rows(rows):
             return self._from_top_k(logits, rows), None
         return self._processed(logits, rows)
 
-    def _processed(self, logits, rows: list[RowSample], draw=True, adjusted=None) -> tuple:
-        """The processors in PyTorch on a float32 copy (`adjusted`: one _adjusted made, taken
-        over), then (`draw`) the draw over what they kept: (tokens or None, the processed
-        scores)."""
+    def _processed(self, logits, rows: list[RowSample]) -> tuple:
+        """The processors in PyTorch on a float32 copy, then the draw over what they kept:
+        (tokens, the processed scores)."""
         params = [r.params for r in rows]
-        scores = adjusted if adjusted is not None else self._adjusted(logits, rows)
+        scores = self._adjusted(logits, rows)
         sampling = [i for i, p in enumerate(params) if p.do_sample]
         if sampling:
             self._warp(scores, params, sampling)
-        if not draw:
-            return None, scores
         if not sampling:
             return scores.argmax(-1), scores
         seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
@@ -174,35 +169,6 @@ class Sampler:
             at = self._ints([i for i, _ in pairs] + [t for _, t in pairs])
             put_value(scores, (at[: len(pairs)], at[len(pairs) :]), float("-inf"))
         return scores
-
-    def _fused(self, logits: torch.Tensor, rows: list[RowSample], scores_wanted: bool) -> tuple:
-        """scheduler.sampling_kernel "fused": the warpers and the draw in one kernel over the
-        raw logits (triton_kernels/sampling.py sample_warped: top-p without a sort, no float32
-        copy of [K, V] and no pass a processor), after the repetition penalty and the
-        suppressed ids on a float32 copy of the logits when a row has them. Processed scores
-        (output_scores) come from the PyTorch processors on their own, so a row's token never
-        depends on whether another row of the step wants its scores."""
-        params = [r.params for r in rows]
-        adjust = any(p.penalised for p in params) or any(r.suppress for r in rows)
-        base = self._adjusted(logits, rows) if adjust else logits
-        k = len(rows)
-        seeds = step_seeds([p.seed for p in params], [r.step for r in rows])
-        ints = np.concatenate([
-            seeds, np.array([not p.do_sample for p in params], dtype=np.int64),
-            np.array([p.top_k if p.do_sample else 0 for p in params], dtype=np.int64),
-        ])  # fmt: skip
-        floats = np.array([
-            [p.temperature if p.do_sample else 1.0 for p in params],
-            [p.top_p if p.do_sample else 1.0 for p in params],
-            [(p.min_p or 0.0) if p.do_sample else 0.0 for p in params],
-        ], dtype=np.float32)  # fmt: skip
-        i = to_device(torch.from_numpy(ints), self.device)
-        f = to_device(torch.from_numpy(floats), self.device)
-        tokens = sample_warped(base, i[:k], i[k : 2 * k].bool(), f[0], i[2 * k :], f[1], f[2])
-        if not scores_wanted:
-            return tokens, None
-        # the kernel has read base: the processors may take it over (no second penalty)
-        return tokens, self._processed(logits, rows, False, base if adjust else None)[1]
 
     def _from_top_k(self, logits: torch.Tensor, rows: list[RowSample]) -> torch.Tensor:
         """scheduler.sampling_kernel "topk", when every sampling row has 0 < top_k <= TOPK_MAX
