@@ -168,11 +168,14 @@ def decode_graph_stats(model) -> dict:
     """generate()'s decode graphs of `model`: held, captured, replays, failed signatures, and how
     they were compiled (whole forward by backend "oxygen", or RMSNorm / MLP / rotary only);
     under "merged", the engine's merged decode graphs (by rows bucket): held, captured,
-    replays, padded replays, failed signatures, and how many were compiled whole or fused."""
+    replays, padded replays, failed signatures, and how many were compiled whole or fused;
+    under "mixed", the same of the engine's graphs of steps with prompt tokens
+    (kv.mixed_graphs)."""
     from .integrations.hf import batched, engine_runner, graphs, merged_graphs
 
     held = batched.merged_graphs_of(model) + engine_runner.graphs_of(model)
-    return {**graphs.stats(model), "merged": merged_graphs.summed(held)}
+    mixed = merged_graphs.summed(engine_runner.mixed_graphs_of(model))
+    return {**graphs.stats(model), "merged": merged_graphs.summed(held), "mixed": mixed}
 
 
 def engine_stats(model=None) -> dict:
@@ -191,8 +194,9 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     """Pay the engine's first-use costs before traffic: one short greedy generate() per rows
     bucket up to `max_rows` (default scheduler.max_step_seqs), so each bucket's decode CUDA
     graph is captured (and the forward compiled) now, with block tables for sequences up to
-    `max_length` tokens (default the model's max_position_embeddings, at most 8,192). Later
-    steps of those sizes replay instead of stalling every running call for a capture. Needs the
+    `max_length` tokens (default the model's max_position_embeddings, at most 8,192), and with
+    kv.mixed_graphs one graph per tokens bucket of the steps with prompt tokens. Later steps of
+    those sizes replay instead of stalling every running call for a capture. Needs the
     model on oxygen attention (enable() before creating it, or apply()) and the engine
     (scheduler.engine). Returns the buckets run, graphs captured, table width and seconds."""
     from .integrations.hf.warm import warm_up as _warm_up

@@ -84,6 +84,37 @@ def test_after_warm_up_the_gpu_captures_no_graph(oxygen, arch):
     assert st["replays"] > before["replays"], st
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_steps_with_prompt_tokens_replay_mixed_graphs_on_the_gpu(oxygen, arch):
+    """kv.mixed_graphs 512 on the GPU (float32): 10 calls arriving 20 ms apart make steps of
+    prompts beside decoding rows; they replay CUDA graphs of the paged prefill kernel (captured
+    from the forward compiled whole), and every call agrees with stock (a rate, as above)."""
+    import oxygen_torch
+
+    model = tiny(arch).cuda()
+    kws = []
+    for s in range(10):
+        kw = dict(call(s), max_new_tokens=16)
+        kw.pop("max_length", None)
+        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+        kws.append(kw)
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True, "decode_graphs": True},
+                      kv={"debug_checks": False, "mixed_graphs": 512})  # fmt: skip
+    hf.apply(model, cfg)
+    out = arriving(model, kws, 0.02)
+    agree = [float((out[i] == r).float().mean()) if out[i].shape == r.shape else 0.0
+             for i, r in enumerate(ref)]  # fmt: skip
+    assert sum(agree) / len(agree) >= 0.98, agree
+    st = oxygen_torch.decode_graph_stats(model)["mixed"]
+    assert st["captures"] >= 1 and st["failed"] == 0, st
+    (eng,) = engines(model)
+    steps = [e for e in eng.stats.timeline if e[2] > e[1]]
+    assert st["captures"] + st["replays"] == len(steps), (st, len(steps))
+    assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
     """kv.prefill_compile on the GPU (float32): one call compiles the forward for the steps with

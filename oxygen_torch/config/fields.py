@@ -279,6 +279,12 @@ class KVConfig:
     # On a GPU, or on a CPU with cpu_decode_graphs "fuse"; a compile that fails warns once and
     # the steps run eagerly. Off until measured on a GPU
     prefill_compile: bool = False
+    # the engine's steps that carry prompt tokens, up to this many tokens, replay CUDA graphs by
+    # (tokens, rows) bucket (integrations/hf/mixed_graphs.py) as its decode steps do: no eager
+    # Python for such a step. Each graph holds its own activations and logits (~0.2 GiB at 2,048
+    # tokens and 256 rows of a 128k vocabulary). 0 = off (those steps eager, or prefill_compile);
+    # else 16 to 16,384. On a GPU, or on a CPU with cpu_decode_graphs. Off until measured
+    mixed_graphs: int = 0
     # on a CPU, where there is no CUDA graph: "off", decode graphs on a GPU only; "rerun", the
     # decode-graph path runs all its host bookkeeping and a "replay" runs the captured forward
     # again (the tests of that path, and benchmarks/bench_multitask.py --host-only, which times
@@ -316,6 +322,12 @@ class KVConfig:
         _check_choice("kv", "fresh_prefill", self.fresh_prefill, FRESH_PREFILL)
         _check_choice("kv", "cpu_decode_graphs", self.cpu_decode_graphs, ("off", "rerun", "fuse"))
         _check_int("kv.prefetch_distance", self.prefetch_distance, 0, 1024, "0 to 1024")
+        _check_int("kv.mixed_graphs", self.mixed_graphs, 0, 16384, "0 (off) or 16 to 16384")
+        if 0 < self.mixed_graphs < 16:
+            raise ValueError(
+                f"kv.mixed_graphs: {self.mixed_graphs} is out of range; allowed: 0 (off) or 16 "
+                "to 16384"
+            )
         if self.arena_bytes < 0:
             raise ValueError(
                 f"kv.arena_bytes: {describe(self.arena_bytes)} is negative; allowed: ≥ 0"

@@ -26,7 +26,7 @@ from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
-from . import fuse, graphs, merged_graphs, trace_guard
+from . import fuse, graphs, merged_graphs, mixed_graphs, trace_guard
 from . import prefix as prefix_cache
 from .batched import _forward, _geometry, _graph_forward, step_cache
 from .cache import PagedKVCache
@@ -55,6 +55,7 @@ class HFRunner:
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
         self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
+        self.mixed = mixed_graphs.MixedGraphs(max_graphs=ENGINE_MAX_GRAPHS)  # kv.mixed_graphs
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
         self.replayed = 0
         # kv.prefill_compile: the cache object its compiled forward runs on, whether it compiled
@@ -96,33 +97,66 @@ class HFRunner:
                 self._bind(core)
             step = MergedStep([Part(c, [row.n], row.n) for c, row in zip(cores, rows)])
         replay = self._replayable(rows)
+        mixed = not decode and self._mixed_ok(rows, len(pos))
         with step.pool.lock:
-            step.reserve(build=not replay)
+            step.reserve(build=not (replay or mixed))
+        built = not (replay or mixed)
         try:
-            graph = self._pick(model, step, len(pos)) if replay else None
+            graph, keep = None, None
+            if replay:
+                graph = self._pick(model, step, len(pos))
+            elif mixed:
+                graph, keep = self._pick_mixed(model, step, rows, len(pos))
             # a capture that compiles runs alone (trace_guard.py); any other step beside the
             # other engines' steps, not beside a compile of ours
             fuse_on = graph is not None and graph.runner is None and self._fuses()
-            compiled = not decode and self._compiles_prefill()
+            compiled = not decode and graph is None and self._compiles_prefill()
             alone = fuse_on or (compiled and not self._prefill_ready)
             with trace_guard.GUARD.compile() if alone else trace_guard.GUARD.step():
                 logits = None
                 if graph is not None:
                     whole = self.cfg.kv.decode_graph_compile
-                    logits = self.graphs.play(graph, model, step, [ids], pos, _graph_forward,
-                                              fuse_on, whole, step_cache)  # fmt: skip
+                    held = self.mixed if mixed else self.graphs
+                    forward = mixed_graphs.mixed_forward if mixed else _graph_forward
+                    logits = held.play(graph, model, step, [ids], pos, forward, fuse_on, whole,
+                                       step_cache, keep)  # fmt: skip
                     self.replayed += logits is not None
+                if logits is None and not built:  # eager after all (or its capture failed)
+                    step.build()
                 if logits is None and compiled:
                     logits = self._compiled(model, step, rows, ids, pos)
                 if logits is None:
-                    if replay:  # its capture failed before: eager after all
-                        step.build()
                     logits = self._eager(model, step, rows, ids, pos)
         except BaseException:
             step.abandon()
             raise
         step.commit()
         return logits
+
+    def _mixed_ok(self, rows, tokens: int) -> bool:
+        """A step with prompt tokens that may replay a mixed-step graph (kv.mixed_graphs)."""
+        limit = self.cfg.kv.mixed_graphs
+        if not limit or tokens > limit:
+            return False
+        return graphs.usable(self.device, self._proto_cache) and not rows[0].req.kv.debug
+
+    def _pick_mixed(self, model, step: MergedStep, rows, tokens: int):
+        """(the mixed-step graph of this reserved step, the packed indices of the logits it
+        keeps), or (None, None): a row narrowed a sliding window (eager: its check) or the
+        signature's capture failed before."""
+        if step._narrowed is not None:
+            return None, None
+        need = max(len(b) for p in step.parts for b in p.core.seqs.blocks)
+        width = max(self.graph_blocks, _width(need))
+        graph = self.mixed.pick(model, step, width, len(rows), tokens)
+        if graph is None:
+            return None, None
+        keep, at = [], 0
+        for row in rows:
+            at += row.n
+            if row.keep:
+                keep.append(at - 1)
+        return graph, keep
 
     def _compiles_here(self) -> bool:
         """Whether this runner compiles forwards at all: on a GPU, or on a CPU with
@@ -307,6 +341,12 @@ def graphs_of(model) -> list:
     """The decode graphs (MergedGraphs) of `model`'s engines."""
     with _engines_lock:
         return [e.runner.graphs for e in _engines.get(model, {}).values()]
+
+
+def mixed_graphs_of(model) -> list:
+    """The mixed steps' graphs (MixedGraphs, kv.mixed_graphs) of `model`'s engines."""
+    with _engines_lock:
+        return [e.runner.mixed for e in _engines.get(model, {}).values()]
 
 
 def engine_stats(model=None) -> dict:

@@ -107,6 +107,7 @@ class MergedDecodeGraph:
 
     def __init__(self, rows: int, width: int, step: MergedStep, device: torch.device):
         self.rows, self.width = rows, width
+        self.key = (rows, width, id(step.pool))  # (its MergedGraphs' key)
         n = rows * width
         # one int32 buffer: table [rows, W] | lengths | slots | positions
         self.buf = torch.empty(n + 3 * rows, dtype=torch.int32, device=device)
@@ -123,8 +124,9 @@ class MergedDecodeGraph:
         self.fusion: str | None = None  # how the captured forward was fused (None: eager)
         self.lock = threading.Lock()
 
-    def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int]) -> int:
-        """Copies the reserved `step` into the graph's buffers; returns its real rows."""
+    def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int], keep=None) -> int:
+        """Copies the reserved `step` into the graph's buffers; returns its real rows (every
+        row's logit is kept: `keep` is for the mixed steps' graphs, mixed_graphs.py)."""
         table, slots, lens, _ = step.host_plan()
         r, rows, w = len(lens), self.rows, self.width
         view = self._staging.fill()
@@ -234,17 +236,7 @@ class MergedGraphs:
         rows = bucket(rows)
         key = (rows, width, id(step.pool))
         with self._lock:
-            cores = getattr(step, "cores", None) or [p.core for p in step.parts]
-            same = len(cores) == len(self._checked) and all(
-                r() is c for r, c in zip(self._checked, cores)
-            )
-            if not same:  # once per set of calls, as a single call's graphs do
-                fp = graphs._fingerprint(model)  # (~200 addresses: ~0.2 ms of host time)
-                if fp != self.fingerprint:  # weights or buffers moved: stale addresses
-                    self.graphs.clear()
-                    self.failed.clear()
-                    self.fingerprint = fp
-                self._checked = [weakref.ref(c) for c in cores]
+            self._check(model, step)
             if key in self.failed:
                 return None
             g = self.graphs.get(key)
@@ -274,14 +266,29 @@ class MergedGraphs:
             self.graphs.move_to_end(key)
             return g
 
+    def _check(self, model, step) -> None:
+        """Drops every graph when the model's weights or buffers moved (stale addresses):
+        checked once per set of cores, as a single call's graphs do. Under self._lock."""
+        cores = getattr(step, "cores", None) or [p.core for p in step.parts]
+        same = len(cores) == len(self._checked) and all(
+            r() is c for r, c in zip(self._checked, cores)
+        )
+        if not same:
+            fp = graphs._fingerprint(model)  # (~200 addresses: ~0.2 ms of host time)
+            if fp != self.fingerprint:
+                self.graphs.clear()
+                self.failed.clear()
+                self.fingerprint = fp
+            self._checked = [weakref.ref(c) for c in cores]
+
     def play(self, g: MergedDecodeGraph, model, step: MergedStep, ids, pos, forward,
-             fuse_on=False, compile_whole=True, new_cache=None):  # fmt: skip
+             fuse_on=False, compile_whole=True, new_cache=None, keep=None):  # fmt: skip
         """The step's logits [R, V] through `g` (pick's), or None when its capture failed
         (the signature runs eagerly from now on: the step is not run). A capture fuses as
-        MergedDecodeGraph.run says."""
-        key = (g.rows, g.width, id(step.pool))
+        MergedDecodeGraph.run says. `keep`: a mixed step's kept logits (mixed_graphs.py)."""
+        key = g.key
         with g.lock:
-            r = g.stage(step, ids, pos)
+            r = g.stage(step, ids, pos, keep)
             fresh = g.runner is None
             whole = compile_whole and not self.compile_failed
             try:

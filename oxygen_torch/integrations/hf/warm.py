@@ -8,7 +8,9 @@ per rows bucket up to `max_rows`, each a prefill step and a decode step of that 
 every bucket is captured (and the forward compiled) before the first real call, as vLLM and
 SGLang capture theirs at startup. Where there are no decode graphs (kv.decode_graphs off, a
 CPU without kv.cpu_decode_graphs) it runs one and two rows only: the KV pool is made and the
-first calls' costs are paid.
+first calls' costs are paid. With kv.mixed_graphs it first captures, for each tokens bucket up
+to that setting, the mixed-step graph of the most rows such a step has (one call of that many
+rows of prompts): every smaller step with prompt tokens replays one of them.
 
 The graphs' block tables are as wide as `max_length` tokens need (HFRunner.widen_graphs): a
 later step of any sequence up to that length replays its rows bucket's graph instead of
@@ -49,9 +51,10 @@ def buckets_up_to(rows: int) -> list[int]:
 
 
 def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None) -> dict:
-    """See the module docstring. Returns what it did: the buckets run, the graphs captured, the
-    table width, the seconds it took."""
-    from . import engine_runner, front, graphs
+    """See the module docstring. Returns what it did: the rows buckets run, the decode graphs
+    captured, the mixed steps' (tokens, rows) buckets and graphs captured, the table width, the
+    seconds it took."""
+    from . import engine_runner, front, graphs, mixed_graphs
     from .integration import config_of, uses_oxygen
 
     text = model.config.get_text_config(decoder=True)
@@ -82,17 +85,16 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     # capture; one and two rows still make the KV pool and pay the first calls' costs
     replays = graphs.usable(runner.device, runner._proto_cache)
     sizes = buckets_up_to(rows) if replays else buckets_up_to(min(rows, 2))
-    before = runner.graphs.captures
+    before, mixed_before = runner.graphs.captures, runner.mixed.captures
     gen = getattr(model, "generation_config", None)
     token = getattr(gen, "pad_token_id", None)
     if not isinstance(token, int) or not 0 <= token < runner.vocab:
         token = 0
     device = next(model.parameters()).device
-    t0 = time.perf_counter()
-    done = []
-    for b in sizes:
-        # (a limit between two buckets: its steps of `limit` rows replay the larger one)
-        ids = torch.full((min(b, limit), 1), token, dtype=torch.long, device=device)
+
+    def run(n: int, tokens: int) -> None:
+        """One greedy call of n rows of `tokens` tokens, two new tokens each, on the engine."""
+        ids = torch.full((n, tokens), token, dtype=torch.long, device=device)
         steps = eng.snapshot()["steps"]
         with front._reasons_lock:
             reasons = dict(front.REASONS)
@@ -103,17 +105,39 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
             )  # fmt: skip
         if eng.snapshot()["steps"] == steps:  # it ran its own loop: nothing of the engine's
             with front._reasons_lock:
-                why = [r for r, n in front.REASONS.items() if n > reasons.get(r, 0)]
+                why = [r for r, k in front.REASONS.items() if k > reasons.get(r, 0)]
             raise RuntimeError(
                 "warm_up: generate() on this model runs on the per-call path, not the engine "
                 f"({'; '.join(why) or 'another engine of it'}): there is nothing to warm up"
             )
+
+    t0 = time.perf_counter()
+    # kv.mixed_graphs, first: a step with prompt tokens a tokens bucket, with the most rows such
+    # a step can have (each real row one token at least, one at least two): every smaller step
+    # of that bucket (the prefills of the calls below among them) replays it until its own
+    # signature has been asked for often enough
+    mixed = []
+    top_tokens = cfg.kv.mixed_graphs if replays else 0
+    t = mixed_graphs.TOKENS_MIN
+    while top_tokens and t <= mixed_graphs.token_bucket(top_tokens):
+        n = min(t, rows + 1) - 1
+        per = max(1, min(t // n, top_tokens // n))
+        if n * per > 1:
+            run(n, per)
+            mixed.append((mixed_graphs.token_bucket(n * per), mixed_graphs.rows_bucket(n)))
+        t *= 2
+    done = []
+    for b in sizes:
+        # (a limit between two buckets: its steps of `limit` rows replay the larger one)
+        run(min(b, limit), 1)
         done.append(b)
     return {
         "decode_graphs": replays,
         "rows_buckets": done,
         "captured": runner.graphs.captures - before,
         "graphs": len(runner.graphs.graphs),
+        "mixed_buckets": mixed,
+        "mixed_captured": runner.mixed.captures - mixed_before,
         "max_length": length,
         "table_blocks": width,
         "seconds": round(time.perf_counter() - t0, 3),
