@@ -155,17 +155,11 @@ def test_sliding_window_calls_replay_merged_graphs(rerun):
     assert oxygen_torch.decode_graph_stats(model)["merged"]["replays"] >= 1
 
 
-def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun, monkeypatch):
-    model = hf.apply(llama(seed=5), load_config(kv=RERUN))
-    together_as_alone(model, [call_kw(s) for s in range(3)])
-    assert (
-        oxygen_torch.decode_graph_stats(model)["merged"]["captures"] == 0
-    )  # scheduler.decode_graphs is off
+def failing_capture(real):
+    """A GraphRunner class whose warm-up runs and whose capture raises, as an op that may not
+    be captured does."""
 
-    model = hf.apply(llama(seed=6), load_config(**ON))
-    real = merged_graphs.GraphRunner
-
-    class Failing(real):  # the merged graphs' runner only (single calls keep theirs)
+    class Failing(real):
         def __init__(self, fn, *a, **kw):
             warm = []
 
@@ -177,7 +171,19 @@ def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun
 
             super().__init__(step, *a, **kw)
 
-    monkeypatch.setattr(merged_graphs, "GraphRunner", Failing)
+    return Failing
+
+
+def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun, monkeypatch):
+    model = hf.apply(llama(seed=5), load_config(kv=RERUN))
+    together_as_alone(model, [call_kw(s) for s in range(3)])
+    assert (
+        oxygen_torch.decode_graph_stats(model)["merged"]["captures"] == 0
+    )  # scheduler.decode_graphs is off
+
+    model = hf.apply(llama(seed=6), load_config(**ON))
+    # the merged graphs' runner only (single calls keep theirs)
+    monkeypatch.setattr(merged_graphs, "GraphRunner", failing_capture(merged_graphs.GraphRunner))
     seen = []
     monkeypatch.setattr(_patching, "warn_once", lambda msg: seen.append(msg))
     together_as_alone(model, [call_kw(s) for s in range(3)])

@@ -21,17 +21,27 @@ pytestmark = pytest.mark.cuda
 GRAPHS = load_config(scheduler={"engine": True, "decode_graphs": True}, kv={"debug_checks": False})
 
 
+def cuda_calls(n: int, **over) -> list[dict]:
+    """test_engine_loop's calls 0..n-1 on the GPU; `over` replaces their lengths (max_length
+    dropped)."""
+    kws = []
+    for s in range(n):
+        kw = call(s)
+        if over:
+            kw.pop("max_length", None)
+            kw.update(over)
+        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
+        kws.append(kw)
+    return kws
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
 def test_concurrent_calls_on_the_gpu_equal_stock_through_decode_graphs(oxygen, arch):
     """float32: 12 calls of 1-3 rows with left padding, EOS and min lengths, from threads; each
     call's tokens agree with stock's (merged and alone runs use other kernel shapes: a rate, as
     in test_tier_cuda.py), and decode steps replay the engine's graphs."""
     model = tiny(arch).cuda()
-    kws = []
-    for s in range(12):
-        kw = call(s)
-        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
-        kws.append(kw)
+    kws = cuda_calls(12)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
     front.REASONS.clear()  # (what earlier tests sent to the per-call path)
@@ -62,11 +72,7 @@ def test_after_warm_up_the_gpu_captures_no_graph(oxygen, arch):
     import oxygen_torch
 
     model = tiny(arch, max_position_embeddings=1024).cuda()
-    kws = []
-    for s in range(12):
-        kw = call(s)
-        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
-        kws.append(kw)
+    kws = cuda_calls(12)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
     hf.apply(model, GRAPHS)
@@ -92,12 +98,7 @@ def test_steps_with_prompt_tokens_replay_mixed_graphs_on_the_gpu(oxygen, arch):
     import oxygen_torch
 
     model = tiny(arch).cuda()
-    kws = []
-    for s in range(10):
-        kw = dict(call(s), max_new_tokens=16)
-        kw.pop("max_length", None)
-        kw["input_ids"], kw["attention_mask"] = kw["input_ids"].cuda(), kw["attention_mask"].cuda()
-        kws.append(kw)
+    kws = cuda_calls(10, max_new_tokens=16)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
     cfg = load_config(scheduler={"engine": True, "decode_graphs": True},

@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from test_engine_graphs import failing_capture
 from test_engine_loop import arriving, call, engines
 from test_hf_generate import tiny
 
@@ -131,21 +132,8 @@ def test_off_over_the_limit_and_a_failed_capture_is_eager_with_one_warning(switc
         small = sum(t <= limit for _, t in mixed_steps(model))
         assert st["captures"] + st["replays"] == small, (limit, st, mixed_steps(model))
 
-    real = merged_graphs.GraphRunner
-
-    class Failing(real):  # the warm-up runs, the capture raises (as a capture-illegal op)
-        def __init__(self, fn, *a, **kw):
-            warm = []
-
-            def step(*args):
-                if not warm:
-                    warm.append(1)
-                    return fn(*args)
-                raise RuntimeError("operation not permitted when stream is capturing")
-
-            super().__init__(step, *a, **kw)
-
-    monkeypatch.setattr(merged_graphs, "GraphRunner", Failing)
+    # the warm-up runs, the capture raises (as a capture-illegal op)
+    monkeypatch.setattr(merged_graphs, "GraphRunner", failing_capture(merged_graphs.GraphRunner))
     seen = []
     monkeypatch.setattr(_patching, "warn_once", lambda msg: seen.append(msg))
     model = hf.apply(tiny("llama"), on())
