@@ -196,6 +196,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     t0, compiles = time.perf_counter(), mo._compile_log()
     before = mo._graphs(model) if oxygen else {}
     captured, padded = before.get("captures", 0), before.get("padded", 0)
+    mixed_before = mo._graphs(model, mixed=True) if oxygen else {}
     if mode == "generate_batch":
         results, oom, took = run_batch(model, reqs)
     else:
@@ -204,7 +205,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
     out["rate"] = rate
     if warmed is not None:  # (before the timed run)
-        out["warm_up"] = {k: warmed[k] for k in ("captured", "table_blocks", "seconds")}
+        out["warm_up"] = {k: warmed[k] for k in ("captured", "mixed_captured", "table_blocks",
+                                                 "seconds")}  # fmt: skip
     if oxygen:  # the engine's steps: how many, how full, the GPU's idle share between them
         st = oxygen_torch.engine_stats(model)
         out["steps"] = st.get("steps", 0)
@@ -223,6 +225,9 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         g = mo._graphs(model)
         out["graph_captures"] = g.get("captures", 0) - captured
         out["graph_padded"] = g.get("padded", 0) - padded  # replays of a larger graph
+        m = mo._graphs(model, mixed=True)  # kv.mixed_graphs: steps with prompt tokens
+        out["mixed_graphs"] = {k: m.get(k, 0) - mixed_before.get(k, 0)
+                               for k in ("captures", "replays", "padded", "failed")}  # fmt: skip
     if slow_launches is not None:
         out["slow_launches"] = slow_launches(mode)
     if compiles is not None:  # Triton kernels built in the timed run: (at ms, took ms, kernel)

@@ -404,9 +404,12 @@ def _timeline(model, since: float = 0.0) -> list:
             for a, r, n, c, la, co, g, i, cpu, *x in t]  # fmt: skip
 
 
-def _graphs(model) -> dict:
+def _graphs(model, mixed: bool = False) -> dict:
+    """The engine's decode graphs' figures (`mixed`: its mixed steps' graphs, kv.mixed_graphs)."""
     eng = _model_engine(model)
-    return eng.runner.graphs.stats() if eng is not None else {}
+    if eng is None:
+        return {}
+    return (eng.runner.mixed if mixed else eng.runner.graphs).stats()
 
 
 def _engine(model) -> dict:
