@@ -281,9 +281,9 @@ class KVConfig:
     prefill_compile: bool = False
     # the engine's steps that carry prompt tokens, up to this many tokens, replay CUDA graphs by
     # (tokens, rows) bucket (integrations/hf/mixed_graphs.py) as its decode steps do: no eager
-    # Python for such a step. Each graph holds its own activations and logits (~0.2 GiB at 2,048
-    # tokens and 256 rows of a 128k vocabulary). 0 = off (those steps eager, or prefill_compile);
-    # else 16 to 16,384. On a GPU, or on a CPU with cpu_decode_graphs. Off until measured
+    # Python for such a step. The graphs share one memory pool (the largest's working memory,
+    # each one's logits). 0 = off (those steps eager, or prefill_compile); else 16 to 16,384.
+    # On a GPU, or on a CPU with cpu_decode_graphs. Off until measured
     mixed_graphs: int = 0
     # on a CPU, where there is no CUDA graph: "off", decode graphs on a GPU only; "rerun", the
     # decode-graph path runs all its host bookkeeping and a "replay" runs the captured forward

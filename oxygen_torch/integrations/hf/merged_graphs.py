@@ -197,6 +197,7 @@ class MergedDecodeGraph:
         self.runner = GraphRunner(
             step,
             frozenset(),
+            capture=getattr(self, "capture_ctx", None),  # (mixed steps' graphs: a shared pool)
             device_type=self.ids.device.type,
             static=frozenset({0, 1}),
             warm_capture=True,

@@ -20,20 +20,24 @@ bucket, rows bucket, table width, pool) and replayed, as merged_graphs.py does f
   replay leaves each core as its eager step would.
 - Capture and fusion as merged decode graphs (the forward compiled whole by backend "oxygen"
   where kv.decode_graph_fusion / decode_graph_compile say; a failed capture runs that
-  signature eagerly, with one warning). A signature not captured yet replays the smallest
-  captured graph that holds it (more tokens, more rows, a wider table) until it has been asked
-  for merged_graphs.CAPTURE_AFTER times; oxygen_torch.warm_up captures one graph a tokens
-  bucket at the most rows first (integrations/hf/warm.py).
+  signature eagerly, with one warning; after MAX_FAILED such signatures the others are not
+  tried). A signature not captured yet replays the smallest captured graph of its tokens
+  bucket that holds it (more rows, a wider table: padding rows cost next to nothing, padding
+  tokens what real ones do, so never a larger tokens bucket) until it has been asked for
+  merged_graphs.CAPTURE_AFTER times; oxygen_torch.warm_up captures one graph a tokens bucket at
+  the most rows first (integrations/hf/warm.py).
 - Only steps whose rows narrowed no sliding window (a hybrid model's eager step checks each
   layer's reads against the narrowed pages; a graph would not) and with at most kv.mixed_graphs
   tokens; the others run eagerly (or compiled: kv.prefill_compile).
 
-Each graph holds its own memory (the activations of T tokens, the logits of R rows): a graph of
-2,048 tokens and 256 rows of a 128k vocabulary holds ~0.2 GiB. Off by default until measured.
+On a GPU the graphs share one memory pool (one replays at a time, its logits copied out
+before the next): they hold the largest one's working memory plus each one's logits (320 rows
+of a 128k vocabulary in bf16: 80 MiB). Off by default until measured.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -49,6 +53,7 @@ from .batched import _forward
 from .merged_graphs import MergedDecodeGraph, MergedGraphs, _GraphStep, bucket
 
 TOKENS_MIN = 16
+MAX_FAILED = 4  # signatures whose capture failed before the rest run eagerly (or padded)
 
 
 def token_bucket(tokens: int) -> int:
@@ -108,6 +113,7 @@ class MixedGraph(MergedDecodeGraph):
         self.replays = 0
         self.fusion = None
         self.lock = threading.Lock()
+        self.capture_ctx = None  # MixedGraphs': one memory pool for all its graphs
 
     def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int], keep=None) -> int:
         """Copies the reserved `step` (its packed ids and positions, the packed indices of the
@@ -147,6 +153,10 @@ class MixedGraph(MergedDecodeGraph):
 class MixedGraphs(MergedGraphs):
     """The mixed steps' graphs of one engine (MergedGraphs' capture, replay and policy)."""
 
+    def __init__(self, max_graphs: int = _merged.MAX_GRAPHS):
+        super().__init__(max_graphs)
+        self._mem_pool = None  # (a CUDA graph pool handle, at the first capture)
+
     def pick(self, model, step: MergedStep, width: int, rows: int, tokens: int = 0):
         """The graph a mixed step of `tokens` tokens, `rows` rows and a table `width` blocks
         wide replays (one not captured yet: its runner is None), or None (eager)."""
@@ -157,8 +167,6 @@ class MixedGraphs(MergedGraphs):
         key = (t, r, width, pool)
         with self._lock:
             self._check(model, step)
-            if key in self.failed:
-                return None
             g = self.graphs.get(key)
             if g is not None and g.core._pool() is not step.pool:
                 g = None
@@ -166,7 +174,14 @@ class MixedGraphs(MergedGraphs):
                 g = self._holder(t, r, width, step.pool, same=True)
             if g is None:
                 asked = self._asked[key] = self._asked.get(key, 0) + 1
-                g = self._holder(t, r, width, step.pool) if asked <= _merged.CAPTURE_AFTER else None
+                # a signature whose capture failed, or after MAX_FAILED failures any: a larger
+                # captured graph, else eager (a forward that cannot be captured is not tried
+                # again for each of the ~100 signatures)
+                gave_up = key in self.failed or len(self.failed) >= MAX_FAILED
+                if asked <= _merged.CAPTURE_AFTER or gave_up:
+                    g = self._holder(t, r, width, step.pool)
+                if g is None and gave_up:
+                    return None
             if g is not None:
                 if g.key != key:
                     self.padded += 1
@@ -177,20 +192,33 @@ class MixedGraphs(MergedGraphs):
                 if key in self.failed:
                     return None
                 g = self.graphs[key] = MixedGraph(t, r, width, step, step.pool.key.device)
+                g.capture_ctx = self._capture_ctx(step.pool.key.device)
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
             self.graphs.move_to_end(g.key)
             return g
 
+    def _capture_ctx(self, device: torch.device):
+        """On a GPU, capture into one memory pool shared by all this engine's mixed graphs: one
+        replays at a time on the engine's stream and its logits are copied out before the next
+        (GraphRunner clones its outputs), so a graph's working memory is free for the others
+        between replays; warm_up captures the largest first. None on a CPU."""
+        if device.type != "cuda":
+            return None
+        if self._mem_pool is None:
+            self._mem_pool = torch.cuda.graph_pool_handle()
+        return functools.partial(
+            torch.cuda.graph, pool=self._mem_pool, capture_error_mode="thread_local"
+        )
+
     def _holder(self, tokens: int, rows: int, width: int, pool, same: bool = False):
-        """The smallest captured graph of at least `tokens` tokens, `rows` rows (`same`:
-        exactly those) and `width` blocks on `pool`."""
+        """The smallest captured graph of `tokens` tokens, at least `rows` rows (`same`:
+        exactly) and `width` blocks on `pool`. Never one of more tokens: a padding token costs
+        what a real one does (a padding row next to nothing: no token, one logit)."""
         best = None
         for (t, r, w, _), g in self.graphs.items():
-            fits = (t, r) == (tokens, rows) if same else t >= tokens and r >= rows
+            fits = t == tokens and (r == rows if same else r >= rows)
             if fits and w >= width and g.runner is not None and g.core._pool() is pool:
-                size = (t * r, t, r, w)
-                if best is None or size < (best.tokens * best.rows, best.tokens, best.rows,
-                                           best.width):  # fmt: skip
+                if best is None or (r, w) < (best.rows, best.width):
                     best = g
         return best

@@ -86,22 +86,31 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     replays = graphs.usable(runner.device, runner._proto_cache)
     sizes = buckets_up_to(rows) if replays else buckets_up_to(min(rows, 2))
     before, mixed_before = runner.graphs.captures, runner.mixed.captures
+    held_before = set(runner.mixed.graphs)
     gen = getattr(model, "generation_config", None)
-    token = getattr(gen, "pad_token_id", None)
-    if not isinstance(token, int) or not 0 <= token < runner.vocab:
-        token = 0
+    pad = getattr(gen, "pad_token_id", None)
+    if not isinstance(pad, int) or not 0 <= pad < runner.vocab:
+        pad = 0
     device = next(model.parameters()).device
+    offset = [1]  # the next prompt token id: every prompt differs (no prefix-cache hit)
 
-    def run(n: int, tokens: int) -> None:
-        """One greedy call of n rows of `tokens` tokens, two new tokens each, on the engine."""
-        ids = torch.full((n, tokens), token, dtype=torch.long, device=device)
+    def run(lengths: list[int]) -> None:
+        """One greedy call of len(lengths) rows of those many prompt tokens (left-padded), two
+        new tokens each, on the engine."""
+        width = max(lengths)
+        count = sum(lengths)
+        real = torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
+        ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+        ids[real] = (offset[0] + torch.arange(count)) % runner.vocab
+        offset[0] += count
+        ids, mask = ids.to(device), real.to(device=device, dtype=torch.long)
         steps = eng.snapshot()["steps"]
         with front._reasons_lock:
             reasons = dict(front.REASONS)
         with torch.no_grad():
             model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                do_sample=False, pad_token_id=token,
+                ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                pad_token_id=pad,
             )  # fmt: skip
         if eng.snapshot()["steps"] == steps:  # it ran its own loop: nothing of the engine's
             with front._reasons_lock:
@@ -112,25 +121,27 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
             )
 
     t0 = time.perf_counter()
-    # kv.mixed_graphs, first: a step with prompt tokens a tokens bucket, with the most rows such
-    # a step can have (each real row one token at least, one at least two): every smaller step
-    # of that bucket (the prefills of the calls below among them) replays it until its own
-    # signature has been asked for often enough
-    mixed = []
-    top_tokens = cfg.kv.mixed_graphs if replays else 0
+    # kv.mixed_graphs, first and largest first (their graphs share one memory pool): a step
+    # with prompt tokens a tokens bucket, `target` tokens (the bucket's top, or the limit) over
+    # the most rows such a step has (every row one token at least): every smaller step of that
+    # bucket (the prefills of the calls below among them) replays it until its own signature
+    # has been asked for often enough. Not past the engine's step budget: no step is larger
+    top = min(cfg.kv.mixed_graphs, eng.step_tokens) if replays else 0
+    buckets = []
     t = mixed_graphs.TOKENS_MIN
-    while top_tokens and t <= mixed_graphs.token_bucket(top_tokens):
-        n = min(t, rows + 1) - 1
-        per = max(1, min(t // n, top_tokens // n))
-        if n * per > 1:
-            run(n, per)
-            mixed.append((mixed_graphs.token_bucket(n * per), mixed_graphs.rows_bucket(n)))
+    while top and t <= mixed_graphs.token_bucket(top):
+        buckets.append(t)
         t *= 2
+    for t in reversed(buckets):
+        target = min(t, top)
+        n = min(target, rows)
+        run([target // n + (i < target % n) for i in range(n)])
     done = []
     for b in sizes:
         # (a limit between two buckets: its steps of `limit` rows replay the larger one)
-        run(min(b, limit), 1)
+        run([1] * min(b, limit))
         done.append(b)
+    mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
     return {
         "decode_graphs": replays,
         "rows_buckets": done,
