@@ -203,7 +203,13 @@ class MergedDecodeGraph:
             warm_capture=True,
             strict=True,
         )
-        return self.runner(self.ids, self.buf)[0]
+        try:
+            return self.runner(self.ids, self.buf)[0]
+        except CaptureError:
+            raise  # (play() drops this graph)
+        except BaseException:
+            self.runner = None  # its warm-up failed: not captured, tried again as a new one
+            raise
 
 
 class MergedGraphs:
