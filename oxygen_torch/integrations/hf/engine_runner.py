@@ -147,7 +147,7 @@ class HFRunner:
         if step._narrowed is not None:
             return None, None
         need = max(len(b) for p in step.parts for b in p.core.seqs.blocks)
-        width = max(self.graph_blocks, _width(need))
+        width = max(self.graph_blocks, graphs.table_width(need))
         graph = self.mixed.pick(model, step, width, len(rows), tokens)
         if graph is None:
             return None, None
@@ -176,13 +176,15 @@ class HFRunner:
     def _pick(self, model, step: MergedStep, rows: int):
         """The merged decode graph of this reserved step (None: its signature runs eagerly)."""
         need = max(len(c.seqs.blocks[0]) for c in step.cores)
-        return self.graphs.pick(model, step, max(self.graph_blocks, _width(need)), rows)
+        return self.graphs.pick(model, step, max(self.graph_blocks, graphs.table_width(need)), rows)
 
     def widen_graphs(self, tokens: int) -> int:
         """Decode graphs captured from now on have tables for sequences of `tokens` tokens at
         least (oxygen_torch.warm_up): later steps up to that length replay them. Returns the
         width in blocks (never narrower than before)."""
-        self.graph_blocks = max(self.graph_blocks, _width(-(-tokens // self.block_tokens)))
+        self.graph_blocks = max(
+            self.graph_blocks, graphs.table_width(-(-tokens // self.block_tokens))
+        )
         return self.graph_blocks
 
     def _inputs(self, rows, pos):
@@ -242,11 +244,6 @@ class HFRunner:
             gc_watch.refreeze("the engine's prefill forward's compile")
         self.prefill_compiled += 1
         return out.logits[0]
-
-
-def _width(blocks: int) -> int:
-    """A decode graph's table width for `blocks` blocks: a power of two, WIDTH_STEP at least."""
-    return max(graphs.WIDTH_STEP, 1 << (max(1, blocks) - 1).bit_length())
 
 
 def _vocab(model) -> int:

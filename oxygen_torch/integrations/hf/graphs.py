@@ -41,6 +41,13 @@ from . import fuse, trace_guard
 from .cache import PagedKVCache
 
 WIDTH_STEP = 16  # graph table widths are multiples of this many blocks
+
+
+def table_width(blocks: int) -> int:
+    """An engine graph's table width for `blocks` blocks: a power of two, WIDTH_STEP at least."""
+    return max(WIDTH_STEP, 1 << (max(1, blocks) - 1).bit_length())
+
+
 MAX_GRAPHS_PER_MODEL = 4
 # forward() arguments a decode graph knows: everything else makes the step eager
 _STATIC_INPUTS = ("input_ids", "position_ids", "cache_position")

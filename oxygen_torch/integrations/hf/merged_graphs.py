@@ -115,14 +115,20 @@ class MergedDecodeGraph:
         self.seq_lens = self.buf[n : n + rows]
         self.slots = self.buf[n + rows : n + 2 * rows]
         self.positions = self.buf[n + 2 * rows :]
-        self.ids = torch.zeros(1, rows, dtype=torch.int64, device=device)
+        self._start(rows, _GraphStep(self, step.pool, step.precision, step.tiles))
+
+    def _start(self, tokens: int, core) -> None:
+        """What every graph of the engine has beside its buffer `buf` (made first): ids of
+        `tokens` tokens, the staging of `buf`, the core its forward runs on, no runner yet."""
+        self.ids = torch.zeros(1, tokens, dtype=torch.int64, device=self.buf.device)
         self._staging = graphs.Staging(self.buf)
-        self.core = _GraphStep(self, step.pool, step.precision, step.tiles)
+        self.core = core
         self.runner: GraphRunner | None = None
         self.out_type = None
         self.replays = 0
         self.fusion: str | None = None  # how the captured forward was fused (None: eager)
         self.lock = threading.Lock()
+        self.capture_ctx = None  # a capture context (mixed steps' graphs: one shared pool)
 
     def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int], keep=None) -> int:
         """Copies the reserved `step` into the graph's buffers; returns its real rows (every
@@ -197,7 +203,7 @@ class MergedDecodeGraph:
         self.runner = GraphRunner(
             step,
             frozenset(),
-            capture=getattr(self, "capture_ctx", None),  # (mixed steps' graphs: a shared pool)
+            capture=self.capture_ctx,
             device_type=self.ids.device.type,
             static=frozenset({0, 1}),
             warm_capture=True,

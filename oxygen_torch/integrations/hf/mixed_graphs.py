@@ -38,7 +38,6 @@ of a 128k vocabulary in bf16: 80 MiB). Off by default until measured.
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 
 import numpy as np
@@ -105,15 +104,7 @@ class MixedGraph(MergedDecodeGraph):
         self.slots = self.buf[at[3] : at[4]]
         self.positions = self.buf[at[4] : at[5]]
         self.keep = self.buf[at[5] : at[6]]
-        self.ids = torch.zeros(1, tokens, dtype=torch.int64, device=device)
-        self._staging = graphs.Staging(self.buf)
-        self.core = _MixedGraphStep(self, step.pool, step.precision, step.tiles)
-        self.runner = None
-        self.out_type = None
-        self.replays = 0
-        self.fusion = None
-        self.lock = threading.Lock()
-        self.capture_ctx = None  # MixedGraphs': one memory pool for all its graphs
+        self._start(tokens, _MixedGraphStep(self, step.pool, step.precision, step.tiles))
 
     def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int], keep=None) -> int:
         """Copies the reserved `step` (its packed ids and positions, the packed indices of the
@@ -162,7 +153,7 @@ class MixedGraphs(MergedGraphs):
         wide replays (one not captured yet: its runner is None), or None (eager)."""
         t, r = token_bucket(tokens), rows_bucket(rows)
         bt = step.pool.key.block_tokens
-        width = max(width, graphs.WIDTH_STEP, 1 << (-(-t // bt) - 1).bit_length())
+        width = max(width, graphs.table_width(-(-t // bt)))
         pool = id(step.pool)
         key = (t, r, width, pool)
         with self._lock:
