@@ -70,10 +70,12 @@ def warm_up(model, pad: int, max_length: int | None = None) -> float:
     cfg = oxygen_torch.active_config()
     if cfg is not None and cfg.scheduler.engine:
         length = None
-        if max_length:
+        if max_length:  # at most the default's bound and the model's positions
             top = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0)
-            length = max(2, min(max_length, DEFAULT_LENGTH, top if isinstance(top, int) and top >= 2
-                                else max_length))  # fmt: skip
+            bounds = [max_length, DEFAULT_LENGTH] + (
+                [top] if isinstance(top, int) and top >= 2 else []
+            )
+            length = max(2, min(bounds))
         oxygen_torch.warm_up(model, max_length=length)
         return time.perf_counter() - t0
     for rows in (1, 2):
