@@ -107,6 +107,22 @@ def test_steps_with_prompt_tokens_replay_graphs_and_equal_stock(switched, arch):
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
 
 
+def test_warm_up_captures_every_rows_buckets_own_decode_graph(switched):
+    """With kv.mixed_graphs the warm-up's first calls are its largest (32 rows): their decode
+    step captures bucket 32's graph, which every smaller decode step could replay padded. The
+    rows pass still captures each bucket's own graph: a padded replay is taken only until its
+    signature was asked for CAPTURE_AFTER times, so a bucket left to it captures mid-traffic
+    (on the H100's arrival trace: 5 captures of ~150 ms, each a stall for every row)."""
+    model = tiny("llama")
+    hf.apply(model, on(256, block_tokens=16))
+    got = oxygen_torch.warm_up(model, max_rows=32, max_length=128)
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12, 16, 24, 32], got
+    (eng,) = engines(model)
+    rows = sorted({key[0] for key in eng.runner.graphs.graphs})
+    assert rows == got["rows_buckets"], (rows, got)
+    assert oxygen_torch.decode_graph_stats(model)["merged"]["captures"] == len(rows)
+
+
 def test_after_warm_up_every_step_replays_a_captured_graph(switched, monkeypatch):
     """warm_up with kv.mixed_graphs 256: one graph a tokens bucket (16 to 256) at the most rows
     such a step can have; then the calls' steps with prompt tokens replay those (padded) and

@@ -55,6 +55,7 @@ class HFRunner:
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
         self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
+        self.capture_exact = False  # while warm.py runs: each rows bucket its own decode graph
         self.mixed = mixed_graphs.MixedGraphs(max_graphs=ENGINE_MAX_GRAPHS)  # kv.mixed_graphs
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
         self.replayed = 0
@@ -176,7 +177,8 @@ class HFRunner:
     def _pick(self, model, step: MergedStep, rows: int):
         """The merged decode graph of this reserved step (None: its signature runs eagerly)."""
         need = max(len(c.seqs.blocks[0]) for c in step.cores)
-        return self.graphs.pick(model, step, max(self.graph_blocks, graphs.table_width(need)), rows)
+        width = max(self.graph_blocks, graphs.table_width(need))
+        return self.graphs.pick(model, step, width, rows, exact=self.capture_exact)
 
     def widen_graphs(self, tokens: int) -> int:
         """Decode graphs captured from now on have tables for sequences of `tokens` tokens at

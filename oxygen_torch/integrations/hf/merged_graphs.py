@@ -243,9 +243,11 @@ class MergedGraphs:
         g = self.pick(model, step, width, len(pos))
         return None if g is None else self.play(g, model, step, ids, pos, forward)
 
-    def pick(self, model, step: MergedStep, width: int, rows: int):
+    def pick(self, model, step: MergedStep, width: int, rows: int, exact: bool = False):
         """The graph a decode step of `rows` rows and a table `width` wide replays (one not
-        captured yet: its `runner` is None), or None when this signature runs eagerly."""
+        captured yet: its `runner` is None), or None when this signature runs eagerly. `exact`
+        (oxygen_torch.warm_up): a rows bucket not captured yet gets its own graph now instead
+        of padded replays of a larger one."""
         rows = bucket(rows)
         key = (rows, width, id(step.pool))
         with self._lock:
@@ -262,7 +264,8 @@ class MergedGraphs:
                     key = (g.rows, g.width, id(step.pool))
             if g is None:
                 asked = self._asked[key] = self._asked.get(key, 0) + 1
-                g = self._larger(rows, width, step.pool) if asked <= CAPTURE_AFTER else None
+                pad = asked <= CAPTURE_AFTER and not exact
+                g = self._larger(rows, width, step.pool) if pad else None
                 if g is not None:
                     self.padded += 1
                     key = (g.rows, g.width, id(step.pool))

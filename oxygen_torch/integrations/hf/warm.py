@@ -54,7 +54,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     """See the module docstring. Returns what it did: the rows buckets run, the decode graphs
     captured, the mixed steps' (tokens, rows) buckets and graphs captured, the table width, the
     seconds it took."""
-    from . import engine_runner, front, graphs, mixed_graphs
+    from . import engine_runner, front, graphs
     from .integration import config_of, uses_oxygen
 
     text = model.config.get_text_config(decoder=True)
@@ -121,6 +121,32 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
             )
 
     t0 = time.perf_counter()
+    # each rows bucket captures its own decode graph, although the mixed pass's first calls
+    # capture a larger one it could replay padded (until asked for merged_graphs.CAPTURE_AFTER
+    # times: then it would capture mid-traffic)
+    runner.capture_exact = True
+    try:
+        _passes(run, cfg, eng, replays, rows, sizes, limit)
+    finally:
+        runner.capture_exact = False
+    mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
+    return {
+        "decode_graphs": replays,
+        "rows_buckets": sizes,
+        "captured": runner.graphs.captures - before,
+        "graphs": len(runner.graphs.graphs),
+        "mixed_buckets": mixed,
+        "mixed_captured": runner.mixed.captures - mixed_before,
+        "max_length": length,
+        "table_blocks": width,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _passes(run, cfg, eng, replays: bool, rows: int, sizes: list[int], limit: int) -> None:
+    """warm_up's calls: the mixed steps' buckets, then the rows buckets."""
+    from . import mixed_graphs
+
     # kv.mixed_graphs, first and largest first (their graphs share one memory pool): a step
     # with prompt tokens a tokens bucket, `target` tokens (the bucket's top, or the limit) over
     # the most rows such a step has (every row one token at least): every smaller step of that
@@ -136,20 +162,6 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
         target = min(t, top)
         n = min(target, rows)
         run([target // n + (i < target % n) for i in range(n)])
-    done = []
     for b in sizes:
         # (a limit between two buckets: its steps of `limit` rows replay the larger one)
         run([1] * min(b, limit))
-        done.append(b)
-    mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
-    return {
-        "decode_graphs": replays,
-        "rows_buckets": done,
-        "captured": runner.graphs.captures - before,
-        "graphs": len(runner.graphs.graphs),
-        "mixed_buckets": mixed,
-        "mixed_captured": runner.mixed.captures - mixed_before,
-        "max_length": length,
-        "table_blocks": width,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
