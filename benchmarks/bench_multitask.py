@@ -359,6 +359,19 @@ def goals(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def out_files(stem: str) -> tuple[Path, Path] | None:
+    """($OUT/<stem>.json, .md), or the first <stem>_2, _3 ... not written yet: several runs in
+    one device call (another OXYGEN_CONF, say) keep their own files. None without $OUT."""
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    n, name = 1, stem
+    while Path(out, name + ".json").exists():
+        n += 1
+        name = f"{stem}_{n}"
+    return Path(out, name + ".json"), Path(out, name + ".md")
+
+
 def spawn(mode: str, seed: int, cv: float, n: int) -> dict:
     cmd = [sys.executable, __file__, "--run", mode, "--seed", str(seed), "--cv", str(cv),
            "--requests", str(n)]  # fmt: skip
@@ -397,7 +410,7 @@ def table(rows: list[dict]) -> str:
 
 
 def at_once(args) -> None:
-    rows = []
+    rows, files = [], out_files("at_once")
     for seed in args.seeds:
         for k in args.at_once:
             for mode in args.at_once_modes:
@@ -427,10 +440,11 @@ def at_once(args) -> None:
                     if lines
                     else dict(mode=mode, k=k, seed=seed, error=proc.stderr[-2000:])
                 )
+                r["conf"] = os.environ.get("OXYGEN_CONF", "")
                 rows.append(r)
                 print(f"[{time.time() - t:.0f}s] {json.dumps(r)[:600]}", flush=True)
-                if os.environ.get("OUT"):  # as it goes: a call cut short keeps the runs done
-                    Path(os.environ["OUT"], "at_once.json").write_text(json.dumps(rows))
+                if files:  # as it goes: a call cut short keeps the runs done
+                    files[0].write_text(json.dumps(rows))
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
         "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms | "
@@ -463,10 +477,9 @@ def at_once(args) -> None:
         )
     md = "\n".join(lines)
     print("\n" + md)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "at_once.json").write_text(json.dumps(rows))
-        Path(out, "at_once.md").write_text(md + "\n")
+    if files:
+        files[0].write_text(json.dumps(rows))
+        files[1].write_text(md + "\n")
 
 
 def main() -> None:
@@ -626,22 +639,22 @@ def main() -> None:
             print(json.dumps(dict(mode=args.run, seed=args.seed, cv=args.cv,
                                   error=traceback.format_exc()[-2000:])))  # fmt: skip
         return
-    rows = []
+    rows, files = [], out_files("bench_multitask")
     for seed in args.seeds:
         for cv in args.cvs:
             for mode in args.modes:
                 t = time.time()
                 rows.append(spawn(mode, seed, cv, args.requests))
+                rows[-1]["conf"] = os.environ.get("OXYGEN_CONF", "")
                 print(f"[{mode} seed {seed} cv {cv}: {time.time() - t:.0f}s] "
                       f"{json.dumps(rows[-1])[:400]}", flush=True)  # fmt: skip
-                if os.environ.get("OUT"):  # as it goes: a call cut short keeps the runs done
-                    Path(os.environ["OUT"], "bench_multitask.json").write_text(json.dumps(rows))
+                if files:  # as it goes: a call cut short keeps the runs done
+                    files[0].write_text(json.dumps(rows))
     md = table(rows) + "\n\n" + goals(rows)
     print("\n" + md)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "bench_multitask.json").write_text(json.dumps(rows))
-        Path(out, "bench_multitask.md").write_text(md + "\n")
+    if files:
+        files[0].write_text(json.dumps(rows))
+        files[1].write_text(md + "\n")
 
 
 if __name__ == "__main__":
