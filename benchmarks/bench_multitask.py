@@ -55,6 +55,9 @@ SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
 # --profile-slow MS: the engine's launches that took this many ms of its thread's CPU, profiled
 PROFILE_SLOW_MS = float(os.environ.get("BENCH_MULTITASK_PROFILE_SLOW") or 0)
+# --profiler torch: those launches under torch.profiler (CPU): each aten op's own host time, the
+# time inside the C++ calls (allocation, kernel launch) that cProfile shows only as one builtin
+PROFILER = os.environ.get("BENCH_MULTITASK_PROFILER") or "cprofile"
 # --no-warm-up: oxygen's trace modes skip oxygen_torch.warm_up() (every rows bucket's decode
 # graph captured before the timed run, as a server does at its start)
 NO_WARM_UP = os.environ.get("BENCH_MULTITASK_NO_WARM_UP") == "1"
@@ -241,11 +244,12 @@ SLOW_MS = 15.0  # a step this long is a slow one: a high row's token waits throu
 
 
 def _profile_launches(min_ms: float, keep: int = 6):
-    """--profile-slow: every engine step's launch (Engine._launch) under cProfile; the `keep`
-    launches whose engine-thread CPU passed `min_ms` the most, each's functions by cumulative
-    and own time, go to $OUT/slow_launches_<mode>.txt. Returns a function that writes them and
-    says how many launches passed (the profiler slows every launch: the run's figures are not
-    figures)."""
+    """--profile-slow: every engine step's launch (Engine._launch) under cProfile (or
+    torch.profiler's CPU events, --profiler torch); the `keep` launches whose engine-thread
+    CPU passed `min_ms` the most, each's functions by cumulative and own time (aten ops by
+    their own host time), go to $OUT/slow_launches_<mode>.txt. Returns a function that writes
+    them and says how many launches passed (the profiler slows every launch: the run's figures
+    are not figures)."""
     import cProfile
     import heapq
     import io
@@ -255,13 +259,18 @@ def _profile_launches(min_ms: float, keep: int = 6):
 
     real, kept, passed = loop.Engine._launch, [], [0]
 
+    def profiler():
+        if PROFILER == "torch":
+            return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        return cProfile.Profile()
+
     def launch(self, rows):
-        prof, cpu = cProfile.Profile(), time.thread_time()
-        prof.enable()
+        prof, cpu = profiler(), time.thread_time()
+        prof.__enter__() if PROFILER == "torch" else prof.enable()
         try:
             return real(self, rows)
         finally:
-            prof.disable()
+            prof.__exit__(None, None, None) if PROFILER == "torch" else prof.disable()
             ms = 1e3 * (time.thread_time() - cpu)
             if ms >= min_ms:
                 passed[0] += 1
@@ -278,6 +287,10 @@ def _profile_launches(min_ms: float, keep: int = 6):
         for _ms, _, (cpu, rows, tokens), prof in sorted(kept, reverse=True):
             text.write(f"=== launch: engine-thread CPU {cpu:.1f} ms, {rows} rows, {tokens} "
                        "tokens\n")  # fmt: skip
+            if PROFILER == "torch":
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                text.write(table + "\n")
+                continue
             for order, n in (("cumulative", 45), ("tottime", 25)):
                 pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
         if os.environ.get("OUT"):
@@ -509,6 +522,13 @@ def main() -> None:
         "(the profiler slows every launch: the run's figures are not figures)",
     )
     ap.add_argument(
+        "--profiler",
+        choices=("cprofile", "torch"),
+        default="cprofile",
+        help="--profile-slow's profiler: cProfile (Python functions) or torch.profiler's CPU "
+        "events (each aten op's own host time: allocation and kernel launch inside it)",
+    )
+    ap.add_argument(
         "--no-warm-up",
         action="store_true",
         help="trace modes: skip oxygen_torch.warm_up() before the timed run (every rows "
@@ -626,6 +646,7 @@ def main() -> None:
         if not args.profile_slow > 0:
             ap.error(f"--profile-slow: {args.profile_slow} is not a positive number of ms")
         os.environ["BENCH_MULTITASK_PROFILE_SLOW"] = str(args.profile_slow)
+        os.environ["BENCH_MULTITASK_PROFILER"] = args.profiler
     if args.no_warm_up:
         os.environ["BENCH_MULTITASK_NO_WARM_UP"] = "1"
     if args.smoke:
