@@ -642,6 +642,8 @@ def main() -> None:
                      "MS_A_STEP,MS_A_TOKEN")  # fmt: skip
         os.environ["BENCH_MULTITASK_SLEEP"] = args.sleep_model
         args.modes = [m for m in args.modes if m != "generate_batch"]
+    if args.profiler != "cprofile" and args.profile_slow is None:
+        ap.error("--profiler: profiles the slow launches of --profile-slow MS; give that too")
     if args.profile_slow is not None:
         if not args.profile_slow > 0:
             ap.error(f"--profile-slow: {args.profile_slow} is not a positive number of ms")
