@@ -266,11 +266,12 @@ def _profile_launches(min_ms: float, keep: int = 6):
 
     def launch(self, rows):
         prof, cpu = profiler(), time.thread_time()
-        prof.__enter__() if PROFILER == "torch" else prof.enable()
+        on, off = (prof.start, prof.stop) if PROFILER == "torch" else (prof.enable, prof.disable)
+        on()
         try:
             return real(self, rows)
         finally:
-            prof.__exit__(None, None, None) if PROFILER == "torch" else prof.disable()
+            off()
             ms = 1e3 * (time.thread_time() - cpu)
             if ms >= min_ms:
                 passed[0] += 1

@@ -54,7 +54,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     """See the module docstring. Returns what it did: the rows buckets run, the decode graphs
     captured, the mixed steps' (tokens, rows) buckets and graphs captured, the table width, the
     seconds it took."""
-    from . import engine_runner, front, graphs
+    from . import engine_runner, front, graphs, mixed_graphs
     from .integration import config_of, uses_oxygen
 
     text = model.config.get_text_config(decoder=True)
@@ -126,7 +126,25 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     # times: then it would capture mid-traffic)
     runner.capture_exact = True
     try:
-        _passes(run, cfg, eng, replays, rows, sizes, limit)
+        # kv.mixed_graphs, first and largest first (their graphs share one memory pool): a
+        # step with prompt tokens a tokens bucket, `target` tokens (the bucket's top, or the
+        # limit) over the most rows such a step has (every row one token at least): every
+        # smaller step of that bucket (the prefills of the calls below among them) replays it
+        # until its own signature has been asked for often enough. Not past the engine's step
+        # budget: no step is larger
+        top = min(cfg.kv.mixed_graphs, eng.step_tokens) if replays else 0
+        buckets = []
+        t = mixed_graphs.TOKENS_MIN
+        while top and t <= mixed_graphs.token_bucket(top):
+            buckets.append(t)
+            t *= 2
+        for t in reversed(buckets):
+            target = min(t, top)
+            n = min(target, rows)
+            run([target // n + (i < target % n) for i in range(n)])
+        for b in sizes:
+            # (a limit between two buckets: its steps of `limit` rows replay the larger one)
+            run([1] * min(b, limit))
     finally:
         runner.capture_exact = False
     mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
@@ -141,27 +159,3 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
         "table_blocks": width,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-
-
-def _passes(run, cfg, eng, replays: bool, rows: int, sizes: list[int], limit: int) -> None:
-    """warm_up's calls: the mixed steps' buckets, then the rows buckets."""
-    from . import mixed_graphs
-
-    # kv.mixed_graphs, first and largest first (their graphs share one memory pool): a step
-    # with prompt tokens a tokens bucket, `target` tokens (the bucket's top, or the limit) over
-    # the most rows such a step has (every row one token at least): every smaller step of that
-    # bucket (the prefills of the calls below among them) replays it until its own signature
-    # has been asked for often enough. Not past the engine's step budget: no step is larger
-    top = min(cfg.kv.mixed_graphs, eng.step_tokens) if replays else 0
-    buckets = []
-    t = mixed_graphs.TOKENS_MIN
-    while top and t <= mixed_graphs.token_bucket(top):
-        buckets.append(t)
-        t *= 2
-    for t in reversed(buckets):
-        target = min(t, top)
-        n = min(target, rows)
-        run([target // n + (i < target % n) for i in range(n)])
-    for b in sizes:
-        # (a limit between two buckets: its steps of `limit` rows replay the larger one)
-        run([1] * min(b, limit))
