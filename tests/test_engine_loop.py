@@ -807,6 +807,41 @@ def test_prefix_cache_gives_later_calls_their_shared_prefix(oxygen, arch):
     assert computed == 48 - 32 + 5, computed
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rows_that_end_at_one_step_go_into_the_prefix_cache_in_one_insert(oxygen, arch,
+                                                                          monkeypatch):  # fmt: skip
+    """kv.prefix_cache: the rows that end at one step (a call's rows, threads' calls of one
+    length) give their blocks to the cache in one insert_many, not one insert a row, before
+    their callers wake; their tokens equal stock's, and a next turn of each finds its whole
+    blocks there."""
+    from oxygen_torch.kv.prefix import PrefixCache
+
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    rows = int(torch.randint(3, 7, (1,), generator=g))
+    x = torch.randint(3, 128, (rows, 40), generator=g)
+    kw = dict(max_new_tokens=9, min_new_tokens=9, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(x, **kw)
+        hf.apply(model, load_config(scheduler={"engine": True}, kv={"prefix_cache": True}))
+        batches, insert_many = [], PrefixCache.insert_many
+
+        def counted(self, items):
+            batches.append(len(items))
+            return insert_many(self, items)
+
+        monkeypatch.setattr(PrefixCache, "insert_many", counted)
+        got = model.generate(x, **kw)
+        assert torch.equal(got, ref)
+        assert batches == [rows], batches  # one insert for the call's rows, at their end
+        (eng,) = engines(model)
+        before = eng.snapshot()["tokens"]
+        turn = torch.cat([got[:1], torch.randint(3, 128, (1, 4), generator=g)], 1)
+        model.generate(turn, max_new_tokens=1, do_sample=False)
+    # the first row's 49 tokens in whole 16-token blocks (48) came from the cache
+    assert eng.snapshot()["tokens"] - before == turn.shape[1] - 48
+
+
 @pytest.mark.parametrize("arena", [64 << 20, 8 << 20])
 def test_steps_count_the_prefix_caches_blocks_only_when_free_ones_may_not_do(
     oxygen, monkeypatch, arena

@@ -97,6 +97,76 @@ def test_budget_and_pool_pressure_give_blocks_back():
     m.decref(got + shared)
 
 
+def _shared_rows(seed: int, rows: int) -> list[list[int]]:
+    """`rows` sequences: a few prompts (random lengths, some sharing their first blocks) and a
+    random answer each."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [_tokens(seed * 7 + i, int(torch.randint(BT, 4 * BT, (1,), generator=g)))
+               for i in range(3)]  # fmt: skip
+    prompts.append(prompts[0][: 2 * BT] + _tokens(seed * 7 + 9, BT + 3))  # shares 2 blocks
+    return [
+        prompts[int(torch.randint(0, 4, (1,), generator=g))]
+        + _tokens(seed * 11 + r, int(torch.randint(1, 3 * BT, (1,), generator=g)))
+        for r in range(rows)
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("budget", [1000, 24])
+def test_insert_many_keeps_what_inserts_one_by_one_keep(seed, budget):
+    """Rows ending together go into the cache in one insert_many: under the budget it keeps
+    exactly what inserting them one by one keeps (the same chains found, the same block
+    references); at a tight budget as many blocks as the budget, every kept chain found."""
+    seqs = _shared_rows(seed, 8)
+    caches = []
+    for many in (False, True):
+        m = BlockManager(512, first_id=1)
+        pc = PrefixCache(m, BT, budget=budget)
+        held = [m.allocate(-(-len(t) // BT)) for t in seqs]
+        if many:
+            pc.insert_many([("ns", t, b) for t, b in zip(seqs, held)])
+        else:
+            for t, b in zip(seqs, held):
+                pc.insert("ns", t, b)
+        for b in held:
+            m.decref(b)  # the rows ended: only the cache holds their blocks
+        caches.append((m, pc))
+    (m1, one), (m2, many) = caches
+    distinct = len({(i, tuple(t[: (i + 1) * BT])) for t in seqs for i in range(len(t) // BT)})
+    # (the rows' blocks were still theirs while they went in: none could be evicted for them)
+    assert one.num_hot == many.num_hot == min(budget, distinct)
+    if budget >= distinct:
+        assert m2.num_used == m1.num_used
+        assert [many.lookup("ns", t) for t in seqs] == [one.lookup("ns", t) for t in seqs]
+    for t in seqs:  # whatever is found is a chain of blocks the cache holds
+        assert all(m2.refcount(b) >= 1 for b in many.lookup("ns", t))
+    many.clear()
+    one.clear()
+    assert m1.num_used == 0 and m2.num_used == 0
+
+
+def test_insert_many_makes_room_once_for_a_prompt_new_to_the_cache():
+    """Six rows of one new two-block prompt end together, each with a block of its own answer,
+    into a cache at 10 of its 12 blocks: 2 + 6 blocks are new, so 6 old ones go (not 6 x 3:
+    the prompt's blocks are counted once) and every row's chain is found whole."""
+    m = BlockManager(128, first_id=1)
+    pc = PrefixCache(m, BT, budget=12)
+    for i in range(10):
+        (b,) = m.allocate(1)
+        pc.insert("ns", _tokens(100 + i, BT), [b])
+        m.decref([b])
+    prompt = _tokens(7, 2 * BT)
+    rows = [prompt + _tokens(200 + r, BT) for r in range(6)]
+    held = [m.allocate(3) for _ in rows]
+    assert pc.insert_many([("ns", t, b) for t, b in zip(rows, held)]) == 2 + 6
+    assert pc.counts["evicted"] == 6 and len(pc) == 12
+    for t, b in zip(rows, held):
+        found = pc.lookup("ns", t)
+        assert found[:2] == held[0][:2] and found[2] == b[2]
+        m.decref(b)
+    assert pc.clear() == 12 and m.num_used == 0
+
+
 # --- generate() on the cache ----------------------------------------------------------------
 
 

@@ -46,38 +46,39 @@ class Delivery:
         self._observe(f, now)
         touched, padded = set(), []
         self.stats.drawn += len(toks)
-        for row, tok in zip(f.kept, toks):
-            r = row.req
-            if r.finished is not None:
-                continue  # a row that stopped a step ago: this token is dropped
-            if r.stopped is not None:  # a lockstep row that stopped: pad, as stock does
-                r.out.append(r.pad_id)
-                padded.append(r)
-                if len(r.out) >= r.stop.max_new:
-                    self._end(r, r.stopped)
-                    touched.add(r.group)
-                continue
-            r.out.append(tok)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            stop = r.stop
-            why = (
-                "eos" if tok in stop.eos
-                else "stop" if stop.strings and _stopped(r)
-                else "length" if len(r.out) >= stop.max_new
-                else None
-            )  # fmt: skip
-            if why is not None:
-                if r.lockstep and len(r.out) < r.stop.max_new and self._others_run(r):
-                    r.stopped = why  # the call's other rows go on: this one steps with pad
+        with self.ending():  # (the rows that end give their KV to the prefix cache at once)
+            for row, tok in zip(f.kept, toks):
+                r = row.req
+                if r.finished is not None:
+                    continue  # a row that stopped a step ago: this token is dropped
+                if r.stopped is not None:  # a lockstep row that stopped: pad, as stock does
+                    r.out.append(r.pad_id)
                     padded.append(r)
-                else:
-                    self._end(r, why)
-                    if r.lockstep:
-                        self._end_lockstep(r.group)
-                touched.add(r.group)
-            elif r.group.streaming:
-                touched.add(r.group)
+                    if len(r.out) >= r.stop.max_new:
+                        self._end(r, r.stopped)
+                        touched.add(r.group)
+                    continue
+                r.out.append(tok)
+                if r.first_token_at is None:
+                    r.first_token_at = now
+                stop = r.stop
+                why = (
+                    "eos" if tok in stop.eos
+                    else "stop" if stop.strings and _stopped(r)
+                    else "length" if len(r.out) >= stop.max_new
+                    else None
+                )  # fmt: skip
+                if why is not None:
+                    if r.lockstep and len(r.out) < r.stop.max_new and self._others_run(r):
+                        r.stopped = why  # the call's other rows go on: this one steps with pad
+                        padded.append(r)
+                    else:
+                        self._end(r, why)
+                        if r.lockstep:
+                            self._end_lockstep(r.group)
+                    touched.add(r.group)
+                elif r.group.streaming:
+                    touched.add(r.group)
         for pad in {r.pad_id for r in padded if r.slot >= 0}:
             # their next input is the pad token (the step in flight already read their draw)
             slots = [r.slot for r in padded if r.pad_id == pad and r.slot >= 0]

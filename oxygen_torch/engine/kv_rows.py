@@ -114,15 +114,27 @@ class RowKV:
     def keep(self, core: PagedKVCore | None, tokens: list[int]) -> None:
         """A row's whole blocks join the prefix cache (a later call, or the row itself after a
         preemption, starts on them); not a row that gave blocks back behind its window."""
-        if core is None or core.seqs is None or core.pool is not self.pool:
-            return
+        self.keep_many([(core, tokens)])
+
+    def keep_many(self, rows: list[tuple[PagedKVCore | None, list[int]]]) -> None:
+        """`keep` for the rows (core, tokens) that end at one step, in one insert: the room
+        past the cache's budget is made once for all of them."""
         with self.pool.lock:
             pc = self._prefix()
-            seqs = core.seqs
-            if pc is None or seqs.dropped[0] or seqs.narrowed[0]:
+            if pc is None:
                 return
-            pc.insert(self._ns(core), tokens[: min(len(tokens), seqs.lens[0])], seqs.blocks[0])
-            pc.sweep()
+            items = []
+            for core, tokens in rows:
+                if core is None or core.seqs is None or core.pool is not self.pool:
+                    continue
+                seqs = core.seqs
+                if seqs.dropped[0] or seqs.narrowed[0]:
+                    continue
+                n = min(len(tokens), seqs.lens[0])
+                items.append((self._ns(core), tokens[:n], seqs.blocks[0]))
+            if items:
+                pc.insert_many(items)
+                pc.sweep()
 
     def _keep_early(self, ns: tuple, tokens: list[int], core, rows: list[int]) -> None:
         """A core's before_drop (pool lock held): the row's first blocks join the prefix cache

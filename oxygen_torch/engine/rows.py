@@ -126,8 +126,19 @@ class Rows:
     def _end(self, r: Request, why: str) -> None:
         if r.finished is None:
             r.finished = why
-        if why in ("eos", "length", "stop") and r.kv is not None:
-            self.kvs.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
+        if why in ("eos", "length", "stop") and r.kv is not None and self._ending is not None:
+            self._ending.append((r, why))  # its KV to the prefix cache with the step's others
+        else:
+            if why in ("eos", "length", "stop") and r.kv is not None:
+                self.kvs.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
+            self._let_go(r, why)
+        for lst in (self.running, self.waiting):
+            if r in lst:
+                lst.remove(r)
+
+    def _let_go(self, r: Request, why: str) -> None:
+        """An ended row's KV goes back, or stays its call's (its output's cache), and its
+        slot goes back."""
         if r.keep_kv and why in ("eos", "length", "stop"):
             r.kv, kept = None, r.kv  # the caller's now (its output's cache)
             self._unbind(r)
@@ -136,9 +147,32 @@ class Rows:
                 self._kept.append(r)  # (taken back if its call's other rows need the blocks)
         else:
             self._unbind(r)
-        for lst in (self.running, self.waiting):
-            if r in lst:
-                lst.remove(r)
+
+    def ending(self):
+        """A context for reading one step's tokens: the rows that end in it give their KV to
+        the prefix cache in one insert at its close (one room-making past the cache's budget
+        for all of them), then let it go as `_end` would have."""
+        return _Ending(self)
+
+
+class _Ending:
+    def __init__(self, rows: Rows):
+        self.rows = rows
+
+    def __enter__(self):
+        self.rows._ending = []
+
+    def __exit__(self, *exc):
+        rows = self.rows
+        ended, rows._ending = rows._ending, None
+        if not ended:
+            return
+        try:
+            rows.kvs.keep_many([(r.kv, r.seq()) for r, _ in ended if r.kv is not None])
+        finally:
+            for r, why in ended:
+                if r.kv is not None:
+                    rows._let_go(r, why)
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:
