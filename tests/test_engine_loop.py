@@ -172,7 +172,11 @@ def test_decode_graphs_capture_the_forward_fused_and_equal_stock(oxygen, monkeyp
     st = oxygen_torch.decode_graph_stats(model)["merged"]
     assert st["replays"] > 0 and st["failed"] == 0, st
     assert st["compiled" if whole else "fused"] == st["graphs"] >= 2, st
-    assert refrozen == ["a merged decode graph's compile"] * st["captures"], (refrozen, st)
+    # (the steps with prompt tokens replay graphs too, kv.mixed_graphs: their logits above)
+    mixed = oxygen_torch.decode_graph_stats(model)["mixed"]
+    assert mixed["captures"] >= 1 and mixed["failed"] == 0, mixed
+    captures = st["captures"] + mixed["captures"]
+    assert refrozen == ["a merged decode graph's compile"] * captures, (refrozen, st, mixed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -249,7 +253,9 @@ def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(
     kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
-    kv = {"cpu_decode_graphs": "fuse"}
+    # (decode graphs only: the mixed steps' graphs, kv.mixed_graphs, try the whole-forward
+    # compile once more on their own)
+    kv = {"cpu_decode_graphs": "fuse", "mixed_graphs": 0}
     hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
     with caplog.at_level("WARNING", logger="oxygen_torch"):
         out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])

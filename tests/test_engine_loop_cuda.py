@@ -133,8 +133,10 @@ def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
         kws.append(kw)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
+    # (kv.mixed_graphs 0: else the steps with prompt tokens replay mixed-step graphs instead)
     cfg = load_config(scheduler={"engine": True, "decode_graphs": True},
-                      kv={"debug_checks": False, "prefill_compile": True})  # fmt: skip
+                      kv={"debug_checks": False, "prefill_compile": True,
+                          "mixed_graphs": 0})  # fmt: skip
     hf.apply(model, cfg)
     first = _generate(model, kws[0])
     (eng,) = engines(model)
@@ -260,7 +262,9 @@ def test_fresh_prompts_attend_their_own_kv_on_the_gpu(oxygen, arch):
         ref = model.generate(**kw).logits[0].float()
         got = {}
         for setting in ("dense", "paged"):
-            hf.apply(model, load_config(scheduler={"engine": True}, fresh_prefill=setting))
+            # (the eager forward's paths: a mixed-step graph, kv.mixed_graphs, has the paged one)
+            kv = {"fresh_prefill": setting, "mixed_graphs": 0}
+            hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
             oc.reset_stats()
             got[setting] = model.generate(**kw).logits[0].float()
             assert oc.stats()["prefill_attention"][setting] == layers

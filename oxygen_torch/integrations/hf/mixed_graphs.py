@@ -32,7 +32,8 @@ bucket, rows bucket, table width, pool) and replayed, as merged_graphs.py does f
 
 On a GPU the graphs share one memory pool (one replays at a time, its logits copied out
 before the next): they hold the largest one's working memory plus each one's logits (320 rows
-of a 128k vocabulary in bf16: 80 MiB). Off by default until measured.
+of a 128k vocabulary in bf16: 80 MiB). On by default, up to 2,048 tokens a step (measured on an
+H100: benchmarks/RESULTS.md, time to first token and the engine's trace).
 """
 
 from __future__ import annotations
