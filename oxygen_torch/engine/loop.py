@@ -125,7 +125,7 @@ class Engine(Rows, Delivery):
         self._turn = 0
         self._kept: list[Request] = []  # ended rows holding KV for their unfinished call
         # rows that ended while a step's tokens are delivered: their KV goes to the prefix cache
-        # in one insert after the step's rows are read (Rows.end_batch), not one a row
+        # in one insert after the step's rows are read (Rows.ending), not one a row
         self._ending: list[tuple[Request, str]] | None = None
         self._suspects: dict[Group, Exception] = {}  # calls of a failed step, to run alone
         self._held: set[Group] = set()  # streams with tokens not yet told (stream_interval_ms)
