@@ -5,6 +5,8 @@ KV (through its accounting, kv_rows.py). Runs on the engine thread only."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..kv import transfer
@@ -126,10 +128,11 @@ class Rows:
     def _end(self, r: Request, why: str) -> None:
         if r.finished is None:
             r.finished = why
-        if why in ("eos", "length", "stop") and r.kv is not None and self._ending is not None:
+        keep = why in ("eos", "length", "stop") and r.kv is not None
+        if keep and self._ending is not None:
             self._ending.append((r, why))  # its KV to the prefix cache with the step's others
         else:
-            if why in ("eos", "length", "stop") and r.kv is not None:
+            if keep:
                 self.kvs.keep(r.kv, r.seq())  # its blocks join the prefix cache (a next turn)
             self._let_go(r, why)
         for lst in (self.running, self.waiting):
@@ -148,31 +151,22 @@ class Rows:
         else:
             self._unbind(r)
 
+    @contextlib.contextmanager
     def ending(self):
         """A context for reading one step's tokens: the rows that end in it give their KV to
         the prefix cache in one insert at its close (one room-making past the cache's budget
         for all of them), then let it go as `_end` would have."""
-        return _Ending(self)
-
-
-class _Ending:
-    def __init__(self, rows: Rows):
-        self.rows = rows
-
-    def __enter__(self):
-        self.rows._ending = []
-
-    def __exit__(self, *exc):
-        rows = self.rows
-        ended, rows._ending = rows._ending, None
-        if not ended:
-            return
+        self._ending = []
         try:
-            rows.kvs.keep_many([(r.kv, r.seq()) for r, _ in ended if r.kv is not None])
+            yield
         finally:
-            for r, why in ended:
-                if r.kv is not None:
-                    rows._let_go(r, why)
+            ended, self._ending = self._ending, None
+            if ended:
+                try:
+                    self.kvs.keep_many([(r.kv, r.seq()) for r, _ in ended])
+                finally:
+                    for r, why in ended:
+                        self._let_go(r, why)
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:

@@ -225,7 +225,9 @@ class PrefixCache:
     def _keep_chain(self, ns: Hashable, tokens, blocks, count: int, now: int) -> int:
         """insert_many's nodes of one sequence's first `count` blocks, room already made."""
         added, parent, bt = 0, self._root(ns), self.block_tokens
-        walked = self._walk(ns, tokens)[:count]  # (the protected chains are all still there)
+        # walked again: the room-making may have dropped a cold leaf of the chain found before
+        # (drop_cold, making tier room, does not know the protected ids)
+        walked = self._walk(ns, tokens)[:count]
         for i in range(count):
             if i < len(walked):
                 node = walked[i]
