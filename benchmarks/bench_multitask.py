@@ -200,6 +200,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     before = mo._graphs(model) if oxygen else {}
     captured, padded = before.get("captures", 0), before.get("padded", 0)
     mixed_before = mo._graphs(model, mixed=True) if oxygen else {}
+    st_before = oxygen_torch.engine_stats(model) if oxygen else {}
     if mode == "generate_batch":
         results, oom, took = run_batch(model, reqs)
     else:
@@ -217,6 +218,11 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         busy, idle = st.get("gpu_s", 0.0), st.get("gpu_idle_s", 0.0)
         out["gpu_idle"] = round(idle / (busy + idle), 3) if busy + idle else None
         out["per_call"] = st.get("per_call", {})
+        # calls that waited for KV (preempted: recomputed, or swapped to the CPU tier), and the
+        # callers' front door (its longest: one inside it holds a launching engine at the door)
+        for k in ("preemptions", "swaps", "doors"):
+            out[k] = st.get(k, 0) - st_before.get(k, 0)
+        out["door_max_ms"] = round(1e3 * st.get("door_max_s", 0.0), 2)
         timeline = mo._timeline(model, since=t0)
         out["slow_steps"] = slow_steps(timeline)
         # how full the engine was: priorities change who finishes first only when calls wait
@@ -306,8 +312,9 @@ def slow_steps(timeline: list, limit: int = 40) -> dict:
     GPU's idle before the next one: an idle engine's waits for arrivals are not a slow step)
     passed SLOW_MS: how many, their ms, and the longest `limit` as (start ms, period ms, GPU idle
     after it ms, rows, tokens, choose / launch / complete ms, GPU ms, the engine thread's CPU ms
-    in the launch, collection pause ms): where a slow token's time went (a launch far longer
-    than its CPU ms waited: for the interpreter lock, other threads' Python, a sync). On a GPU
+    in the launch, collection pause ms, its CPU ms in the choosing, the choosing's wait at the
+    door ms): where a slow token's time went (a launch or a choosing far longer than its CPU
+    ms waited: for the interpreter lock, other threads' Python, a sync, a lock). On a GPU
     a step after the engine paused (nothing to run: its GPU idle unknown) starts no period."""
     periods = []
     on_gpu = any(e[7] is not None for e in timeline)
@@ -320,7 +327,7 @@ def slow_steps(timeline: list, limit: int = 40) -> dict:
     return dict(
         steps=len(timeline), slow=len(slow), slow_ms=round(sum(p[0] for p in slow), 1),
         median_ms=round(statistics.median(p[0] for p in periods), 3) if periods else None,
-        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[8], a[9])
+        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[8], a[9], *a[10:12])
                  for p, idle, a in slow[:limit]],
     )  # fmt: skip
 

@@ -398,9 +398,10 @@ def _timeline(model, since: float = 0.0) -> list:
         return None if x is None else round(1e3 * x, 3)
 
     # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it,
-    # the engine thread's CPU ms in the launch, the interpreter's collection pauses in the step)
+    # the engine thread's CPU ms in the launch, the interpreter's collection pauses in the step,
+    # the engine thread's CPU ms in the choosing, the choosing's wait at the door ms)
     return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i), ms(cpu),
-             ms(x[0]) if x else None)
+             *(ms(v) for v in (x + [None] * 3)[:3]))
             for a, r, n, c, la, co, g, i, cpu, *x in t]  # fmt: skip
 
 

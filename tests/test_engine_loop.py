@@ -762,6 +762,25 @@ def test_prompts_beside_top_level_decodes_share_the_decode_cap(oxygen, cap, leve
         assert max(beside, default=0) > 8, steps
 
 
+def test_engine_stats_sum_two_models_and_keep_the_longest_waits(oxygen):
+    """engine_stats() over two models' engines: counts summed, each "_max_s" the longest one
+    (not a sum of the longest waits)."""
+    a, b = tiny("llama"), tiny("qwen3")
+    for m, seed in ((a, 0), (b, 1)):
+        hf.apply(m, ENGINE)
+        in_threads(lambda kw, m=m: _generate(m, kw), [(call(seed + 2 * i),) for i in range(2)])
+    (ea,), (eb,) = engines(a), engines(b)
+    # (longer than any real wait: other tests' engines, alive or not, cannot hold the longest)
+    ea.stats.door_max_s, eb.stats.door_max_s = 1000.25, 1000.5  # (a sum would be 2000.75)
+    ea.stats.burst_wait_max_s, eb.stats.burst_wait_max_s = 1000.125, 1000.0625
+    total = oxygen_torch.engine_stats()
+    assert total["door_max_s"] == 1000.5 and total["burst_wait_max_s"] == 1000.125, total
+    assert total["steps"] >= ea.stats.steps + eb.stats.steps > 0
+    mine = {k: oxygen_torch.engine_stats(m) for k, m in (("a", a), ("b", b))}
+    assert mine["a"]["door_max_s"] == 1000.25 and mine["b"]["door_max_s"] == 1000.5
+    assert mine["a"]["doors"] == mine["b"]["doors"] == 2
+
+
 def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     from oxygen_torch.engine.stats import METRICS
 
@@ -779,6 +798,12 @@ def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     assert after["counters"]["steps"] - before["counters"]["steps"] == steps
     # each call's front door (generate() called -> rows submitted) is timed once
     assert snap["doors"] == len(kws) and 0 < eng.stats.door_max_s <= snap["door_s"]
+    assert snap["door_max_s"] == eng.stats.door_max_s
+    # each step's line: its choosing's CPU and its wait at the door within the choosing's wall
+    for line in eng.stats.timeline:
+        assert len(line) == 12, line
+        choose, picked, door_wait = line[3], line[10], line[11]
+        assert 0 <= door_wait <= choose and 0 <= picked <= choose + 0.01, line
     host = after["step_time"]["host"]
     assert sum(host[1]) - sum(before["step_time"]["host"][1]) == steps
     new = out.shape[1] - kws[0]["input_ids"].shape[1]

@@ -93,7 +93,10 @@ class EngineStats:
     # host's launch told apart from the GPU's own time, and a launch that waited (for the
     # interpreter lock, other threads' Python, a device sync) from one that worked (its CPU s);
     # then the interpreter's collection pauses (any thread's) from the step's start to the
-    # previous step's completion, s (engine/gc_watch.py)
+    # previous step's completion, s (engine/gc_watch.py); then the engine thread's CPU s in
+    # the choosing (its inbox, the door, the choice: a choosing far longer than its CPU waited,
+    # for the interpreter lock or a lock), and of the choosing's wall the wait at the door for a
+    # caller's front-door Python inside it, s
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -148,7 +151,8 @@ class Engine(Rows, Delivery):
             "host_s": st.host_s,
             "wait_s": st.wait_s, "choose_s": st.choose_s, "complete_s": st.complete_s,
             "gpu_s": st.gpu_s, "gpu_idle_s": st.gpu_idle_s,
-            "door_s": st.door_s, "doors": st.doors, "burst_waits": st.burst_waits,
+            "door_s": st.door_s, "doors": st.doors, "door_max_s": st.door_max_s,
+            "burst_waits": st.burst_waits,
             "burst_wait_s": st.burst_wait_s, "burst_wait_max_s": st.burst_wait_max_s,
             "running": len(self.running), "waiting": len(self.waiting),
             "rows_per_step": sum(rows) / len(rows),
@@ -230,15 +234,19 @@ class Engine(Rows, Delivery):
             if inflight is None and not self.running and not self.waiting:
                 self._gather_burst()
             start, paused = time.perf_counter(), gc_watch.pause_s
+            picked = time.thread_time()
             with self._cond:
                 if self._closed:
                     break
                 self._take_inbox()
+            at_door = time.perf_counter()
             with door.launch(self.runner.device):  # callers' front-door Python waits
+                opened = time.perf_counter()
                 self._drop_cancelled()
                 rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
                                            *self.kvs.step_blocks()))  # fmt: skip
                 chosen, cpu = time.perf_counter(), time.thread_time()
+                picked = cpu - picked
                 try:
                     launched = self._launch(rows) if rows else None
                 except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
@@ -256,7 +264,8 @@ class Engine(Rows, Delivery):
                 tokens = sum(r.n for r in rows)
                 took = time.perf_counter() - done
                 launched.entry = [start, len(rows), tokens, chosen - start, done - chosen, took,
-                                  None, None, cpu, gc_watch.pause_s - paused]  # fmt: skip
+                                  None, None, cpu, gc_watch.pause_s - paused, picked,
+                                  opened - at_door]  # fmt: skip
                 st.timeline.append(launched.entry)
             inflight = launched
             if launched is not None:

@@ -349,7 +349,7 @@ def mixed_graphs_of(model) -> list:
 
 
 def engine_stats(model=None) -> dict:
-    """The engines' figures (of `model`'s, when given), summed."""
+    """The engines' figures (of `model`'s, when given), summed (the longest of each "_max_s")."""
     with _engines_lock:
         if model is not None:
             engines = list(_engines.get(model, {}).values())
@@ -358,7 +358,7 @@ def engine_stats(model=None) -> dict:
     total: dict = {}
     for e in engines:
         for k, v in e.snapshot().items():
-            total[k] = total.get(k, 0) + v
+            total[k] = max(total.get(k, 0), v) if k.endswith("_max_s") else total.get(k, 0) + v
     if engines:  # the process's collection pauses since its first engine (engine/gc_watch.py)
         total["gc_s"], total["gc_full"] = gc_watch.pause_s, gc_watch.full
     return total
