@@ -253,9 +253,9 @@ def test_a_whole_forward_compile_that_fails_is_tried_once_then_modules_fused(
     kws = [call(s) for s in torch.randint(0, 10_000, (6,)).tolist()]
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
-    # (decode graphs only: the mixed steps' graphs, kv.mixed_graphs, try the whole-forward
-    # compile once more on their own)
-    kv = {"cpu_decode_graphs": "fuse", "mixed_graphs": 0}
+    # (decode graphs only: the mixed steps' graphs, kv.mixed_graphs, and the prefill steps'
+    # forward, kv.prefill_compile, try the whole-forward compile once more on their own)
+    kv = {"cpu_decode_graphs": "fuse", "mixed_graphs": 0, "prefill_compile": False}
     hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
     with caplog.at_level("WARNING", logger="oxygen_torch"):
         out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])

@@ -262,8 +262,9 @@ def test_fresh_prompts_attend_their_own_kv_on_the_gpu(oxygen, arch):
         ref = model.generate(**kw).logits[0].float()
         got = {}
         for setting in ("dense", "paged"):
-            # (the eager forward's paths: a mixed-step graph, kv.mixed_graphs, has the paged one)
-            kv = {"fresh_prefill": setting, "mixed_graphs": 0}
+            # (the eager forward's paths: a mixed-step graph, kv.mixed_graphs, has the paged one;
+            # kv.prefill_compile's forward is tested on its own above)
+            kv = {"fresh_prefill": setting, "mixed_graphs": 0, "prefill_compile": False}
             hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
             oc.reset_stats()
             got[setting] = model.generate(**kw).logits[0].float()

@@ -122,3 +122,48 @@ def test_without_decode_graphs_it_runs_one_and_two_rows_only(switched):
     assert got["decode_graphs"] is False and got["rows_buckets"] == [1, 2], got
     assert got["captured"] == 0 and merged(model)["graphs"] == 0, got
     assert oxygen_torch.kv_stats() and oxygen_torch.engine_stats(model)["tokens"] > 0
+
+
+def test_warm_up_compiles_the_forward_of_the_steps_no_graph_replays(switched, monkeypatch):
+    """kv.prefill_compile (on by default): the steps with more prompt tokens than
+    kv.mixed_graphs (32 here) run the forward compiled whole with dynamic shapes. Every
+    warm-up step with prompt tokens replays a mixed graph, so warm_up ends with one prompt of 33
+    tokens, which compiles it (the CPU stand-in told it compiles here, as on a GPU; decode
+    graphs not fused, so that every compile is the prefill's). Calls after it of 60 and 20
+    tokens equal stock, the 60-token one runs the compiled forward, and nothing compiles again."""
+    from oxygen_torch.integrations.hf import engine_runner
+
+    monkeypatch.setattr(engine_runner.HFRunner, "_compiles_here", lambda self: True)
+    model = tiny("llama", max_position_embeddings=1024)
+    seeds = torch.randint(0, 10_000, (2,)).tolist()
+    kws = [long_call(seeds[0], 60), long_call(seeds[1], 20)]
+    ref = [_generate(model, kw) for kw in kws]
+    kv = dict(RERUN, mixed_graphs=32, decode_graph_fusion=False)
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    assert load_config().kv.prefill_compile  # (the default)
+    got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
+    assert got["prefill_compiled"], got
+    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    runner = eng.runner
+    assert runner.prefill_compiled == 1, runner.prefill_compiled
+    assert [e[2] for e in eng.stats.timeline if e[2] > e[1]][-1] == 33  # (its prompt step)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for kw, r in zip(kws, ref):
+        assert torch.equal(_generate(model, kw), r)
+    assert runner.prefill_compiled == 2, runner.prefill_compiled  # (the 60 tokens; 20 replays)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_warm_up_leaves_the_prefill_forward_alone_where_it_is_off(switched, monkeypatch):
+    """kv.prefill_compile false: warm_up runs no longer prompt and compiles nothing for it."""
+    from oxygen_torch.integrations.hf import engine_runner
+
+    monkeypatch.setattr(engine_runner.HFRunner, "_compiles_here", lambda self: True)
+    model = tiny("llama", max_position_embeddings=1024)
+    kv = dict(RERUN, mixed_graphs=32, decode_graph_fusion=False, prefill_compile=False)
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
+    assert not got["prefill_compiled"], got
+    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    assert eng.runner.prefill_compiled == 0
+    assert max(e[2] for e in eng.stats.timeline if e[2] > e[1]) <= 32

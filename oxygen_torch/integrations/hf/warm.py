@@ -10,7 +10,9 @@ SGLang capture theirs at startup. Where there are no decode graphs (kv.decode_gr
 CPU without kv.cpu_decode_graphs) it runs one and two rows only: the KV pool is made and the
 first calls' costs are paid. With kv.mixed_graphs it first captures, for each tokens bucket up
 to that setting, the mixed-step graph of the most rows such a step has (one call of that many
-rows of prompts): every smaller step with prompt tokens replays one of them.
+rows of prompts): every smaller step with prompt tokens replays one of them. With
+kv.prefill_compile, a prompt one token past kv.mixed_graphs compiles the forward the longer
+steps run (one compile for every token count: ~15 s on the H100), if no step before did.
 
 The graphs' block tables are as wide as `max_length` tokens need (HFRunner.widen_graphs): a
 later step of any sequence up to that length replays its rows bucket's graph instead of
@@ -145,6 +147,14 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
         for b in sizes:
             # (a limit between two buckets: its steps of `limit` rows replay the larger one)
             run([1] * min(b, limit))
+        # kv.prefill_compile: the steps no graph replays (over kv.mixed_graphs tokens) run the
+        # forward compiled with dynamic shapes, one compile for every token count: one prompt
+        # just past the mixed graphs' limit pays it, if no step above did and one can be that
+        # long (within the step budget and max_length)
+        if runner._compiles_prefill() and not runner._prefill_ready:
+            over = (cfg.kv.mixed_graphs + 1) if replays and cfg.kv.mixed_graphs else 16
+            if over <= min(eng.step_tokens, length - 2):
+                run([over])
     finally:
         runner.capture_exact = False
     mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
@@ -155,6 +165,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
         "graphs": len(runner.graphs.graphs),
         "mixed_buckets": mixed,
         "mixed_captured": runner.mixed.captures - mixed_before,
+        "prefill_compiled": runner._prefill_ready,  # (kv.prefill_compile's forward, compiled)
         "max_length": length,
         "table_blocks": width,
         "seconds": round(time.perf_counter() - t0, 3),
