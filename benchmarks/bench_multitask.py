@@ -250,11 +250,13 @@ SLOW_MS = 15.0  # a step this long is a slow one: a high row's token waits throu
 
 
 def _profile_launches(min_ms: float, keep: int = 6):
-    """--profile-slow: every engine step's launch (Engine._launch) under cProfile (or
-    torch.profiler's CPU events, --profiler torch); the `keep` launches whose engine-thread
-    CPU passed `min_ms` the most, each's functions by cumulative and own time (aten ops by
-    their own host time), go to $OUT/slow_launches_<mode>.txt. Returns a function that writes
-    them and says how many launches passed (the profiler slows every launch: the run's figures
+    """--profile-slow: every engine step's launch (Engine._launch) and its choice of rows
+    (schedule.choose, as the loop calls it) under cProfile (or torch.profiler's CPU events,
+    --profiler torch); the `keep` launches whose engine-thread CPU passed `min_ms` the most, and
+    the `keep` choices whose wall time passed it the most (a choice that waited shows its CPU
+    far below its wall), each's functions by cumulative and own time (aten ops by their own
+    host time), go to $OUT/slow_launches_<mode>.txt. Returns a function that writes them and
+    says how many launches and choices passed (the profiler slows every step: the run's figures
     are not figures)."""
     import cProfile
     import heapq
@@ -263,46 +265,63 @@ def _profile_launches(min_ms: float, keep: int = 6):
 
     from oxygen_torch.engine import loop
 
-    real, kept, passed = loop.Engine._launch, [], [0]
+    real, real_choose = loop.Engine._launch, loop.choose
+    kept, passed = {"launch": [], "choose": []}, {"launch": 0, "choose": 0}
 
     def profiler():
         if PROFILER == "torch":
             return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         return cProfile.Profile()
 
-    def launch(self, rows):
-        prof, cpu = profiler(), time.thread_time()
+    def profiled(kind, fn, rows_of, *args):
+        prof, cpu, wall = profiler(), time.thread_time(), time.perf_counter()
         on, off = (prof.start, prof.stop) if PROFILER == "torch" else (prof.enable, prof.disable)
         on()
+        out = None
         try:
-            return real(self, rows)
+            out = fn(*args)
+            return out
         finally:
             off()
-            ms = 1e3 * (time.thread_time() - cpu)
+            cpu = 1e3 * (time.thread_time() - cpu)
+            wall = 1e3 * (time.perf_counter() - wall)
+            ms = cpu if kind == "launch" else wall
             if ms >= min_ms:
-                passed[0] += 1
-                what = (ms, len(rows), sum(r.n for r in rows))
-                heapq.heappush(kept, (ms, id(prof), what, prof))
-                if len(kept) > keep:
-                    heapq.heappop(kept)
+                passed[kind] += 1
+                rows = rows_of(args, out) or []
+                what = (round(cpu, 2), round(wall, 2), len(rows), sum(r.n for r in rows))
+                heapq.heappush(kept[kind], (ms, id(prof), what, prof))
+                if len(kept[kind]) > keep:
+                    heapq.heappop(kept[kind])
 
-    loop.Engine._launch = launch
+    def launch(self, rows):
+        return profiled("launch", real, lambda a, out: a[1], self, rows)
+
+    def choose(engine, budget):
+        return profiled("choose", real_choose, lambda a, out: out, engine, budget)
+
+    loop.Engine._launch, loop.choose = launch, choose
 
     def write(mode: str) -> dict:
-        loop.Engine._launch = real
+        loop.Engine._launch, loop.choose = real, real_choose
         text = io.StringIO()
-        for _ms, _, (cpu, rows, tokens), prof in sorted(kept, reverse=True):
-            text.write(f"=== launch: engine-thread CPU {cpu:.1f} ms, {rows} rows, {tokens} "
-                       "tokens\n")  # fmt: skip
-            if PROFILER == "torch":
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-                text.write(table + "\n")
-                continue
-            for order, n in (("cumulative", 45), ("tottime", 25)):
-                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
+        for kind in ("choose", "launch"):
+            for _ms, _, (cpu, wall, rows, tokens), prof in sorted(kept[kind], reverse=True):
+                text.write(f"=== {kind}: engine-thread CPU {cpu:.1f} ms, wall {wall:.1f} ms, "
+                           f"{rows} rows, {tokens} tokens\n")  # fmt: skip
+                if PROFILER == "torch":
+                    table = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                      row_limit=40)  # fmt: skip
+                    text.write(table + "\n")
+                    continue
+                for order, n in (("cumulative", 45), ("tottime", 25)):
+                    pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], f"slow_launches_{mode}.txt").write_text(text.getvalue())
-        return dict(min_ms=min_ms, passed=passed[0], kept=[k[2] for k in sorted(kept)[::-1]])
+        return dict(min_ms=min_ms, passed=passed["launch"],
+                    choices_passed=passed["choose"],
+                    kept=[k[2] for k in sorted(kept["launch"])[::-1]],
+                    choices_kept=[k[2] for k in sorted(kept["choose"])[::-1]])  # fmt: skip
 
     return write
 
