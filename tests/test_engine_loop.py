@@ -940,6 +940,45 @@ def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
     assert blocks_in_use() == 0
 
 
+def test_the_first_preemption_does_not_wait_for_the_tier_to_be_made(oxygen, monkeypatch):
+    """The burst above with a CPU tier whose making takes 0.6 s (as pinning 4 GiB takes ~1.3 s
+    on an H100, where the engine's first preemption stalled every running call that long): the
+    engine's steps never wait for it (no choice of rows takes 0.3 s); the rows preempted before
+    it is made are recomputed, later ones may swap; every call ends with stock's tokens and
+    every block comes back. warm_up() would have made it up front (test_engine_warm.py)."""
+    from oxygen_torch.kv import pool as pool_mod
+
+    real, made = pool_mod.CPUTier, []
+
+    def slow(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool_mod, "CPUTier", slow)
+    monkeypatch.setattr(pool_mod.KVPool, "_pins", lambda self: True)
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+    kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 100 + 5 * i), generator=g),
+                max_new_tokens=40 + 9 * (i % 3), do_sample=False) for i in range(12)]  # fmt: skip
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True}, kv={"block_tokens": 128, "arena_bytes": 8 << 20},
+                      pool={"cpu_tier_bytes": 64 << 20})  # fmt: skip
+    hf.apply(model, cfg)
+    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
+    assert not errors, errors
+    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
+    (eng,) = engines(model)
+    st = eng.snapshot()
+    assert st["preemptions"] > st["swaps"], st  # (the first ones before the tier: recomputed)
+    assert made == ["oxygen-cpu-tier"], made
+    assert max(e[3] for e in eng.stats.timeline) < 0.3
+    eng.kvs.pool.wait_tier_ahead(5)
+    assert eng.kvs.pool.tier is not None
+    assert blocks_in_use() == 0
+
+
 def test_a_prefill_row_preempted_for_the_decodes_does_not_join_the_step(oxygen):
     """Two rows of one call that do not fit the pool together: the first decodes while the
     second's prefill waits for blocks; the first's next block preempts the second (swapped to

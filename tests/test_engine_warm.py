@@ -167,3 +167,36 @@ def test_warm_up_leaves_the_prefill_forward_alone_where_it_is_off(switched, monk
     ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
     assert eng.runner.prefill_compiled == 0
     assert max(e[2] for e in eng.stats.timeline if e[2] > e[1]) <= 32
+
+
+@pytest.mark.parametrize("tier_bytes", [0, 32 << 20])
+def test_warm_up_makes_the_cpu_tier_up_front(switched, monkeypatch, tier_bytes):
+    """warm_up() makes the KV pool's CPU tier on its own thread, waiting (a GPU pool's engine
+    would make it beside its steps at its first preemption, recomputing until then: told here
+    that making it pins memory); pool.cpu_tier_bytes 0: none."""
+    import threading
+
+    from oxygen_torch.integrations.hf import engine_runner
+    from oxygen_torch.kv import pool as pool_mod
+
+    real, made = pool_mod.CPUTier, []
+
+    def counted(*args, **kwargs):
+        made.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool_mod, "CPUTier", counted)
+    monkeypatch.setattr(pool_mod.KVPool, "_pins", lambda self: True)
+    model = tiny("llama", max_position_embeddings=1024)
+    # (an arena of its own size: a pool of its own, whatever pools other tests left)
+    kv = dict(RERUN, arena_bytes=(40 << 20) + tier_bytes)
+    cfg = load_config(scheduler={"engine": True}, kv=kv, pool={"cpu_tier_bytes": tier_bytes})
+    hf.apply(model, cfg)
+    got = oxygen_torch.warm_up(model, max_rows=2, max_length=256)
+    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    tier = eng.kvs.pool.tier
+    if tier_bytes:
+        assert tier is not None and made == [threading.current_thread().name], made
+        assert got["cpu_tier_bytes"] == tier.num_slots * tier.row_bytes > 0.9 * tier_bytes
+    else:
+        assert tier is None and not made and got["cpu_tier_bytes"] == 0

@@ -6,6 +6,8 @@ the tier); swap preemption against the same calls run alone (float32, greedy: th
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -457,3 +459,88 @@ def test_a_lone_call_short_of_blocks_by_itself_keeps_its_error(oxygen, monkeypat
     monkeypatch.setattr(router, "_alone", short)
     with pytest.raises(KVCacheFull, match="test"):
         generate(model, kws[0])
+
+
+class _SlowTier:
+    """CPUTier made slowly (as pinning GiBs is on a GPU machine), the threads that made one."""
+
+    def __init__(self, monkeypatch, seconds: float):
+        from oxygen_torch.kv import pool as pool_mod
+
+        real, self.made = pool_mod.CPUTier, []
+
+        def slow(*args, **kwargs):
+            self.made.append(threading.current_thread().name)
+            time.sleep(seconds)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(pool_mod, "CPUTier", slow)
+
+
+def test_a_tier_asked_for_without_waiting_is_made_beside_the_caller(host_pool, monkeypatch):
+    """cpu_tier(wait=False) where making it pins memory (told so here): None at once, the tier
+    made by a thread of its own while the pool's lock stays free; a caller that waits meanwhile
+    gets that same tier (one made, not two); then every caller gets it at once."""
+    slow = _SlowTier(monkeypatch, 0.4)
+    monkeypatch.setattr(type(host_pool), "_pins", lambda self: True)
+    t0 = time.perf_counter()
+    assert host_pool.cpu_tier(4 * MiB, wait=False) is None
+    assert time.perf_counter() - t0 < 0.2
+    assert host_pool.cpu_tier(4 * MiB, wait=False) is None  # (still making: one thread)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(host_pool.cpu_tier(4 * MiB)))
+    waiter.start()
+    time.sleep(0.05)
+    t1 = time.perf_counter()
+    with host_pool.lock:  # (free while the tier is made)
+        assert time.perf_counter() - t1 < 0.2
+        assert host_pool.tier is None
+    waiter.join(5)
+    host_pool.wait_tier_ahead(5)
+    tier = host_pool.tier
+    assert tier is not None and tier.num_slots > 0 and host_pool.heat is not None
+    assert got == [tier] and slow.made == ["oxygen-cpu-tier"], (got, slow.made)
+    assert host_pool.cpu_tier(4 * MiB, wait=False) is tier
+    # a block goes down and back byte-exact through the tier made beside
+    blocks = host_pool.manager.allocate(2)
+    view = host_pool.storage.block_view()
+    for b in blocks:
+        view[b].copy_(torch.randint(0, 255, view[b].shape, dtype=torch.uint8))
+    want = [view[b].clone() for b in blocks]
+    slots = tier.down(blocks)
+    for b in blocks:
+        view[b].zero_()
+    tier.up(slots, blocks, wait=True)
+    assert all(torch.equal(view[b], w) for b, w in zip(blocks, want))
+    tier.release(sorted(slots))
+    host_pool.manager.decref(blocks)
+
+
+def test_a_tier_that_fails_to_be_made_beside_is_said_once_and_tried_again(
+    host_pool, monkeypatch, caplog
+):
+    """The thread's tier fails (here: raises): one warning naming the tier and what follows,
+    no tier; the next cpu_tier(wait=False) tries again, and this time it is made."""
+    from oxygen_torch import _patching
+    from oxygen_torch.kv import pool as pool_mod
+
+    _patching.forget_warnings()
+    real, calls = pool_mod.CPUTier, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no pinned memory here")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool_mod, "CPUTier", flaky)
+    monkeypatch.setattr(type(host_pool), "_pins", lambda self: True)
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        assert host_pool.cpu_tier(4 * MiB, wait=False) is None
+        host_pool.wait_tier_ahead(5)
+    said = [r.getMessage() for r in caplog.records if "CPU tier" in r.getMessage()]
+    assert len(said) == 1 and "no pinned memory here" in said[0] and "recomputed" in said[0]
+    assert host_pool.tier is None
+    assert host_pool.cpu_tier(4 * MiB, wait=False) is None
+    host_pool.wait_tier_ahead(5)
+    assert host_pool.tier is not None and len(calls) == 2

@@ -237,7 +237,9 @@ def _pool_obj():
 
 
 def _all_down(pool) -> int:
-    """Moves every cached block to the CPU tier (the calls' caches are gone)."""
+    """Moves every cached block to the CPU tier (the calls' caches are gone; on a GPU the
+    engine makes the tier beside its steps: waited for)."""
+    pool.wait_tier_ahead(30)
     gc.collect()
     with pool.lock:
         n = pool.prefix.num_hot

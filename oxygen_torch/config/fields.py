@@ -104,7 +104,8 @@ def host_memory_bytes() -> int:
 def default_cpu_tier_bytes() -> int:
     """pool.cpu_tier_bytes by default: 4 GiB, or an eighth of this machine's memory when that is
     less (whole MiB). The tier is made (and pinned) at the first preemption or cold prefix block
-    that needs it, never at enable()."""
+    that needs it (the engine on a GPU: by a thread beside its steps), or by warm_up(), never
+    at enable()."""
     return min(4 * GiB, host_memory_bytes() // 8) // MiB * MiB
 
 

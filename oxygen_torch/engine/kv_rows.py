@@ -76,7 +76,7 @@ class RowKV:
         pc = self.pool.prefix_cache(kv.prefix_cache_bytes)
         if pc is not None:
             zones = self.cfg.pool
-            self.pool.cpu_tier_of(zones)
+            self.pool.cpu_tier_of(zones, wait=False)  # (made beside the steps: it pins GiBs)
             pc.threshold, pc.hot_ratio = zones.migration_threshold, zones.hot_zone_ratio
         return pc
 
@@ -147,11 +147,14 @@ class RowKV:
 
     def swap_out(self, core: PagedKVCore, low: bool) -> int | None:
         """The row's KV to the CPU tier: the device blocks freed, or None (no tier, no room, a
-        row in debug mode, or one that narrowed blocks behind its window: recomputed instead)."""
+        row in debug mode, or one that narrowed blocks behind its window: recomputed instead).
+        On a GPU the first preemption starts making the tier beside the steps (pinning its GiBs
+        stalled every running call for 1.3 s on an H100): until it is made, rows are recomputed;
+        oxygen_torch.warm_up() makes it before the traffic comes."""
         if core.seqs is None or core.debug or not any(core.seqs.blocks):
             return None
         with self.pool.lock:
-            if self.pool.cpu_tier_of(self.cfg.pool) is None:
+            if self.pool.cpu_tier_of(self.cfg.pool, wait=False) is None:
                 return None
         return swap.swap_out(core, low_priority=low)
 

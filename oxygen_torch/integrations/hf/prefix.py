@@ -87,8 +87,10 @@ def prompt_of(model, call, cache: PagedKVCache, geometry) -> Prompt | None:
     if pc is None:
         return None
     zones = cache.cfg.pool
-    with pool.lock:  # the cold zone (pool.cpu_tier_bytes; the last call's zones stand)
-        pool.cpu_tier_of(zones)
+    # the cold zone (pool.cpu_tier_bytes; the last call's zones stand), made (pinned) outside
+    # the pool's lock: the pool's other users go on meanwhile
+    pool.cpu_tier_of(zones)
+    with pool.lock:
         pc.threshold, pc.hot_ratio = zones.migration_threshold, zones.hot_zone_ratio
     core = cache._core
     beams = (call.opt("num_beams") or 1) > 1

@@ -12,7 +12,10 @@ first calls' costs are paid. With kv.mixed_graphs it first captures, for each to
 to that setting, the mixed-step graph of the most rows such a step has (one call of that many
 rows of prompts): every smaller step with prompt tokens replays one of them. With
 kv.prefill_compile, a prompt one token past kv.mixed_graphs compiles the forward the longer
-steps run (one compile for every token count: ~15 s on the H100), if no step before did.
+steps run (one compile for every token count: ~15 s on the H100), if no step before did. And
+it makes the KV pool's CPU tier (pool.cpu_tier_bytes: the engine swaps preempted rows there),
+which on a GPU pins that much host memory (~0.3 s a GiB): the engine would otherwise make it at
+its first preemption, beside its steps, recomputing the rows it preempts until it is made.
 
 The graphs' block tables are as wide as `max_length` tokens need (HFRunner.widen_graphs): a
 later step of any sequence up to that length replays its rows bucket's graph instead of
@@ -157,6 +160,10 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
                 run([over])
     finally:
         runner.capture_exact = False
+    # the KV pool's CPU tier (pool.cpu_tier_bytes), where the engine swaps the rows it
+    # preempts: made on a GPU at the first preemption, beside the steps, and until then those
+    # rows are recomputed; made here, the first preemption swaps (its pinning: ~0.3 s a GiB)
+    tier = eng.kvs.pool.cpu_tier_of(cfg.pool)
     mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
     return {
         "decode_graphs": replays,
@@ -166,6 +173,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
         "mixed_buckets": mixed,
         "mixed_captured": runner.mixed.captures - mixed_before,
         "prefill_compiled": runner._prefill_ready,  # (kv.prefill_compile's forward, compiled)
+        "cpu_tier_bytes": tier.num_slots * tier.row_bytes if tier is not None else 0,
         "max_length": length,
         "table_blocks": width,
         "seconds": round(time.perf_counter() - t0, 3),
