@@ -280,7 +280,7 @@ class KVConfig:
     # On a GPU, or on a CPU with cpu_decode_graphs "fuse"; a compile that fails warns once and
     # the steps run eagerly. On since measured on an H100 (benchmarks/RESULTS.md, time to first
     # token): with kv.mixed_graphs 2048 it is the steps over 2,048 prompt tokens, and their
-    # first token went from 1.01-1.14x stock's static cache to 0.80-0.81x; the compile (~15 s
+    # first token went from 1.01-1.14x stock's static cache to 0.80-0.81x; the compile (~18 s
     # on that machine) is paid by the first such step, or by oxygen_torch.warm_up()
     prefill_compile: bool = True
     # the engine's steps that carry prompt tokens, up to this many tokens, replay CUDA graphs by
