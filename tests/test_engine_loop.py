@@ -916,13 +916,12 @@ def test_steps_count_the_prefix_caches_blocks_only_when_free_ones_may_not_do(
     assert blocks_in_use() == 0
 
 
-@pytest.mark.parametrize("tier", [0, 64 << 20])
-def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
+def _burst_past_the_pool(seed: int, tier: int):
     """12 calls of 1-2 rows that each end at 2 blocks a row, 36 rows' worth of 31 blocks of 128
-    tokens: rows are preempted (their KV to the CPU tier and back, or recomputed when there is
-    none) and every call ends with stock's tokens; every block comes back."""
+    tokens, run at once on the engine with a CPU tier of `tier` bytes: (the engine, its
+    snapshot) after checking every call's tokens equal stock's."""
     model = tiny("llama")
-    g = torch.Generator().manual_seed(21)
+    g = torch.Generator().manual_seed(seed)
     kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 100 + 5 * i), generator=g),
                 max_new_tokens=40 + 9 * (i % 3), do_sample=False) for i in range(12)]  # fmt: skip
     with torch.no_grad():
@@ -934,18 +933,27 @@ def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
     assert not errors, errors
     assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
     (eng,) = engines(model)
-    st = eng.snapshot()
+    return eng, eng.snapshot()
+
+
+@pytest.mark.parametrize("tier", [0, 64 << 20])
+def test_a_burst_larger_than_the_kv_pool_completes_by_preemption(oxygen, tier):
+    """The burst past the pool: rows are preempted (their KV to the CPU tier and back, or
+    recomputed when there is none) and every call ends with stock's tokens; every block comes
+    back."""
+    _, st = _burst_past_the_pool(21, tier)
     assert st["preemptions"] > 0, st
     assert (st["swaps"] > 0) == bool(tier), st
     assert blocks_in_use() == 0
 
 
 def test_the_first_preemption_does_not_wait_for_the_tier_to_be_made(oxygen, monkeypatch):
-    """The burst above with a CPU tier whose making takes 0.6 s (as pinning 4 GiB takes ~1.3 s
-    on an H100, where the engine's first preemption stalled every running call that long): the
-    engine's steps never wait for it (no choice of rows takes 0.3 s); the rows preempted before
-    it is made are recomputed, later ones may swap; every call ends with stock's tokens and
-    every block comes back. warm_up() would have made it up front (test_engine_warm.py)."""
+    """The burst past the pool with a CPU tier whose making takes 0.6 s (as pinning 4 GiB takes
+    ~1.3 s on an H100, where the engine's first preemption stalled every running call that
+    long): the engine's steps never wait for it (no choice of rows takes 0.3 s); the rows
+    preempted before it is made are recomputed, later ones may swap; every call ends with
+    stock's tokens and every block comes back. warm_up() would have made it up front
+    (test_engine_warm.py)."""
     from oxygen_torch.kv import pool as pool_mod
 
     real, made = pool_mod.CPUTier, []
@@ -957,20 +965,7 @@ def test_the_first_preemption_does_not_wait_for_the_tier_to_be_made(oxygen, monk
 
     monkeypatch.setattr(pool_mod, "CPUTier", slow)
     monkeypatch.setattr(pool_mod.KVPool, "_pins", lambda self: True)
-    model = tiny("llama")
-    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
-    kws = [dict(input_ids=torch.randint(3, 128, (1 + i % 2, 100 + 5 * i), generator=g),
-                max_new_tokens=40 + 9 * (i % 3), do_sample=False) for i in range(12)]  # fmt: skip
-    with torch.no_grad():
-        ref = [model.generate(**kw) for kw in kws]
-    cfg = load_config(scheduler={"engine": True}, kv={"block_tokens": 128, "arena_bytes": 8 << 20},
-                      pool={"cpu_tier_bytes": 64 << 20})  # fmt: skip
-    hf.apply(model, cfg)
-    out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
-    assert not errors, errors
-    assert all(torch.equal(out[i], r) for i, r in enumerate(ref))
-    (eng,) = engines(model)
-    st = eng.snapshot()
+    eng, st = _burst_past_the_pool(int(torch.randint(0, 10_000, (1,))), 64 << 20)
     assert st["preemptions"] > st["swaps"], st  # (the first ones before the tier: recomputed)
     assert made == ["oxygen-cpu-tier"], made
     assert max(e[3] for e in eng.stats.timeline) < 0.3
