@@ -71,7 +71,7 @@ def run_ranks(path: Path, tmp_path: Path, seed: int) -> list[dict]:
     except subprocess.TimeoutExpired:  # every rank's last words (its threads' stacks at 200 s)
         for p in procs:
             p.kill()
-        tails = [p.communicate()[0].decode(errors="replace")[-6000:] for p in procs]
+        tails = [p.communicate()[0].decode(errors="replace")[-30000:] for p in procs]
         raise AssertionError("a rank ran past 240 s:\n" + "\n---\n".join(tails)) from None
     finally:
         for p in procs:
