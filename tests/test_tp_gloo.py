@@ -119,3 +119,40 @@ def test_tensor_parallel_generate_on_the_paged_cache_equals_stock_tp(tmp_path, a
             assert r["oxygen"][name]["tokens"] == first[name]["tokens"]
             assert r["oxygen"][name]["blocks"] == first[name]["blocks"], name
         assert r["split"] == ranks[0]["split"] and r["small_blocks"] == ranks[0]["small_blocks"]
+
+
+def test_a_rank_short_of_a_steps_blocks_collects_and_waits_for_them():
+    """A coordinated rank must run every step rank 0 chose (else rank 0 waits in the step's
+    collectives for good): short of the step's blocks because a finished call's cache sits in a
+    reference cycle, it collects it and has them; short because another thread still holds
+    them, it waits for their release; short for good, it says so after the wait."""
+    import gc
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from oxygen_torch.integrations.hf.batched import room_for
+
+    manager = SimpleNamespace(num_free=2, num_available=2)
+    pool = SimpleNamespace(lock=threading.RLock(), manager=manager)
+
+    class Cache:  # gives its blocks back when collected
+        def __del__(self):
+            manager.num_free = manager.num_available = 8
+
+    gc.disable()
+    try:
+        c = Cache()
+        c.me = c  # (a cycle: only the collector frees it)
+        del c
+        assert manager.num_free == 2
+        assert room_for(pool, 6, 0.0)
+    finally:
+        gc.enable()
+    manager.num_free = manager.num_available = 2
+    threading.Timer(0.1, lambda: setattr(manager, "num_available", 7)).start()
+    t0 = time.monotonic()
+    assert room_for(pool, 6, 5.0) and time.monotonic() - t0 < 4.0
+    manager.num_free = manager.num_available = 2
+    t0 = time.monotonic()
+    assert not room_for(pool, 6, 0.2) and time.monotonic() - t0 >= 0.2
