@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -68,31 +67,6 @@ class Work:
     keep: int
     done: int = 0  # columns served by earlier steps
     alone: object = None  # coordinated: runs the forward by itself (a step of one whole call)
-
-
-# a coordinated rank short of a step's blocks waits this long for them (collections included)
-COORDINATED_WAIT_S = 30.0
-
-
-def _fits(manager, need: int) -> bool:
-    return need <= manager.num_free or need <= manager.num_available
-
-
-def room_for(pool, need: int, wait_s: float) -> bool:
-    """Whether `need` blocks of `pool` are free, after collecting garbage (caches in reference
-    cycles give their blocks back only then) and waiting up to `wait_s` for other threads to
-    give theirs back."""
-    import gc
-
-    end = time.monotonic() + wait_s
-    while True:
-        gc.collect()
-        with pool.lock:
-            if _fits(pool.manager, need):
-                return True
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.01)
 
 
 class Merger:
@@ -277,26 +251,8 @@ class Merger:
         step = MergedStep(parts)
         replayable = self._replayable(chunks)
         with step.pool.lock:
-            need = step.blocks_needed()
-            fits = _fits(step.pool.manager, need)
-        if not fits and self.coordinated:
-            # every rank runs the step rank 0 chose, or the ranks' collectives pair up wrongly
-            # and hang: a rank short of the blocks rank 0 had (a finished call's cache here
-            # still waits for the collector) collects and waits for them, else says so
-            if not room_for(step.pool, need, COORDINATED_WAIT_S):
-                m = step.pool.manager
-                raise RuntimeError(
-                    f"oxygen_torch: this tensor-parallel rank has {m.num_available} free KV "
-                    f"blocks and the step rank 0 chose needs {need}: the ranks' pools went "
-                    "apart (every rank must make the same generate() calls with the same inputs)"
-                )
-        with step.pool.lock:
-            if not _fits(step.pool.manager, need):
-                if self.coordinated:  # (taken between the two looks: as above, once more)
-                    raise RuntimeError(
-                        "oxygen_torch: this tensor-parallel rank's KV blocks were taken while "
-                        "it reserved the step rank 0 chose: the ranks' pools went apart"
-                    )
+            need, m = step.blocks_needed(), step.pool.manager
+            if need > m.num_free and need > m.num_available:
                 return False
             step.reserve(build=not replayable)
         try:
