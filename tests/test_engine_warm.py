@@ -200,3 +200,24 @@ def test_warm_up_makes_the_cpu_tier_up_front(switched, monkeypatch, tier_bytes):
         assert got["cpu_tier_bytes"] == tier.num_slots * tier.row_bytes > 0.9 * tier_bytes
     else:
         assert tier is None and not made and got["cpu_tier_bytes"] == 0
+
+
+def test_warm_up_goes_on_without_a_tier_it_cannot_make(switched, monkeypatch, caplog):
+    """A CPU tier that cannot be made (here: raises, as pinning past the host's limit would)
+    does not fail warm_up: one warning naming it, no tier, and the warm-up's other work done."""
+    from oxygen_torch.kv import pool as pool_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no pinned memory here")
+
+    monkeypatch.setattr(pool_mod, "CPUTier", broken)
+    _patching.forget_warnings()
+    model = tiny("llama", max_position_embeddings=1024)
+    kv = dict(RERUN, arena_bytes=56 << 20)  # (a pool of its own)
+    cfg = load_config(scheduler={"engine": True}, kv=kv, pool={"cpu_tier_bytes": 32 << 20})
+    hf.apply(model, cfg)
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        got = oxygen_torch.warm_up(model, max_rows=2, max_length=256)
+    said = [r.getMessage() for r in caplog.records if "CPU tier" in r.getMessage()]
+    assert len(said) == 1 and "no pinned memory here" in said[0], said
+    assert got["cpu_tier_bytes"] == 0 and got["captured"] == 2, got

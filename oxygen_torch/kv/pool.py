@@ -185,7 +185,7 @@ class KVPool:
                 self._tier_ahead = None
 
     def wait_tier_ahead(self, timeout: float | None = None) -> None:
-        """Waits for a tier being made by cpu_tier(wait=False)'s thread (warm_up, tests)."""
+        """Waits for a tier being made by cpu_tier(wait=False)'s thread (tests, tools)."""
         t = self._tier_ahead
         if t is not None:
             t.join(timeout)

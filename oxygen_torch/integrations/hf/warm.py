@@ -163,7 +163,14 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     # the KV pool's CPU tier (pool.cpu_tier_bytes), where the engine swaps the rows it
     # preempts: made on a GPU at the first preemption, beside the steps, and until then those
     # rows are recomputed; made here, the first preemption swaps (its pinning: ~0.3 s a GiB)
-    tier = eng.kvs.pool.cpu_tier_of(cfg.pool)
+    try:
+        tier = eng.kvs.pool.cpu_tier_of(cfg.pool)
+    except Exception as err:  # noqa: BLE001 - the engine recomputes what it preempts instead
+        from ..._patching import warn_once
+
+        warn_once(f"oxygen_torch: warm_up could not make the KV pool's CPU tier: {err!r}; "
+                  "preempted rows are recomputed instead of swapped")  # fmt: skip
+        tier = None
     mixed = sorted((k[0], k[1]) for k in set(runner.mixed.graphs) - held_before)
     return {
         "decode_graphs": replays,
