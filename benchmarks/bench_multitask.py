@@ -219,7 +219,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         out["gpu_idle"] = round(idle / (busy + idle), 3) if busy + idle else None
         out["per_call"] = st.get("per_call", {})
         # calls that waited for KV (preempted: recomputed, or swapped to the CPU tier), and the
-        # callers' front door (its longest: one inside it holds a launching engine at the door)
+        # callers' front door (its longest since the engine started, warm-up included: one
+        # inside it holds a launching engine at the door)
         for k in ("preemptions", "swaps", "doors"):
             out[k] = st.get(k, 0) - st_before.get(k, 0)
         out["door_max_ms"] = round(1e3 * st.get("door_max_s", 0.0), 2)

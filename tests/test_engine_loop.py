@@ -954,16 +954,11 @@ def test_the_first_preemption_does_not_wait_for_the_tier_to_be_made(oxygen, monk
     preempted before it is made are recomputed, later ones may swap; every call ends with
     stock's tokens and every block comes back. warm_up() would have made it up front
     (test_engine_warm.py)."""
+    from test_kv_tier import SlowTier
+
     from oxygen_torch.kv import pool as pool_mod
 
-    real, made = pool_mod.CPUTier, []
-
-    def slow(*args, **kwargs):
-        made.append(threading.current_thread().name)
-        time.sleep(0.6)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pool_mod, "CPUTier", slow)
+    made = SlowTier(monkeypatch, 0.6).made
     monkeypatch.setattr(pool_mod.KVPool, "_pins", lambda self: True)
     eng, st = _burst_past_the_pool(int(torch.randint(0, 10_000, (1,))), 64 << 20)
     assert st["preemptions"] > st["swaps"], st  # (the first ones before the tier: recomputed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine import in_threads
-from test_engine_loop import call
+from test_engine_loop import call, engines
 from test_hf_generate import tiny
 
 import oxygen_torch
@@ -143,7 +143,7 @@ def test_warm_up_compiles_the_forward_of_the_steps_no_graph_replays(switched, mo
     assert load_config().kv.prefill_compile  # (the default)
     got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
     assert got["prefill_compiled"], got
-    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    (eng,) = engines(model)
     runner = eng.runner
     assert runner.prefill_compiled == 1, runner.prefill_compiled
     assert [e[2] for e in eng.stats.timeline if e[2] > e[1]][-1] == 33  # (its prompt step)
@@ -164,7 +164,7 @@ def test_warm_up_leaves_the_prefill_forward_alone_where_it_is_off(switched, monk
     hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
     got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
     assert not got["prefill_compiled"], got
-    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    (eng,) = engines(model)
     assert eng.runner.prefill_compiled == 0
     assert max(e[2] for e in eng.stats.timeline if e[2] > e[1]) <= 32
 
@@ -176,16 +176,11 @@ def test_warm_up_makes_the_cpu_tier_up_front(switched, monkeypatch, tier_bytes):
     that making it pins memory); pool.cpu_tier_bytes 0: none."""
     import threading
 
-    from oxygen_torch.integrations.hf import engine_runner
+    from test_kv_tier import SlowTier
+
     from oxygen_torch.kv import pool as pool_mod
 
-    real, made = pool_mod.CPUTier, []
-
-    def counted(*args, **kwargs):
-        made.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pool_mod, "CPUTier", counted)
+    made = SlowTier(monkeypatch, 0.0).made
     monkeypatch.setattr(pool_mod.KVPool, "_pins", lambda self: True)
     model = tiny("llama", max_position_embeddings=1024)
     # (an arena of its own size: a pool of its own, whatever pools other tests left)
@@ -193,7 +188,7 @@ def test_warm_up_makes_the_cpu_tier_up_front(switched, monkeypatch, tier_bytes):
     cfg = load_config(scheduler={"engine": True}, kv=kv, pool={"cpu_tier_bytes": tier_bytes})
     hf.apply(model, cfg)
     got = oxygen_torch.warm_up(model, max_rows=2, max_length=256)
-    ((eng,),) = [list(g.values()) for m, g in engine_runner._engines.items() if m is model]
+    (eng,) = engines(model)
     tier = eng.kvs.pool.tier
     if tier_bytes:
         assert tier is not None and made == [threading.current_thread().name], made

@@ -461,7 +461,7 @@ def test_a_lone_call_short_of_blocks_by_itself_keeps_its_error(oxygen, monkeypat
         generate(model, kws[0])
 
 
-class _SlowTier:
+class SlowTier:
     """CPUTier made slowly (as pinning GiBs is on a GPU machine), the threads that made one."""
 
     def __init__(self, monkeypatch, seconds: float):
@@ -481,7 +481,7 @@ def test_a_tier_asked_for_without_waiting_is_made_beside_the_caller(host_pool, m
     """cpu_tier(wait=False) where making it pins memory (told so here): None at once, the tier
     made by a thread of its own while the pool's lock stays free; a caller that waits meanwhile
     gets that same tier (one made, not two); then every caller gets it at once."""
-    slow = _SlowTier(monkeypatch, 0.4)
+    slow = SlowTier(monkeypatch, 0.4)
     monkeypatch.setattr(type(host_pool), "_pins", lambda self: True)
     t0 = time.perf_counter()
     assert host_pool.cpu_tier(4 * MiB, wait=False) is None
