@@ -71,8 +71,13 @@ def tracing():
 
 
 def is_tracing() -> bool:
-    """Whether the code running is a decode-graph step being traced by torch.compile."""
-    return TRACING and torch.compiler.is_compiling()
+    """Whether the code running is a decode-graph step being traced by torch.compile.
+
+    Every "compiling?" check of ours asks ``torch.compiler.is_dynamo_compiling()``: Dynamo folds
+    it to True in the code it traces, and eagerly it is False on every thread. Since torch 2.13
+    ``torch.compiler.is_compiling()`` reads a process-wide flag held True through a whole compile
+    on any thread, and an eager forward on another thread took the compiled branch."""
+    return TRACING and torch.compiler.is_dynamo_compiling()
 
 
 # --- mask: get_mask_sizes -> mask function ---------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from test_engine_loop import call, engines
 from test_hf_generate import tiny
 
+from oxygen_torch import context
 from oxygen_torch.compile import backend as backend_mod
 from oxygen_torch.config import load_config
 from oxygen_torch.integrations.hf import graphs as hf_graphs
@@ -145,3 +146,49 @@ def test_engine_steps_beside_a_decode_graph_compile_on_another_thread(oxygen, tr
     del out
     gc.collect()
     assert sum(p["blocks_used"] for p in pool_stats()) == 0
+
+
+@pytest.mark.parametrize("path", ["engine", "per_call"])
+def test_a_compile_on_another_thread_leaves_the_paged_forwards_eager(oxygen, path):
+    """While another thread is inside a torch.compile (torch >= 2.13 holds
+    torch.compiler.is_compiling() True for every thread through it) and inside our tracing
+    mark, generate() on the paged cache, through the engine or per call (a cache passed in),
+    runs eagerly and equals stock (found in CI: a per-call forward took the compiled branch
+    and failed)."""
+    model = tiny("llama")
+    c = call(int(torch.randint(0, 1000, ()).item()))
+    kw = dict(input_ids=c["input_ids"], attention_mask=c["attention_mask"], do_sample=False)
+    with torch.no_grad():
+        first = model.generate(**kw, max_new_tokens=3, return_dict_in_generate=True)
+        grown = first.sequences[:, kw["input_ids"].shape[1] :]
+        mask = torch.cat([kw["attention_mask"], torch.ones_like(grown)], dim=1)
+        on = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+        if path == "per_call":  # stock goes on from its own cache
+            on["past_key_values"] = first.past_key_values
+        ref = model.generate(first.sequences, **on)
+    hf.apply(model, load_config(scheduler={"engine": path == "engine"}))
+    with torch.no_grad():  # (per call: the paged cache to go on from)
+        out = model.generate(**kw, max_new_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, first.sequences)
+    if path == "per_call":
+        on["past_key_values"] = out.past_key_values
+    in_compile, release = threading.Event(), threading.Event()
+
+    def held_backend(gm, example):
+        in_compile.set()
+        release.wait(60)
+        return gm
+
+    def compile_elsewhere():
+        with context.tracing():
+            torch.compile(lambda x: x * 2, backend=held_backend, dynamic=False)(torch.ones(3))
+
+    t = _started(compile_elsewhere)
+    try:
+        assert in_compile.wait(60)
+        with torch.no_grad():
+            got = model.generate(first.sequences, **on)
+    finally:
+        release.set()
+        t.join(60)
+    assert torch.equal(got, ref)

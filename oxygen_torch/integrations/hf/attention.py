@@ -62,7 +62,7 @@ def new_columns(padding_mask: torch.Tensor, end: int, q: int) -> torch.Tensor:
 
 def oxygen_mask(**kwargs):
     """Registered with AttentionMaskInterface under "oxygen"."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # a decode-graph step reads no mask; any other compiled forward is not on the paged cache
         return None if context.is_tracing() else sdpa_mask(**kwargs)
     if context.take_mask(kwargs["q_length"], kwargs["kv_length"]) is None:
@@ -104,7 +104,7 @@ def oxygen_attention_forward(
 
     query: [B, Hq, q, D]; key/value: what the cache's update() returned. Returns ([B, q, Hq, D],
     None) like the stock functions."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         if not context.is_tracing():  # HF's compiled static-cache step, a user's compile...
             return _stock(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         reason = _paged_unsupported(module, attention_mask, dropout, softcap, kwargs)

@@ -189,7 +189,7 @@ class PagedKVCache(Cache):
             raise IndexError(f"PagedKVCache: layer {layer_idx} of {len(self.layers)}")
         if self._deferred():
             self._on_oxygen = True
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_dynamo_compiling():
                 if not context.TRACING:
                     raise NotImplementedError(
                         "PagedKVCache under torch.compile: generate() on the paged cache "

@@ -43,7 +43,7 @@ def _compiled(fn) -> bool:
 
 def _model_call(self, *args, **kw):
     """The model class's __call__ while oxygen is on (see the module docstring)."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_dynamo_compiling():
         name, cache = compat.cache_entry(kw)
         if isinstance(cache, PagedKVCache):
             return _paged_call(self, name, cache, args, kw)
