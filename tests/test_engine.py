@@ -6,6 +6,7 @@ tokens), and reads the step scheduler's figures to see that steps were merged.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import threading
@@ -23,7 +24,9 @@ from oxygen_torch.engine.policy import WFQ, Account
 from oxygen_torch.engine.task import Task, current, parse
 from oxygen_torch.integrations.hf import batched
 from oxygen_torch.integrations.hf import integration as hf
+from oxygen_torch.integrations.hf.cache import PagedKVCache
 from oxygen_torch.kv import pool_stats
+from oxygen_torch.kv.pool import get_pool
 
 # the per-call path (scheduler.engine=false): tests/test_engine_loop.py tests the engine's
 pytestmark = pytest.mark.per_call
@@ -155,6 +158,41 @@ def test_a_burst_larger_than_the_kv_budget_completes_without_oom(oxygen):
     (pool,) = [p for p in pool_stats() if p["block_tokens"] == 128]
     assert pool["peak_blocks_used"] <= pool["blocks_total"] == 31
     assert schedulers(model)[0].stats.preemptions > 0
+
+
+def test_a_step_of_calls_that_have_not_run_counts_the_blocks_of_their_pool(oxygen):
+    """Calls none of which has run a forward yet are counted against the KV pool they will
+    bind to, another call's blocks held in it (they were counted against no pool: a step was
+    planned past the blocks it found and served nothing; under tensor parallelism a rank with
+    the room ran it alone and the ranks' collectives hung, test_tp_gloo), and such a step is
+    planned within those blocks."""
+    cfg = load_config(kv={"block_tokens": 128, "arena_bytes": 8 << 20})
+    model = hf.apply(llama(), cfg)
+    ids, mask = prompt(int(torch.randint(0, 100, ()).item()), rows=2, length=200)
+    with torch.no_grad():  # a finished call whose cache (output) still holds 4 blocks
+        held = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                              return_dict_in_generate=True)  # fmt: skip
+    text = model.config.get_text_config(decoder=True)
+    fresh = [PagedKVCache(config=text, cfg=cfg) for _ in range(3)]
+    merger = batched.merger_for(model, fresh[0])
+    with contextlib.ExitStack() as stack:
+        calls = [stack.enter_context(batched.session(model, c, Task())) for c in fresh]
+        assert all(c._core.pool is None for c in fresh)
+        pool = get_pool(fresh[0]._core.pool_key(*batched._geometry(model)))
+        m = pool.manager
+        assert merger.total_blocks() == m.num_blocks - m.first_id == 31
+        assert merger.free_blocks() == m.num_available < 31
+        # three fresh calls of 3 rows x 1,000 tokens (24 blocks each): one step takes one
+        big = torch.randint(1, 128, (3, 1000))
+        for c, call in zip(fresh, calls):
+            work = batched.Work(c, "past_key_values", big, torch.ones_like(big, dtype=torch.bool),
+                                torch.arange(1000).expand(3, -1), 1)  # fmt: skip
+            call.queued = batched.Request(call, work)
+        merger.scheduler._told = {"preempt": [], "errors": []}
+        chosen = merger.scheduler._select()
+        assert [ch.blocks for ch in chosen] == [24]
+    del held
+    gc.collect()
 
 
 class Boom(Exception):

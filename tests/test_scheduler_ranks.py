@@ -53,8 +53,11 @@ class FakeRunner:
     """A runner over a pool of `total` blocks: a call holds ceil(tokens / BT) blocks; a preempted
     call's tokens are recomputed with its next chunk. Logs every step and preemption."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, short_once: bool = False):
         self.total = total
+        # short_once: the first look at each step finds its blocks short (as when a step's
+        # exact count exceeds its plan's): the real runner serves nothing then
+        self.short_once, self._looked = short_once, set()
         self.log: list = []
         self.held: dict = {}  # call key -> tokens whose KV it holds
         self.recompute: dict = {}  # call key -> tokens to recompute
@@ -69,7 +72,18 @@ class FakeRunner:
         blocks = -(-(have + redo + n) // BT) - -(-have // BT)
         return Chunk(req, redo + n, 1, blocks, n)
 
+    def _short(self) -> bool:
+        if not self.short_once or len(self.log) in self._looked:
+            return False
+        self._looked.add(len(self.log))
+        return True
+
+    def fits(self, chunks) -> bool:
+        return not self._short()
+
     def run(self, chunks) -> bool:
+        if self._short():
+            return False
         self.log.append(("step", [(ch.request.call.key, ch.part if ch.part == "solo" else ch.tokens)
                                   for ch in chunks]))  # fmt: skip
         for ch in chunks:
@@ -149,11 +163,16 @@ def rank(scheduler: StepScheduler, runner: FakeRunner, plan: dict, seed: int, ou
     return threads
 
 
+@pytest.mark.parametrize("short_once", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_the_follower_runs_the_leaders_steps_and_preemptions(seed):
+def test_the_follower_runs_the_leaders_steps_and_preemptions(seed, short_once):
+    """short_once: rank 0 finds each step's blocks short at its first look; it publishes only
+    steps it can run (one it published and then skipped, the follower ran alone: over gloo the
+    ranks' collectives hung, test_tp_gloo)."""
     cfg = SchedulerConfig(gather_ms=1.0, max_step_tokens=24)
     link = Link()
-    runners = [FakeRunner(12), FakeRunner(12)]  # 12 blocks of 4 tokens: calls contend
+    # 12 blocks of 4 tokens: calls contend
+    runners = [FakeRunner(12, short_once), FakeRunner(12)]
     leader = StepScheduler(cfg, runners[0], link.side(True))
     follower = StepScheduler(cfg, runners[1], link.side(False))
     plan = calls_of(seed)
@@ -173,6 +192,8 @@ def test_the_follower_runs_the_leaders_steps_and_preemptions(seed):
     solos = [s for s in steps if any(t == "solo" for _, t in s)]
     assert solos and all(len(s) == 1 for s in solos)  # a solo forward is a step of its own
     assert follower.stats.steps == leader.stats.steps
+    if short_once:  # (every step was found short once, and run at a later look)
+        assert len(runners[0]._looked) >= leader.stats.steps > 0
 
 
 def test_a_follower_that_lacks_a_call_fails_naming_it(monkeypatch):

@@ -18,10 +18,12 @@ it until it submits again. A call that raises leaves at its generate()'s end (``
 Under tensor parallelism every rank runs the same forwards in the same order (their collectives
 pair up), so the steps are agreed (a ``coordinator``, engine/rank_plan.py): rank 0's scheduler
 chooses each step as above and publishes it (its preemptions, its errors, and each chunk as the
-call's key and the token budget it was planned with); the other ranks choose nothing: one of their
-waiting threads receives the plan, waits until every call it names has submitted, and runs the
-same step. A call's key names it on every rank (the integration's: its thread and the count of
-that thread's calls). A forward the merge cannot take is a step of its own there (a ``Solo``).
+call's key and the token budget it was planned with), only a step whose KV blocks its own pool
+holds now (``Runner.fits``); the other ranks choose nothing: one of their waiting threads receives
+the plan, waits until every call it names has submitted, and runs the same step (a rank short of
+the step's blocks, its finished calls' caches not yet collected, waits for them). A call's key
+names it on every rank (the integration's: its thread and the count of that thread's calls). A
+forward the merge cannot take is a step of its own there (a ``Solo``).
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class Solo:
 class Runner(Protocol):
     def plan(self, request: Request, budget: int) -> Chunk | None: ...
     def run(self, chunks: list[Chunk]) -> bool: ...  # False: nothing served, ask again
+    # coordinated: whether the step's KV blocks are free now (rank 0 publishes no other step)
+    def fits(self, chunks: list[Chunk]) -> bool: ...
     def free_blocks(self) -> int: ...
     def total_blocks(self) -> int: ...
     def preempt(self, call: Call) -> int: ...
@@ -274,6 +278,10 @@ class StepScheduler:
         try:
             chunks = self._select()
             told = self._told
+            if self.coordinator is not None and chunks and not self.runner.fits(chunks):
+                # every rank runs what rank 0 publishes: a step its own blocks cannot hold
+                # (the plan's count fell short of the step's) is no step on any rank
+                chunks = []
             if self.coordinator is not None and (chunks or told["preempt"] or told["errors"]):
                 told["chunks"] = [(ch.request.call.key, ch.budget, ch.tokens, ch.rows)
                                   for ch in chunks]  # fmt: skip

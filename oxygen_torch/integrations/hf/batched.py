@@ -22,7 +22,9 @@ its next step.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ from ...engine.task import PRIORITIES, Task
 from ...kv.block_manager import KVCacheFull
 from ...kv.history import History
 from ...kv.merged import MergedStep, Part
+from ...kv.pool import get_pool
 from ...kv.swap import pending, swap_in, swap_out, swappable
 from ...kv.transfer import to_device
 from . import compat, graphs, merged_graphs
@@ -69,11 +72,20 @@ class Work:
     alone: object = None  # coordinated: runs the forward by itself (a step of one whole call)
 
 
+# a tensor-parallel rank short of the blocks of the step rank 0 chose waits this long for them
+COORDINATED_WAIT_S = 30.0
+
+
+def _fits(manager, need: int) -> bool:
+    return need <= manager.num_free or need <= manager.num_available
+
+
 class Merger:
     """The scheduler and runner of one model and one KV geometry."""
 
     def __init__(self, model, cache: PagedKVCache):
         self._model = weakref.ref(model)
+        self.pool_key = cache._core.pool_key(*_geometry(model))  # the calls' KV pool's
         # tensor parallel: steps agreed across the ranks (the integration checked it can be)
         self.coordinated = rank_plan.tp_size(model) > 1
         coordinator = rank_plan.coordinator() if self.coordinated else None
@@ -174,11 +186,17 @@ class Merger:
         return pool.manager.num_blocks - pool.manager.first_id if pool is not None else 1 << 30
 
     def _pool(self):
-        for call in self.scheduler.calls():
+        """The calls' KV pool: a bound call's, else (none has run a forward yet) the one they
+        will bind to. A step of calls none of which had run was counted against no pool at
+        all (1 << 30 blocks), planned past the blocks it then found, and served nothing: under
+        tensor parallelism a rank whose pool happened to hold the blocks ran that forward
+        while the others skipped it, and the ranks' collectives hung (test_tp_gloo, twice)."""
+        calls = self.scheduler.calls()
+        for call in calls:
             core = call.state.cache._core
             if core.pool is not None:
                 return core.pool
-        return None
+        return get_pool(self.pool_key) if calls else None
 
     def preempt(self, call) -> int:
         """Frees the call's KV: into the CPU tier when there is one with room (swap: it comes
@@ -241,20 +259,10 @@ class Merger:
             run = req.payload.run if chunks[0].part == "solo" else req.payload.alone
             req.result, req.done = run(), True
             return True
-        for ch in chunks:
-            self._bind(model, ch.request.payload.cache, ch.request.payload.real.shape[0])
-        parts = [
-            Part(ch.request.payload.cache._core, ch.part[1], ch.part[0],
-                 not bool(ch.request.payload.real.all()))
-            for ch in chunks
-        ]  # fmt: skip
-        step = MergedStep(parts)
+        step = self._step_of(model, chunks)
         replayable = self._replayable(chunks)
-        with step.pool.lock:
-            need, m = step.blocks_needed(), step.pool.manager
-            if need > m.num_free and need > m.num_available:
-                return False
-            step.reserve(build=not replayable)
+        if not self._reserve(step, replayable):
+            return False
         try:
             logits = self._replay(model, step, chunks) if replayable else None
             if logits is None:
@@ -273,6 +281,53 @@ class Merger:
         self._record(chunks)  # (after the step: a failed one leaves its preempted to recompute)
         self._deliver(chunks, logits, keeps)
         return True
+
+    def fits(self, chunks: list[Chunk]) -> bool:
+        """Whether the blocks of a step of `chunks` are free now (rank 0 asks before it
+        publishes a step: one it could not run, every rank would wait for in vain)."""
+        model = self._model()
+        if model is None or chunks[0].part == "solo" or self._whole_alone(chunks):
+            return True  # (run() says the model is gone; a forward alone reserves its own)
+        step = self._step_of(model, chunks)
+        with step.pool.lock:
+            return _fits(step.pool.manager, step.blocks_needed())
+
+    def _step_of(self, model, chunks: list[Chunk]) -> MergedStep:
+        for ch in chunks:
+            self._bind(model, ch.request.payload.cache, ch.request.payload.real.shape[0])
+        parts = [
+            Part(ch.request.payload.cache._core, ch.part[1], ch.part[0],
+                 not bool(ch.request.payload.real.all()))
+            for ch in chunks
+        ]  # fmt: skip
+        return MergedStep(parts)
+
+    def _reserve(self, step: MergedStep, replayable: bool) -> bool:
+        """Reserves the step's blocks; False when they are not free (the requests stay queued:
+        a call running alone took them meanwhile). Under tensor parallelism every rank runs
+        the step rank 0 chose, or the ranks' collectives pair up wrongly and hang: rank 0 chose
+        it within its own free blocks, so a rank short of them lags behind rank 0 (a finished
+        call's cache here still waits for the collector): it collects and waits for them, and
+        raises if they do not come (the ranks' pools went apart)."""
+        end = time.monotonic() + COORDINATED_WAIT_S
+        while True:
+            with step.pool.lock:
+                need, m = step.blocks_needed(), step.pool.manager
+                if _fits(m, need):
+                    step.reserve(build=not replayable)
+                    return True
+                if not self.coordinated:
+                    return False
+                free = m.num_available
+            if time.monotonic() >= end:
+                raise RuntimeError(
+                    f"oxygen_torch: this tensor-parallel rank has {free} free KV blocks and the "
+                    f"step rank 0 chose needs {need}, after {COORDINATED_WAIT_S:g} s: the ranks' "
+                    "KV pools went apart (every rank must make the same generate() calls with "
+                    "the same inputs)"
+                )
+            gc.collect()  # (caches in reference cycles give their blocks back only then)
+            time.sleep(0.01)
 
     @staticmethod
     def _whole_alone(chunks: list[Chunk]) -> bool:
