@@ -544,3 +544,70 @@ def test_a_tier_that_fails_to_be_made_beside_is_said_once_and_tried_again(
     assert host_pool.cpu_tier(4 * MiB, wait=False) is None
     host_pool.wait_tier_ahead(5)
     assert host_pool.tier is not None and len(calls) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_swapped_out_cores_step_counts_the_blocks_its_swap_in_and_tokens_take(oxygen, seed):
+    """A merged step of a core swapped out to the CPU tier counts what it takes: its blocks
+    back, then its rows' new tokens on top of the tokens they come back with. Its rows' new
+    tokens were counted against the swapped core's empty rows as well, a block a row too many:
+    a 12-row call needing 12 blocks was counted 24 and failed on a 15-block pool with "needs
+    24 KV blocks, the whole KV pool holds 15" (and under tensor parallelism planned steps no
+    rank could hold)."""
+    from oxygen_torch.kv.merged import MergedStep, Part
+
+    g = torch.Generator().manual_seed(seed)
+    model = hf.apply(llama(seed=2), load_config(kv={"block_tokens": 16}))
+    rows = int(torch.randint(1, 5, (1,), generator=g))
+    length = int(torch.randint(5, 60, (1,), generator=g))
+    ids = torch.randint(1, 128, (rows, length), generator=g)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    core = out.past_key_values._core
+    core.pool.cpu_tier(16 * MiB)
+    assert swap_out(core) > 0 and core._swapped is not None
+    lens = list(core._swapped.lens)
+    for counts in ([1] * rows, [int(n) for n in torch.randint(0, 40, (rows,), generator=g)]):
+        step = MergedStep([Part(core, counts, max(counts))])
+        m = core.pool.manager
+        with core.pool.lock:
+            need, before = step.blocks_needed(), m.num_free
+            step.reserve(build=False)
+            taken = before - m.num_free
+        assert need == taken, (lens, counts, need, taken)
+        step.abandon()  # (the rows keep what they came back with)
+        assert core.seqs.lens == lens and core._swapped is None
+        assert swap_out(core) > 0  # out again for the next counts
+
+
+def test_swapped_calls_on_a_pool_that_holds_one_and_a_bit_of_them_finish(oxygen):
+    """Four calls of 12 rows (12 blocks each) on a 15-block pool with a CPU tier, per call (the
+    merged path that tensor parallelism takes), a high-priority one last: low ones are swapped
+    out for it and come back; each call gets its tokens alone (one of them raised "needs 24 KV
+    blocks, the whole KV pool holds 15" when a swapped call's rows were counted twice)."""
+    cfg = load_config(kv={"block_tokens": 256, "arena_bytes": 8 << 20},
+                      pool={"cpu_tier_bytes": 64 << 20}, scheduler={"engine": False})  # fmt: skip
+    model = hf.apply(llama(seed=3), cfg)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    kws = []
+    for _ in range(4):
+        ids = torch.randint(1, 128, (12, 11), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        kws.append(dict(input_ids=ids * mask, attention_mask=mask, max_new_tokens=40,
+                        do_sample=False))  # fmt: skip
+    ref = [generate(model, kw) for kw in kws]
+
+    def one(i):
+        if i == 3:
+            time.sleep(0.3)  # (the others hold the pool by then)
+        with oxygen_torch.task(priority="high" if i == 3 else "low"):
+            return generate(model, kws[i])
+
+    out, errors = in_threads(one, [(i,) for i in range(4)])
+    assert not errors, errors
+    for i, r in enumerate(ref):
+        assert torch.equal(out[i], r), i
+    (pool,) = [p for p in pool_stats() if p["block_tokens"] == 256]
+    assert pool["blocks_total"] == 15
+    assert schedulers(model)[0].stats.swaps > 0

@@ -74,10 +74,14 @@ class MergedStep:
 
     def blocks_needed(self) -> int:
         """Fresh blocks the step takes (each sequence's new tokens, copy-on-write included)."""
-        swapped = sum(p.core._swapped.blocks_needed() for p in self.parts if p.core._swapped)
-        return swapped + sum(
-            p.core.seqs.blocks_needed(b, n) for p in self.parts for b, n in enumerate(p.counts)
-        )
+        need, refcount = 0, self.pool.manager.refcount
+        for p in self.parts:
+            sw = p.core._swapped
+            if sw is not None:  # back from the CPU tier first, its new tokens on top
+                need += sw.blocks_needed_with(p.counts, p.core.block_tokens, refcount)
+            else:
+                need += sum(p.core.seqs.blocks_needed(b, n) for b, n in enumerate(p.counts))
+        return need
 
     def reserve(self, *, build: bool = True) -> None:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none

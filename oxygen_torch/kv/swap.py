@@ -48,6 +48,22 @@ class Swapped:
         """Fresh device blocks `swap_in` takes."""
         return len({b for row in self.rows for b in row if b < 0})
 
+    def blocks_needed_with(self, counts: list[int], block_tokens: int, refcount) -> int:
+        """Fresh device blocks `swap_in` takes, then `counts[b]` more tokens of each row b on
+        top of the tokens it comes back with (as `SequenceBlocks.blocks_needed` counts them
+        after the swap-in: a partly filled last block shared, copied). Counting the new tokens
+        against the swapped core's empty rows counted each row's last block twice."""
+        uses = Counter(b for row in self.rows for b in row if b < 0)  # (a slot of several rows)
+        need = len(uses)
+        for row, n, extra in zip(self.rows, self.lens, counts):
+            if extra <= 0:
+                continue
+            need += max(0, -(-(n + extra) // block_tokens) - len(row))
+            if n % block_tokens and row:
+                last = row[-1]
+                need += (uses[last] if last < 0 else refcount(last)) > 1
+        return need
+
 
 def swappable(core) -> bool:
     """Whether swap_out may move the core: no row narrowed a block (kv/window.py)."""

@@ -170,10 +170,10 @@ class Merger:
         bt = core.block_tokens
         if core.seqs is None or req.call.preempted:
             blocks = sum(-(-n // bt) for n in counts)
+        elif core._swapped is not None:  # its KV comes back from the CPU tier first
+            blocks = core._swapped.blocks_needed_with(counts, bt, core.pool.manager.refcount)
         else:
             blocks = sum(core.seqs.blocks_needed(i, n) for i, n in enumerate(counts))
-        if core._swapped is not None:  # its KV comes back from the CPU tier first
-            blocks += core._swapped.blocks_needed()
         part = (cols, counts)
         return Chunk(req, sum(counts), len(counts), blocks, part)
 
