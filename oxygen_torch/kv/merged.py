@@ -34,6 +34,16 @@ def _pad(n: int) -> tuple[int, ...]:
     return (GUARD_BLOCK,) * n
 
 
+def part_blocks(core: PagedKVCore, counts: list[int]) -> int:
+    """Fresh blocks `counts[b]` new tokens of each row b of a bound core take in a merged step:
+    a core swapped out to the CPU tier comes back first, its new tokens on top of the tokens
+    its rows come back with; copy-on-write included."""
+    sw = core._swapped
+    if sw is not None:
+        return sw.blocks_needed_with(counts, core.block_tokens, core.pool.manager.refcount)
+    return sum(core.seqs.blocks_needed(b, n) for b, n in enumerate(counts))
+
+
 @dataclass
 class Part:
     """One core's share of the step: `counts[b]` new real tokens of its row b (packed in row
@@ -74,14 +84,7 @@ class MergedStep:
 
     def blocks_needed(self) -> int:
         """Fresh blocks the step takes (each sequence's new tokens, copy-on-write included)."""
-        need, refcount = 0, self.pool.manager.refcount
-        for p in self.parts:
-            sw = p.core._swapped
-            if sw is not None:  # back from the CPU tier first, its new tokens on top
-                need += sw.blocks_needed_with(p.counts, p.core.block_tokens, refcount)
-            else:
-                need += sum(p.core.seqs.blocks_needed(b, n) for b, n in enumerate(p.counts))
-        return need
+        return sum(part_blocks(p.core, p.counts) for p in self.parts)
 
     def reserve(self, *, build: bool = True) -> None:
         """Reserves every core's blocks (under the pool lock: all or, on KVCacheFull, none

@@ -36,7 +36,7 @@ from ...engine.scheduler import Chunk, Request, Solo, StepScheduler
 from ...engine.task import PRIORITIES, Task
 from ...kv.block_manager import KVCacheFull
 from ...kv.history import History
-from ...kv.merged import MergedStep, Part
+from ...kv.merged import MergedStep, Part, part_blocks
 from ...kv.pool import get_pool
 from ...kv.swap import pending, swap_in, swap_out, swappable
 from ...kv.transfer import to_device
@@ -167,13 +167,10 @@ class Merger:
         counts = [
             h + int(r) for h, r in zip(hist, work.real[:, work.done : work.done + cols].sum(1))
         ]
-        bt = core.block_tokens
         if core.seqs is None or req.call.preempted:
-            blocks = sum(-(-n // bt) for n in counts)
-        elif core._swapped is not None:  # its KV comes back from the CPU tier first
-            blocks = core._swapped.blocks_needed_with(counts, bt, core.pool.manager.refcount)
-        else:
-            blocks = sum(core.seqs.blocks_needed(i, n) for i, n in enumerate(counts))
+            blocks = sum(-(-n // core.block_tokens) for n in counts)
+        else:  # (as the step counts it: a swapped-out call's KV back first)
+            blocks = part_blocks(core, counts)
         part = (cols, counts)
         return Chunk(req, sum(counts), len(counts), blocks, part)
 
