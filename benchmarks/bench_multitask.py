@@ -475,6 +475,7 @@ def at_once(args) -> None:
                     + (["--profile"] if args.profile else [])
                     + (["--torch-allocator"] if args.torch_allocator else [])
                     + (["--record-allocs"] if args.record_allocs else [])
+                    + (["--busy-python", str(args.busy_python)] if args.busy_python else [])
                 )
                 env = dict(os.environ, PYTHONPATH=str(HERE.parent))
                 t = time.time()
@@ -520,6 +521,21 @@ def at_once(args) -> None:
             f"{r.get('decode_launch_ms', '-')} | {r.get('launch_wait_ms', '-')} | "
             f"{r.get('door_ms_mean', '-')} | {r.get('gc_ms', '-')} ({r.get('gc_full', '-')}) |"
         )
+    for r in rows:  # each mode against itself with the interpreter's own switch interval
+        base = r["mode"][: -len("_stock_switch")] if r["mode"].endswith("_stock_switch") else None
+        ours = [x for x in rows if x.get("mode") == base and x.get("k") == r["k"]
+                and x.get("seed") == r["seed"] and "error" not in x]  # fmt: skip
+        if base and ours and "error" not in r:
+            lines.append(
+                f"\nK {r['k']} seed {r['seed']} {base}: scheduler.switch_interval_ms default "
+                f"{ours[0]['tok_per_s']} tok/s against the interpreter's own interval "
+                f"{r['tok_per_s']}: {ours[0]['tok_per_s'] / r['tok_per_s']:.2f}x"
+                + (
+                    f" (beside {r['busy_python']} busy Python threads)"
+                    if r.get("busy_python")
+                    else ""
+                )  # fmt: skip
+            )
     md = "\n".join(lines)
     print("\n" + md)
     if files:
@@ -584,8 +600,22 @@ def main() -> None:
         "--at-once-modes",
         nargs="*",
         default=["threads", "one_call", "generate_batch"],
-        choices=["threads", "one_call", "generate_batch"],
-        help="modes of --at-once (default: all three)",
+        choices=[
+            "threads",
+            "one_call",
+            "generate_batch",
+            "threads_stock_switch",
+            "one_call_stock_switch",
+        ],
+        help="modes of --at-once (default: the first three; *_stock_switch: with the "
+        "interpreter's own switch interval, scheduler.switch_interval_ms 0)",
+    )
+    ap.add_argument(
+        "--busy-python",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--at-once: N threads running Python beside the timed run (the user's own)",
     )
     ap.add_argument(
         "--shape",
@@ -652,6 +682,7 @@ def main() -> None:
         mo.PROFILE = args.profile
         mo.TORCH_ALLOCATOR = args.torch_allocator
         mo.RECORD_ALLOCS = args.record_allocs
+        mo.BUSY = args.busy_python
         try:
             r = mo.run(mode, args.shape, int(k), int(seed), args.new, args.sample, dev)
         except Exception:  # noqa: BLE001 - reported in the table

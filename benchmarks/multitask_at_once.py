@@ -8,6 +8,13 @@ greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process
   one_call        oxygen_torch.enable(): one generate() with the K prompts, left-padded (the
                   bound: one loop, the GPU's speed)
   generate_batch  transformers' continuous batching (generate_batch) over the same prompts
+  threads_stock_switch, one_call_stock_switch
+                  as threads / one_call with scheduler.switch_interval_ms 0: the interpreter's
+                  own switch interval (5 ms) while the engine runs (with --busy-python: what
+                  engine/switching.py is for)
+
+`--busy-python N`: N threads beside the timed run, each a Python loop that never gives the
+interpreter lock up by itself (the user's own Python: parsing, post-processing).
 
 Each reports generated tok/s (tokens the requests asked for, over the wall time after a
 warm-up of K requests with 16 new tokens each), GPU memory held at peak, and for the engine its
@@ -69,6 +76,29 @@ PROFILE = False  # --profile: the timed run under torch.profiler (tables to stde
 TORCH_ALLOCATOR = False  # --torch-allocator: enable() leaves PyTorch's allocator in place
 RECORD_ALLOCS = False  # --record-allocs (with --torch-allocator): the allocation trace to $OUT
 HOST_ONLY = False  # --host-only: decode graph replays stubbed (the engine's host work alone)
+BUSY = 0  # --busy-python N: threads running Python beside the timed run
+
+
+@contextlib.contextmanager
+def _busy(n: int):
+    """n threads in a Python loop while the block runs: their loops a second in `counts`."""
+    stop, counts = threading.Event(), []
+
+    def spin():
+        x, t = 0, time.perf_counter()
+        while not stop.is_set():
+            x += 1
+        counts.append(x / (time.perf_counter() - t))
+
+    ts = [threading.Thread(target=spin, daemon=True) for _ in range(n)]
+    for t in ts:
+        t.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        for t in ts:
+            t.join()
 
 
 def _stub_replays() -> None:
@@ -102,13 +132,16 @@ def sampling_kw(sample: bool) -> dict:
 def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device: str) -> dict:
     import oxygen_torch
 
+    switch = {}
+    if mode.endswith("_stock_switch"):  # the interpreter's own switch interval
+        mode, switch = mode[: -len("_stock_switch")], {"switch_interval_ms": 0}
     if mode != "generate_batch":
         if TORCH_ALLOCATOR:  # the KV pool is its own arena: only activations change allocator
             from oxygen_torch import api
 
             api._attach_allocator = api._detach_allocator = lambda *a: None
         kv = {"cpu_decode_graphs": "rerun"} if HOST_ONLY else {}
-        oxygen_torch.enable(kv=kv, scheduler={"engine": True, "decode_graphs": True})
+        oxygen_torch.enable(kv=kv, scheduler={"engine": True, "decode_graphs": True, **switch})
         if HOST_ONLY:
             _stub_replays()
     if RECORD_ALLOCS and TORCH_ALLOCATOR and device == "cuda":
@@ -179,7 +212,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     compiles = _compile_log()
     captured = _graphs(model).get("captures", 0)
     t0 = time.perf_counter()
-    with _profiled(f"{mode}_k{k}_s{seed}"):
+    with _profiled(f"{mode}_k{k}_s{seed}"), _busy(BUSY) as spins:
         tokens = go(reqs)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -189,6 +222,10 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     out = dict(mode=mode, shape=shape, k=k, seed=seed, new=new, sample=sample,
                tok_per_s=round(tokens / took, 1), tokens=tokens, seconds=round(took, 2),
                peak_GiB=round(_held() / 2**30, 2))  # fmt: skip
+    if switch:
+        out["mode"] = f"{mode}_stock_switch"
+    if BUSY:  # the busy threads' Python loops a second, all together
+        out["busy_python"], out["busy_loops_per_s"] = BUSY, round(sum(spins))
     if TORCH_ALLOCATOR:
         out["allocator"] = "torch"
     if counters:  # the pool's page maps and allocations during the timed run

@@ -447,6 +447,12 @@ class SchedulerConfig:
     # object of torch, transformers, the model and the compiles, a 0.1-0.5 s pause of every
     # thread (engine/gc_watch.py)
     gc_freeze: bool = True
+    # while an engine thread runs, the interpreter's switch interval (sys.setswitchinterval) is
+    # at most this (ms), then put back: each torch op of a step's launch gives the interpreter
+    # lock up, and taking it back behind a thread busy in Python waits that thread's interval
+    # (5 ms by default): one such thread beside the engine stretched a decode launch 0.2 -> 60
+    # ms on the CPU machine, 0.9 ms at 0.1 (engine/switching.py). 0: leave it alone
+    switch_interval_ms: float = 0.1
     # an idle engine (no row running) with generate() calls on their way in (from their start
     # to their rows' submission) waits while they keep coming: until none has passed for this
     # long, all have come, the calls in hand fill a step, a call above the normal priority is in
@@ -515,6 +521,11 @@ class SchedulerConfig:
                     f"scheduler.{name}: {describe(v)} is out of range; allowed: 0 to 10000 "
                     "(milliseconds)"
                 )
+        if not 0 <= self.switch_interval_ms <= 1000 or math.isnan(self.switch_interval_ms):
+            raise ValueError(
+                f"scheduler.switch_interval_ms: {describe(self.switch_interval_ms)} is out of "
+                "range; allowed: 0 (leave the interpreter's alone) to 1000 (milliseconds)"
+            )
         if not 0 <= self.burst_gather_ms <= 1000 or math.isnan(self.burst_gather_ms):
             raise ValueError(
                 f"scheduler.burst_gather_ms: {describe(self.burst_gather_ms)} is out of range; "

@@ -30,7 +30,7 @@ import torch
 from ..config import SchedulerConfig
 from ..kv import engine_streams as streams
 from ..kv.transfer import put_value
-from . import door, gc_watch
+from . import door, gc_watch, switching
 from . import policy as policies
 from .deliver import Delivery, Inflight
 from .kv_rows import RowKV
@@ -213,17 +213,19 @@ class Engine(Rows, Delivery):
 
     def _main(self) -> None:
         device, stream = self.runner.device, None
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            if self.cfg.engine_stream:  # (kv/engine_streams.py)
-                stream = streams.start(device)
+        switching.hold(self.cfg.switch_interval_ms)  # (engine/switching.py)
         try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+                if self.cfg.engine_stream:  # (kv/engine_streams.py)
+                    stream = streams.start(device)
             with torch.no_grad(), torch.cuda.stream(stream) if stream else nullcontext():
                 self._loop()
         except BaseException as err:  # noqa: BLE001 - every waiting call gets it
             log.exception("oxygen_torch: the engine thread failed")
             self._fail_all(err)
         finally:
+            switching.release()
             if stream is not None:
                 streams.stop(device, stream)
 
