@@ -214,3 +214,45 @@ def test_a_follower_that_lacks_a_call_fails_naming_it(monkeypatch):
     for t in threads:
         t.join(20)
     assert any("t9" in e and "has not made within 1 s" in e for e in errs), errs
+
+
+class NeverFits(FakeRunner):
+    """Rank 0's runner: a step with call `big` in it never fits its pool (as a count that falls
+    short of the step's every time would)."""
+
+    def __init__(self, total: int, big):
+        super().__init__(total)
+        self.big = big
+
+    def fits(self, chunks) -> bool:
+        return all(ch.request.call.key != self.big for ch in chunks)
+
+
+def test_a_step_that_never_fits_rank_0_fails_its_call_on_every_rank(monkeypatch):
+    """Rank 0 publishes only steps its pool holds; one with a call whose blocks it never finds
+    fails that call on both ranks after UNFIT_WAIT_S, naming the counts; the other calls (in
+    steps without it) finish alike on both ranks."""
+    monkeypatch.setattr(sched, "UNFIT_WAIT_S", 0.3)
+    link = Link()
+    runners = [NeverFits(256, ("t1", 0)), FakeRunner(256)]
+    cfg = SchedulerConfig(gather_ms=1.0)
+    leader = StepScheduler(cfg, runners[0], link.side(True))
+    follower = StepScheduler(cfg, runners[1], link.side(False))
+    plan = {"t0": [("normal", 5, 40, False)], "t1": [("normal", 6, 3, False)],
+            "t2": [("high", 4, 30, False)]}  # fmt: skip
+    outs, errs = [{}, {}], []
+    threads = rank(leader, runners[0], plan, 0, outs[0], errs)
+    threads += rank(follower, runners[1], plan, 1, outs[1], errs)
+    start = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert time.monotonic() - start < 20
+    failed = sorted(e.split(":")[0] for e in errs)
+    assert failed == ["t1", "t1"], errs  # on both ranks, the call alone
+    assert all("has not fit rank 0's KV pool for 0.3 s" in e and "KVBudgetError" in e
+               for e in errs)  # fmt: skip
+    assert set(outs[0]) == set(outs[1]) == {("t0", 0), ("t2", 0)}
+    assert outs[0] == outs[1]
+    assert runners[1].log == runners[0].log
+    assert all(("t1", 0) not in [k for k, _ in e[1]] for e in runners[0].log if e[0] == "step")

@@ -42,6 +42,9 @@ from .task import Task
 
 log = logging.getLogger("oxygen_torch")
 
+# rank 0 publishes only steps its own pool holds (Runner.fits); a step it chose that has not fit
+# for this long fails its calls (on every rank) instead of holding them forever
+UNFIT_WAIT_S = 30.0
 FOLLOW_TIMEOUT_S = 300.0  # a coordinated rank waits this long for the calls rank 0's step names
 # A thread waiting in submit() is woken by a notify (a submit, a leave, a step's end) or by the
 # gather deadline; this is only the longest it sleeps between two looks (no wake-up is lost by
@@ -147,6 +150,7 @@ class StepScheduler:
         self._cond = threading.Condition()
         self._calls: list[Call] = []
         self._stepping = False
+        self._unfit_since: float | None = None  # rank 0: since when its chosen steps do not fit
         self.stats = StepStats()
         self.observers: list = []  # callables(event, call, **figures): metrics
         METRICS.attach(self)
@@ -280,8 +284,16 @@ class StepScheduler:
             told = self._told
             if self.coordinator is not None and chunks and not self.runner.fits(chunks):
                 # every rank runs what rank 0 publishes: a step its own blocks cannot hold
-                # (the plan's count fell short of the step's) is no step on any rank
-                chunks = []
+                # (the plan's count fell short of the step's) is no step on any rank; the
+                # longest head of it (the policy's order) that fits goes instead
+                n = len(chunks) - 1
+                while n and not self.runner.fits(chunks[:n]):
+                    n -= 1
+                if not n:
+                    self._unfit(chunks[:1], told)
+                chunks = chunks[:n]
+            if chunks:
+                self._unfit_since = None
             if self.coordinator is not None and (chunks or told["preempt"] or told["errors"]):
                 told["chunks"] = [(ch.request.call.key, ch.budget, ch.tokens, ch.rows)
                                   for ch in chunks]  # fmt: skip
@@ -290,6 +302,30 @@ class StepScheduler:
             self._stepping = False
             raise
         return self._run(chunks)
+
+    def _unfit(self, chunks: list[Chunk], told: dict) -> None:
+        """Rank 0's chosen step does not fit its pool, not even its first chunk alone: after
+        UNFIT_WAIT_S of such steps (blocks held in callers' own code come back meanwhile), the
+        call of `chunks` fails on every rank."""
+        now = time.monotonic()
+        if self._unfit_since is None:
+            self._unfit_since = now
+            return
+        if now - self._unfit_since < UNFIT_WAIT_S:
+            return
+        self._unfit_since = None
+        free, total = self.runner.free_blocks(), self.runner.total_blocks()
+        for ch in chunks:
+            call = ch.request.call
+            message = (
+                f"oxygen_torch: the step rank 0 chose for this call ({ch.tokens} tokens, "
+                f"{ch.blocks} KV blocks by its plan) has not fit rank 0's KV pool for "
+                f"{UNFIT_WAIT_S:g} s ({free} of {total} blocks free): the call fails rather "
+                "than wait longer; raise kv.arena_bytes or make fewer or shorter calls at once"
+            )
+            call.queued.error, call.queued.done = KVBudgetError(message), True
+            told["errors"].append((call.key, message))
+        self._cond.notify_all()  # (their threads wait in submit)
 
     def _follow(self) -> None:
         """Runs the next step rank 0 chose (a coordinated rank other than 0)."""
