@@ -1,13 +1,13 @@
 """The door between callers' Python and the engine threads' launches.
 
 Every op an engine thread launches gives the interpreter lock up and takes it back; while other
-threads run Python, taking it back waits up to the interpreter's switch interval (5 ms) an op.
-On the H200, 255 threads resolving their generate() calls stretched the launch of the engine's
-first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the callers'
-front door (resolving a call's settings, building its requests) runs through this door: one
-caller at a time, and not while an engine launches a step (for up to LAUNCH_WAIT_S of it,
-counted from the launch's start). An engine about to
-launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
+threads run Python, taking it back waits up to the interpreter's switch interval an op (5 ms
+then; engine/switching.py has lowered it to scheduler.switch_interval_ms since, while engines
+run). On the H200, 255 threads resolving their generate() calls stretched the launch of the
+engine's first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the
+callers' front door (resolving a call's settings, building its requests) runs through this
+door: one caller at a time, and not while an engine launches a step (for up to LAUNCH_WAIT_S of
+it, counted from the launch's start). An engine about to launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
 queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time, a
 higher priority level's first: a high-priority call does not wait behind a burst of low
 ones). What
