@@ -7,11 +7,10 @@ run). On the H200, 255 threads resolving their generate() calls stretched the la
 engine's first step (a one-row prefill of a few hundred ops) to 1.1-1.7 s. So the Python of the
 callers' front door (resolving a call's settings, building its requests) runs through this
 door: one caller at a time, and not while an engine launches a step (for up to LAUNCH_WAIT_S of
-it, counted from the launch's start). An engine about to launch shuts the door and waits for the one caller inside (a fraction of a millisecond); callers
-queue on a condition meanwhile (asleep: not competing for the lock; woken one at a time, a
-higher priority level's first: a high-priority call does not wait behind a burst of low
-ones). What
-blocks (a device read of the call's inputs, the wait for its tokens) stays outside the door,
+it, counted from the launch's start). An engine about to launch shuts the door and waits for
+the one caller inside (a fraction of a millisecond); callers queue on a condition meanwhile
+(asleep: not competing for the lock; woken one at a time, a higher priority level's first: a
+high-priority call does not wait behind a burst of low ones). What blocks (a device read of the call's inputs, the wait for its tokens) stays outside the door,
 and so does what costs little (submitting a resolved call's rows, building its output from
 its tokens: three ops): a caller that queued again behind hundreds of others for that would
 hold its rows back from the engine's next steps, or its output at the end (a thread wake a
