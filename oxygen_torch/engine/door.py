@@ -13,8 +13,8 @@ the one caller inside (a fraction of a millisecond); callers queue on a conditio
 high-priority call does not wait behind a burst of low ones). What blocks (a device read of
 the call's inputs, the wait for its tokens) stays outside the door, and so does what costs
 little (submitting a resolved call's rows, building its output from its tokens: three ops): a
-caller that queued again behind hundreds of others for that would hold its rows back from the engine's next steps, or its output at the end (a thread wake a
-caller, one after the other).
+caller that queued again behind hundreds of others for that would hold its rows back from the
+engine's next steps, or its output at the end (a thread wake a caller, one after the other).
 
 The wait is counted from the launch's start, not from a caller's arrival: callers that queued
 longer than LAUNCH_WAIT_S behind other callers would otherwise pass a launching engine one after
