@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-from traces import Clock, pct, trace  # noqa: E402  (benchmarks/traces.py, beside this script)
+from traces import Clock, EngineClock, pct, trace  # noqa: E402  (benchmarks/traces.py, beside)
 
 MODES = ("stock_serial", "stock_threads", "generate_batch", "oxygen_fcfs", "oxygen_wfq",
          "high_only", "burst")  # fmt: skip
@@ -61,6 +61,9 @@ PROFILER = os.environ.get("BENCH_MULTITASK_PROFILER") or "cprofile"
 # --no-warm-up: oxygen's trace modes skip oxygen_torch.warm_up() (every rows bucket's decode
 # graph captured before the timed run, as a server does at its start)
 NO_WARM_UP = os.environ.get("BENCH_MULTITASK_NO_WARM_UP") == "1"
+# --engine-clock: oxygen's trace modes time tokens on the engine thread (traces.EngineClock, as
+# `serve`'s streams are fed) instead of waking each caller every step for its streamer's put()
+ENGINE_CLOCK = os.environ.get("BENCH_MULTITASK_ENGINE_CLOCK") == "1"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -116,7 +119,7 @@ def one(model, req: dict, start: float, oom: list) -> dict:
 
     time.sleep(max(0.0, start + req["at"] - time.monotonic()))
     x = torch.tensor([req["prompt_ids"]], device=DEVICE)
-    clock, t0 = Clock(), time.monotonic()
+    clock, t0 = (EngineClock() if ENGINE_CLOCK else Clock()), time.monotonic()
     kw = dict(max_new_tokens=req["max_tokens"], min_new_tokens=req["max_tokens"], do_sample=False)
     try:
         with oxygen_torch.task(priority=req["priority"]), torch.no_grad():
@@ -577,6 +580,12 @@ def main() -> None:
         "events (each aten op's own host time: allocation and kernel launch inside it)",
     )
     ap.add_argument(
+        "--engine-clock",
+        action="store_true",
+        help="trace modes: time each token on the engine thread as it is read (how `serve`'s "
+        "streams are fed) instead of each caller's streamer woken every step",
+    )
+    ap.add_argument(
         "--no-warm-up",
         action="store_true",
         help="trace modes: skip oxygen_torch.warm_up() before the timed run (every rows "
@@ -714,6 +723,8 @@ def main() -> None:
         os.environ["BENCH_MULTITASK_PROFILER"] = args.profiler
     if args.no_warm_up:
         os.environ["BENCH_MULTITASK_NO_WARM_UP"] = "1"
+    if args.engine_clock:
+        os.environ["BENCH_MULTITASK_ENGINE_CLOCK"] = "1"
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)

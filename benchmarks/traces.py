@@ -52,3 +52,15 @@ class Clock:
 
     def end(self) -> None:
         pass
+
+
+class EngineClock(Clock):
+    """A Clock run on oxygen's engine thread as each step's tokens are read (the hook `serve`'s
+    streams use: `oxygen_engine_thread`, `oxygen_put_ids`): the times a token reached the host,
+    with no wake of the calling thread a step (stock transformers calls put() itself)."""
+
+    oxygen_engine_thread = True
+
+    def oxygen_put_ids(self, cols) -> None:
+        t = time.monotonic()
+        self.times.extend([t] * len(cols))
