@@ -260,13 +260,12 @@ def test_doctor_tells_the_truth_on_a_busy_machine():
     """doctor while another process burns CPU and another thread mallocs: it said LEAKED (a
     malloc arena in the range its test pool had released) in 10 of 10 runs on a busy machine."""
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        for _ in range(2):
-            r = subprocess.run(
-                [sys.executable, "-c", BUSY], capture_output=True, text=True, timeout=180
-            )
-            assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-            assert "every physical handle and reserved range released" in r.stdout
+    try:  # (one run: the bug showed in every run)
+        r = subprocess.run(
+            [sys.executable, "-c", BUSY], capture_output=True, text=True, timeout=180
+        )
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert "every physical handle and reserved range released" in r.stdout
     finally:
         burner.kill()
         burner.wait()
