@@ -79,19 +79,17 @@ def test_disable_while_calls_run_finishes_them_or_says_so(cleanup, mode, after):
     model = llama()
     assert model.config._attn_implementation == "oxygen"
     forwards, due = [0], threading.Event()
-    engines = list((engine_runner._engines.get(model) or {}).values())
 
     def count(module, args):
         forwards[0] += 1
         if forwards[0] == after:
-            engines.extend((engine_runner._engines.get(model) or {}).values())
+            engines = list((engine_runner._engines.get(model) or {}).values())
             due.set()
             # the forward waits until disable() has begun (an engine closed, or oxygen off):
             # else the calls' last steps can all run before it (CI's loaded machine once)
             end = time.monotonic() + 10
-            while oxygen_torch.is_enabled() and not any(e.closed for e in engines):
-                if time.monotonic() > end:
-                    break
+            while (oxygen_torch.is_enabled() and not any(e.closed for e in engines)
+                   and time.monotonic() < end):  # fmt: skip
                 time.sleep(0.001)
 
     model.model.embed_tokens.register_forward_pre_hook(count)
