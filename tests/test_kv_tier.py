@@ -516,6 +516,37 @@ def test_a_tier_asked_for_without_waiting_is_made_beside_the_caller(host_pool, m
     host_pool.manager.decref(blocks)
 
 
+def test_a_caller_that_waits_before_the_tiers_thread_has_run_gets_that_threads_tier(
+    host_pool, monkeypatch
+):
+    """The thread of cpu_tier(wait=False) started, but not yet run a line (a loaded machine:
+    CI once saw it): a caller that waits meanwhile waits for that thread's tier instead of
+    making a second one; the thread makes it."""
+    from oxygen_torch.kv import pool as pool_mod
+
+    slow = SlowTier(monkeypatch, 0.05)
+    monkeypatch.setattr(type(host_pool), "_pins", lambda self: True)
+    go = threading.Event()
+    real_ahead = pool_mod.KVPool._make_tier_ahead
+
+    def late(self, *args):
+        go.wait(5)
+        real_ahead(self, *args)
+
+    monkeypatch.setattr(pool_mod.KVPool, "_make_tier_ahead", late)
+    assert host_pool.cpu_tier(4 * MiB, wait=False) is None
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(host_pool.cpu_tier(4 * MiB)))
+    waiter.start()
+    time.sleep(0.1)
+    assert waiter.is_alive() and not got and slow.made == []  # (waits: makes none)
+    go.set()
+    waiter.join(5)
+    host_pool.wait_tier_ahead(5)
+    assert got == [host_pool.tier] and got[0] is not None, got
+    assert slow.made == ["oxygen-cpu-tier"], slow.made
+
+
 def test_a_tier_that_fails_to_be_made_beside_is_said_once_and_tried_again(
     host_pool, monkeypatch, caplog
 ):

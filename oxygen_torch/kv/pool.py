@@ -132,11 +132,19 @@ class KVPool:
         if wait or not self._pins():
             return self._make_tier(*args)
         with self.lock:
-            if self._tier_ahead is None:
+            if self._tier_ahead is None and not self._tier_making:
+                # the making is the thread's from here: a caller that waits meanwhile waits
+                # for its tier, even before the thread has run a line
+                self._tier_making = True
                 self._tier_ahead = threading.Thread(
                     target=self._make_tier_ahead, args=args, name="oxygen-cpu-tier", daemon=True
                 )
-                self._tier_ahead.start()
+                try:
+                    self._tier_ahead.start()
+                except BaseException:
+                    self._tier_ahead = None
+                    self._end_making()
+                    raise
         return None
 
     def _pins(self) -> bool:
@@ -144,15 +152,22 @@ class KVPool:
         on a thread of its own."""
         return self.key.device.type == "cuda"
 
-    def _make_tier(self, nbytes, disk_path, disk_bytes, fp8_lowering, moves) -> CPUTier | None:
-        with self._tier_cond:
-            while self._tier_making:  # (another thread pins it: its tier is ours)
-                self._tier_cond.wait()
-            if self.tier is not None or self.closed:
-                return self.tier
-            self._tier_making = True
-        tier = None
+    def _make_tier(
+        self, nbytes, disk_path, disk_bytes, fp8_lowering, moves, claimed: bool = False
+    ) -> CPUTier | None:
+        """Makes the tier, one maker at a time; `claimed`: the caller set _tier_making already
+        (cpu_tier(wait=False) for its thread)."""
+        if not claimed:
+            with self._tier_cond:
+                while self._tier_making:  # (another thread pins it: its tier is ours)
+                    self._tier_cond.wait()
+                if self.tier is not None or self.closed:
+                    return self.tier
+                self._tier_making = True
         try:
+            with self.lock:
+                if self.tier is not None or self.closed:
+                    return self.tier
             storages = [self.storage] + ([self.scales] if self.scales is not None else [])
             tier = CPUTier(storages, nbytes, self.key.device, disk_path, disk_bytes,
                            fp8_lowering, moves)  # fmt: skip
@@ -166,17 +181,24 @@ class KVPool:
             tier.close()
             return None
         finally:
-            with self._tier_cond:
-                self._tier_making = False
-                self._tier_cond.notify_all()
+            self._end_making()
+
+    def _end_making(self) -> None:
+        with self._tier_cond:
+            self._tier_making = False
+            self._tier_cond.notify_all()
 
     def _make_tier_ahead(self, *args) -> None:
         """cpu_tier(wait=False)'s thread: a tier that fails to be made is said once (the rows
         the engine preempts are recomputed); the next cpu_tier(wait=False) tries again."""
         try:
-            if self.key.device.type == "cuda":
-                torch.cuda.set_device(self.key.device)
-            self._make_tier(*args)
+            try:
+                if self.key.device.type == "cuda":
+                    torch.cuda.set_device(self.key.device)
+            except BaseException:
+                self._end_making()  # (the making was claimed for this thread)
+                raise
+            self._make_tier(*args, claimed=True)
         except Exception as err:  # noqa: BLE001 - said, and swaps become recomputes
             warn_once(f"oxygen_torch: the KV pool's CPU tier could not be made: {err!r}; "
                       "preempted rows are recomputed instead of swapped")  # fmt: skip
