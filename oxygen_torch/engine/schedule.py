@@ -129,6 +129,12 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     if shared is not None and (top is None or not any(w.req.task.level >= top for w in rows)):
         shared = None  # (no row of the highest level decodes in this step: no shared cap)
     capped = bool(cap) and top is not None
+    # the highest level at which a waiting row found no running row below it to give its
+    # place: the rows after it at that level or lower find none either (until a row of that
+    # level or lower joins the step), so they skip the scan of every running row (hundreds
+    # waiting beside a full step of 256 rows: 145 scans, 8 ms of a step's choosing on the CPU
+    # machine)
+    no_room = None
     for r in prefills:
         if budget.tokens <= 0:
             break
@@ -140,11 +146,19 @@ def choose(engine, budget: Budget) -> list[StepRow]:
             limit = shared if limit is None else min(limit, shared)
         if limit is not None and limit <= 0:
             continue
-        if budget.seqs <= 0 and not _make_room(engine, r, budget, rows):
-            continue  # (a higher row further on may still find a lower one to preempt)
+        if budget.seqs <= 0:
+            if r.kv is not None or (no_room is not None and r.task.level <= no_room):
+                continue
+            room = _make_room(engine, r, budget, rows)
+            if room is None:
+                no_room = r.task.level if no_room is None else max(no_room, r.task.level)
+            if not room:
+                continue  # (a higher row further on may still find a lower one to preempt)
         row = _chunk(engine, r, budget, rows, limit)
         if row is not None:
             rows.append(row)
+            if no_room is not None and r.task.level <= no_room:
+                no_room = None  # (a row at that level runs now: it may give its place)
             if lower:
                 cap -= row.n
             if shared is not None:
@@ -157,15 +171,16 @@ def _victims(engine, r: Request) -> list[Request]:
     return [v for v in engine.running if v is not r and v.kv is not None and outranks(r, v)]
 
 
-def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> bool:
+def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> bool | None:
     """A step full of rows (max_step_seqs) and `r` waiting: a running row that `r` outranks by
-    level gives its place (preempted: it comes back when there is room). Whether one did."""
+    level gives its place (preempted: it comes back when there is room). Whether the step has
+    a place now; None: no running row is below `r`'s level."""
     if r.kv is not None:
         return False  # (a row already running waits for its next step)
     lower = [v for v in engine.running if v.kv is not None and v.task.level < r.task.level]
     victim = _lowest(engine, lower)
     if victim is None:
-        return False
+        return None
     _preempt(engine, victim, budget, chosen)
     return budget.seqs > 0
 
