@@ -47,7 +47,10 @@ class Engine:
         self.waiting.append(r)
         r.kv = None
         self.preempted.append(r)
-        return 0
+        return getattr(r, "held", 0)  # (the blocks it held: set by a test)
+
+    def tokens_fitting(self, r, free, n):
+        return min(n, 16 * free)
 
     def admit(self, r):
         r.kv = object()
@@ -128,3 +131,48 @@ def test_a_row_that_joins_the_step_at_a_level_that_found_no_place_may_give_its_p
     assert engine.preempted == [w1, d1, w3]
     assert [row.req for row in rows] == [w4, w5]
     assert h.kv is not None and w2.kv is None
+
+
+def _short_of_kv(seed: int):
+    """A step with places for all, KV for a few prompts: running rows holding blocks, rows
+    waiting of random levels and ages, most with no one to preempt (as young as the youngest
+    running rows or younger, and not above them), some above (they preempt)."""
+    rng = random.Random(seed)
+    running = [_row(rng.choice([1, 2]), rng.uniform(0, 100), True) for _ in range(256)]
+    for r in running:
+        r.held = rng.randint(1, 3)
+    waiting = [_row(rng.choice([2, 3]) if rng.random() < 0.1 else rng.choice([0, 1]),
+                    rng.uniform(90, 150), False)
+               for _ in range(rng.randint(50, 300))]  # fmt: skip
+    for i, r in enumerate(running + waiting):
+        r.i = i
+        r.account.vtime = rng.uniform(0, 10)  # (WFQ's order: not the rows' age)
+    engine = Engine(running, waiting)
+    engine.policy = policy.WFQ(0.5, 0.5)
+    return engine, schedule.Budget(1 << 20, 1 << 20, rng.randint(0, 8))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
+def test_rows_short_of_kv_skip_the_look_a_stronger_row_found_nothing_in(seed, monkeypatch):
+    """KV short for most waiting rows: a row that a row found with no one to preempt outranks
+    or equals takes no look at the running rows either; the step and its preemptions are those
+    of a look at every row (the reference: the same choose, each row looking)."""
+    real, looks = schedule._victims, []
+
+    def counted(engine, r, budget=None):
+        looks.append(budget is None or budget.no_victims is None or r is budget.no_victims)
+        return real(engine, r, budget)
+
+    def every_row_looks(engine, r, budget=None):
+        return real(engine, r)
+
+    got = {}
+    for name, fn in (("ours", counted), ("reference", every_row_looks)):
+        monkeypatch.setattr(schedule, "_victims", fn)
+        engine, budget = _short_of_kv(seed)
+        rows = schedule.choose(engine, budget)
+        got[name] = ([(row.req.i, row.n) for row in rows], [r.i for r in engine.preempted])
+    assert got["ours"] == got["reference"]
+    assert got["ours"][1], "the case preempts no row: it tests nothing"
+    asked = len(looks)
+    assert asked > 20 and sum(looks) < asked / 2, (sum(looks), asked)

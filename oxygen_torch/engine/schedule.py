@@ -28,7 +28,7 @@ from .request import Request
 from .scheduler import KVBudgetError  # (one class: the per-call path raises it too)
 
 
-@dataclass
+@dataclass(eq=False)  # (identity: a list's remove() compared every field of every row)
 class StepRow:
     """One row of a step: `n` tokens from position `start`; `ids` on the host for a prefill
     chunk, None for a decode token (the row's last draw, still on the device); `keep`: its last
@@ -55,6 +55,11 @@ class Budget:
         # preempted for the decodes' blocks was still in the list of prefills: swapped out, it
         # joined the step anyway, and its swap-in took the blocks the decodes had been counted)
         self.preempted: set[int] = set()
+        # the strongest row (level, then age) found with no running row it may preempt: a row
+        # it outranks or equals finds none either, until a row joins the running ones (hundreds
+        # of rows waiting while KV is short each scanned every running row: 301 scans of 256
+        # rows, 16 of a choosing's 23 ms on the CPU machine)
+        self.no_victims: Request | None = None
 
     def short(self, blocks: int) -> bool:
         """Whether `blocks` exceed what the step has left, the cache's share counted first."""
@@ -166,9 +171,16 @@ def choose(engine, budget: Budget) -> list[StepRow]:
     return rows
 
 
-def _victims(engine, r: Request) -> list[Request]:
-    """The running rows `r` may preempt for KV."""
-    return [v for v in engine.running if v is not r and v.kv is not None and outranks(r, v)]
+def _victims(engine, r: Request, budget: Budget | None = None) -> list[Request]:
+    """The running rows `r` may preempt for KV (none without a look when the budget knows a
+    row that outranks or equals `r` and found none)."""
+    f = budget.no_victims if budget is not None else None
+    if f is not None and (r.task.level, -r.arrived) <= (f.task.level, -f.arrived):
+        return []
+    found = [v for v in engine.running if v is not r and v.kv is not None and outranks(r, v)]
+    if not found and budget is not None:
+        budget.no_victims = r  # (stronger than the one before, else it returned above)
+    return found
 
 
 def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> bool | None:
@@ -188,8 +200,10 @@ def _make_room(engine, r: Request, budget: Budget, chosen: list[StepRow]) -> boo
 def _preempt(engine, v: Request, budget: Budget, chosen: list[StepRow]) -> None:
     """Preempts `v`, and takes it out of the step being chosen if it was in it."""
     budget.preempt(engine, v)
-    for row in [row for row in chosen if row.req is v]:
-        chosen.remove(row)
+    mine = [row for row in chosen if row.req is v]
+    if mine:
+        chosen[:] = [row for row in chosen if row.req is not v]
+    for row in mine:
         budget.free += row.blocks
         budget.tokens += row.n
         budget.seqs += 1
@@ -215,16 +229,19 @@ def _chunk(engine, r: Request, budget: Budget, chosen: list[StepRow],
             )
             return None
         first = min(len(r.seq()), tokens)
-        if budget.short(engine.kvs.blocks_for(None, first)) and not _victims(engine, r):
+        if budget.short(engine.kvs.blocks_for(None, first)) and not _victims(engine, r, budget):
             budget.free += engine.reclaim_kept()  # (ended rows kept for an output cache)
             if budget.short(engine.kvs.blocks_for(None, first)):
                 return None  # no room and no one to make it: it waits (not admitted)
         engine.admit(r)
+        f = budget.no_victims
+        if f is not None and outranks(f, r):  # (a row joined the running ones: it may be one)
+            budget.no_victims = None
     left = r.target - r.computed
     n = min(left, tokens)
     blocks = engine.blocks_for(r, n)
     if budget.short(blocks):
-        for v in reversed(_ordered(engine, _victims(engine, r))):
+        for v in reversed(_ordered(engine, _victims(engine, r, budget))):
             if not budget.short(blocks):
                 break
             _preempt(engine, v, budget, chosen)
