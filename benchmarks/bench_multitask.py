@@ -51,6 +51,9 @@ SMOKE = os.environ.get("BENCH_MULTITASK_SMOKE") == "1"
 # --sleep-model "MS_A_STEP,MS_A_TOKEN": the tiny model on the CPU, each engine step also
 # waited for as a GPU's would be (sleep_model)
 SLEEP = os.environ.get("BENCH_MULTITASK_SLEEP")
+# --no-forward (with --sleep-model): the model's forward stubbed (zeros logits), so a step's CPU
+# is the engine's host work (and its callers'), as a GPU's replayed graphs leave it
+NO_FORWARD = os.environ.get("BENCH_MULTITASK_NO_FORWARD") == "1"
 SMOKE = SMOKE or bool(SLEEP)
 DEVICE = "cpu" if SMOKE else "cuda"
 # --profile-slow MS: the engine's launches that took this many ms of its thread's CPU, profiled
@@ -112,6 +115,22 @@ def sleep_model(step_ms: float, token_ms: float) -> None:
         return complete(self, f)
 
     Engine._launch, Engine._complete = launched, completed
+    if NO_FORWARD:
+        no_forward()
+
+
+def no_forward() -> None:
+    """--no-forward: the engine runner's eager forward hands back zeros logits for the kept
+    rows; the step's KV is still reserved, built and committed and its inputs staged (what a
+    replayed graph's step costs the host, less the replay), the draw and delivery run."""
+    from oxygen_torch.integrations.hf.engine_runner import HFRunner
+
+    def eager(self, model, step, rows, ids, pos):
+        _at, keep = self._inputs(rows, pos)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        return torch.zeros(keep.shape[0], vocab, device=keep.device)
+
+    HFRunner._eager = eager
 
 
 def one(model, req: dict, start: float, oom: list) -> dict:
@@ -580,6 +599,12 @@ def main() -> None:
         "events (each aten op's own host time: allocation and kernel launch inside it)",
     )
     ap.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="with --sleep-model: the model's forward stubbed (zeros logits): each step's CPU "
+        "is the engine's host work and its callers', as on a GPU whose steps replay graphs",
+    )
+    ap.add_argument(
         "--engine-clock",
         action="store_true",
         help="trace modes: time each token on the engine thread as it is read (how `serve`'s "
@@ -725,6 +750,10 @@ def main() -> None:
         os.environ["BENCH_MULTITASK_NO_WARM_UP"] = "1"
     if args.engine_clock:
         os.environ["BENCH_MULTITASK_ENGINE_CLOCK"] = "1"
+    if args.no_forward:
+        if not args.sleep_model:
+            ap.error("--no-forward: stubs the forward of --sleep-model's CPU model; give that too")
+        os.environ["BENCH_MULTITASK_NO_FORWARD"] = "1"
     if args.smoke:
         os.environ["BENCH_MULTITASK_SMOKE"] = "1"
         args.requests = min(args.requests, 12)

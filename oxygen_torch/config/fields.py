@@ -451,8 +451,10 @@ class SchedulerConfig:
     # at most this (ms), then put back: each torch op of a step's launch gives the interpreter
     # lock up, and taking it back behind a thread busy in Python waits that thread's interval
     # (5 ms by default): one such thread beside the engine stretched a decode launch 0.2 -> 60
-    # ms on the CPU machine, 0.9 ms at 0.1 (engine/switching.py). 0: leave it alone
-    switch_interval_ms: float = 0.1
+    # ms on the CPU machine. Shorter is not better: a hundred streaming callers woken a step
+    # then take the lock from the engine every interval (0.1 ms: 0.6x the tok/s of the loaded
+    # trace on the CPU machine; 2 ms as the interpreter's own; engine/switching.py). 0: leave it
+    switch_interval_ms: float = 2.0
     # an idle engine (no row running) with generate() calls on their way in (from their start
     # to their rows' submission) waits while they keep coming: until none has passed for this
     # long, all have come, the calls in hand fill a step, a call above the normal priority is in

@@ -10,10 +10,18 @@ replays stubbed, 32 rows); with an interval of 1 / 0.5 / 0.2 / 0.1 ms it took 8.
 
 So while an engine thread runs, the interval is lowered to `scheduler.switch_interval_ms` (when
 it is longer), and put back when the last engine thread ends (an idle engine's thread ends after
-STOP_AFTER_IDLE_S; disable() ends them all), unless someone set another interval meanwhile. The
-cost: a thread running Python beside a thread that waits for the lock hands it over more often
-(a few microseconds a hand-over); nothing changes while no thread waits. 0 leaves the interval
-alone. A forked child (no engine thread runs there) gets the interval from before back.
+STOP_AFTER_IDLE_S; disable() ends them all), unless someone set another interval meanwhile. 0
+leaves the interval alone. A forked child (no engine thread runs there) gets the interval from
+before back.
+
+The cost, and why the default is 2 ms, not 0.1: the threads waiting for the lock take it from
+the engine every interval too. A hundred callers woken each step for their streamers are that
+many waiters: at 0.1 ms the engine's own Python is cut every 0.1 ms for theirs, and the loaded
+arrival trace (600 streaming calls at 100 a second, the CPU machine's model of a GPU host:
+`bench_multitask.py --sleep-model 2,0.005 --no-forward`) made 0.55-0.7x the tok/s of the
+interpreter's 5 ms; at 2 ms the same as 5 ms (1 ms: ~0.8x). Beside one busy thread, 32 calls at
+once made 670 / 373 / 256 / 48 tok/s at 0.1 / 1 / 2 / 5 ms (benchmarks/history.md,
+forty-second session): 2 ms keeps most of that gain, not all.
 """
 
 from __future__ import annotations
