@@ -161,11 +161,9 @@ class KVPool:
             with self._tier_cond:
                 while self._tier_making:  # (another thread pins it: its tier is ours)
                     self._tier_cond.wait()
-                if self.tier is not None or self.closed:
-                    return self.tier
                 self._tier_making = True
         try:
-            with self.lock:
+            with self.lock:  # (made meanwhile, or the pool closed: nothing to make)
                 if self.tier is not None or self.closed:
                     return self.tier
             storages = [self.storage] + ([self.scales] if self.scales is not None else [])
