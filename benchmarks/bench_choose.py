@@ -26,22 +26,14 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_schedule_choose import Engine, _row  # noqa: E402  (the stand-in engine)
+from test_schedule_choose import loaded  # noqa: E402  (the stand-in engine)
 
-from oxygen_torch.engine import policy, schedule  # noqa: E402
+from oxygen_torch.engine import schedule  # noqa: E402
 
 
 def state(case: str, seed: int, waiting: int):
     rng = random.Random(seed)
-    running = [_row(rng.choice([1, 2]), rng.uniform(0, 100), True) for _ in range(256)]
-    for r in running:
-        r.held = rng.randint(1, 3)
-    rows = [_row(rng.choice([2, 3]) if rng.random() < 0.1 else rng.choice([0, 1]),
-                 rng.uniform(90, 150), False) for _ in range(waiting)]  # fmt: skip
-    for r in running + rows:
-        r.account.vtime = rng.uniform(0, 10)
-    engine = Engine(running, rows)
-    engine.policy = policy.WFQ(0.5, 0.5)
+    engine = loaded(rng, waiting)
     if case == "places":
         return engine, schedule.Budget(1 << 20, 256, 1 << 20)
     return engine, schedule.Budget(1 << 20, 1 << 20, rng.randint(0, 8))

@@ -133,22 +133,28 @@ def test_a_row_that_joins_the_step_at_a_level_that_found_no_place_may_give_its_p
     assert h.kv is not None and w2.kv is None
 
 
-def _short_of_kv(seed: int):
-    """A step with places for all, KV for a few prompts: running rows holding blocks, rows
-    waiting of random levels and ages, most with no one to preempt (as young as the youngest
-    running rows or younger, and not above them), some above (they preempt)."""
-    rng = random.Random(seed)
+def loaded(rng: random.Random, waiting: int) -> Engine:
+    """256 running rows holding blocks, `waiting` rows of random levels and ages, most with no
+    one to take the place of or preempt (as young as the youngest running rows or younger, and
+    not above them), some above (they do); WFQ's order, not the rows' age
+    (benchmarks/bench_choose.py times choose on it)."""
     running = [_row(rng.choice([1, 2]), rng.uniform(0, 100), True) for _ in range(256)]
     for r in running:
         r.held = rng.randint(1, 3)
-    waiting = [_row(rng.choice([2, 3]) if rng.random() < 0.1 else rng.choice([0, 1]),
-                    rng.uniform(90, 150), False)
-               for _ in range(rng.randint(50, 300))]  # fmt: skip
-    for i, r in enumerate(running + waiting):
+    rows = [_row(rng.choice([2, 3]) if rng.random() < 0.1 else rng.choice([0, 1]),
+                 rng.uniform(90, 150), False) for _ in range(waiting)]  # fmt: skip
+    for i, r in enumerate(running + rows):
         r.i = i
-        r.account.vtime = rng.uniform(0, 10)  # (WFQ's order: not the rows' age)
-    engine = Engine(running, waiting)
+        r.account.vtime = rng.uniform(0, 10)
+    engine = Engine(running, rows)
     engine.policy = policy.WFQ(0.5, 0.5)
+    return engine
+
+
+def _short_of_kv(seed: int):
+    """A loaded engine's step with places for all, KV for a few prompts."""
+    rng = random.Random(seed)
+    engine = loaded(rng, rng.randint(50, 300))
     return engine, schedule.Budget(1 << 20, 1 << 20, rng.randint(0, 8))
 
 
