@@ -9,8 +9,10 @@ nowhere else: never in the model, its config or a module global that other threa
 - ``mask_for``: the paged cache whose mask is being built (``get_mask_sizes`` -> mask function);
 - ``pending``: the K/V a paged cache's ``update`` handed to the attention function;
 - ``lent``: the core whose decode-graph step runs (what ``oxygen::paged_step`` reads and writes);
-- ``TRACING`` (a module global, so compiled code guards on it): a decode graph's forward is being
-  traced by torch.compile.
+- ``TRACING`` (a module global, so compiled code guards on it): some thread is inside
+  ``tracing()``, a decode graph's forward being traced by torch.compile or its compiled code
+  replayed. It stays True while any thread is inside (a count): a thread that left must not
+  clear it under another's replay, whose guard would then fail and recompile without it.
 
 The multi-task engine's batched step is one forward too: its core is the batch's, so the same
 fields serve a step that carries several generate() calls' tokens.
@@ -19,6 +21,7 @@ fields serve a step that carries several generate() calls' tokens.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 
 TRACING = False
+_tracers = 0  # threads' tracing() contexts open (TRACING: any)
+_tracers_lock = threading.Lock()
 
 
 @dataclass
@@ -61,13 +66,27 @@ def begin_forward() -> None:
 
 @contextlib.contextmanager
 def tracing():
-    """Within: torch.compile traces the forward of a decode-graph step."""
-    global TRACING
-    before, TRACING = TRACING, True
+    """Within: torch.compile traces the forward of a decode-graph step (or replays its compiled
+    code, which guards on TRACING). Any thread's, nested or not: TRACING is True until the last
+    one open ends."""
+    global TRACING, _tracers
+    with _tracers_lock:
+        _tracers += 1
+        TRACING = True
     try:
         yield
     finally:
-        TRACING = before
+        with _tracers_lock:
+            _tracers = max(_tracers - 1, 0)  # (0 after a fork inside one: _forget_tracers)
+            TRACING = _tracers > 0
+
+
+def _forget_tracers() -> None:
+    """After fork: the child's one thread is inside none of the parent's other threads'
+    tracing() (one of its own, if it forked inside it, ends at a count of 0, not below)."""
+    global TRACING, _tracers, _tracers_lock
+    _tracers_lock = threading.Lock()
+    _tracers, TRACING = 0, False
 
 
 def is_tracing() -> bool:
@@ -144,3 +163,7 @@ def forget(core: Any) -> None:
     alive nor hand it to a later oxygen::paged_step)."""
     if _ctx.lent is core:
         _ctx.lent = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_tracers)

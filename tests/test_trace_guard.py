@@ -5,6 +5,7 @@ engine step on another thread was traced into the compile and failed (found on t
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 
@@ -86,6 +87,66 @@ def test_a_compile_inside_a_step_is_an_error_not_a_deadlock():
             pass
     with guard.compile():  # nothing left held
         pass
+
+
+def test_tracing_stays_on_while_any_thread_is_inside_it():
+    """context.TRACING (which compiled decode steps guard on) is True while any thread is inside
+    context.tracing(), whichever order they leave in. Each thread once saved and restored it:
+    a thread that left cleared it under another thread's replay, whose guard failed, and the
+    recompile without it raised in PagedKVCache.update (CI: "Observed exception", an engine's
+    calls failed beside a per-call compile)."""
+    entered = [threading.Event() for _ in range(2)]
+    leave = [threading.Event() for _ in range(2)]
+    seen = {}
+
+    def inside(i):
+        with context.tracing():
+            entered[i].set()
+            leave[i].wait(5)
+            seen[i] = context.TRACING
+
+    order = [0, 1] if torch.rand(()) < 0.5 else [1, 0]  # who enters first
+    threads = []
+    for i in order:
+        threads.append(_started(lambda i=i: inside(i)))
+        assert entered[i].wait(5)
+    first, second = order
+    leave[first].set()  # the first in leaves first: the second is still inside
+    threads[0].join(5)
+    assert context.TRACING
+    leave[second].set()
+    threads[1].join(5)
+    assert seen == {first: True, second: True}
+    assert not context.TRACING
+    with context.tracing(), context.tracing():  # nested on one thread
+        assert context.TRACING
+    assert not context.TRACING
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_traces_is_not_tracing():
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with context.tracing():
+            inside.set()
+            leave.wait(5)
+
+    t = _started(hold)
+    assert inside.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: the tracing thread is not here
+        code = 0 if not context.TRACING else 1
+        with context.tracing():
+            code |= 0 if context.TRACING else 2
+        code |= 0 if not context.TRACING else 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert context.TRACING  # the parent's thread is still inside
+    leave.set()
+    t.join(5)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not context.TRACING
 
 
 @pytest.fixture
