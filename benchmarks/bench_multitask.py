@@ -122,8 +122,17 @@ def sleep_model(step_ms: float, token_ms: float) -> None:
 def no_forward() -> None:
     """--no-forward: the engine runner's eager forward hands back zeros logits for the kept
     rows; the step's KV is still reserved, built and committed and its inputs staged (what a
-    replayed graph's step costs the host, less the replay), the draw and delivery run."""
+    replayed graph's step costs the host, less the replay), the draw and delivery run. With
+    OXYGEN_CONF=kv.cpu_decode_graphs:rerun the steps take the GPU's graph path (staging, pick,
+    replay) and a replay of the CPU's stand-in graph runs nothing (its outputs stay the
+    capture's), as a CUDA graph's replay costs the host one call."""
+    from oxygen_torch.compile.cudagraphs import RerunGraph
     from oxygen_torch.integrations.hf.engine_runner import HFRunner
+
+    def replay(self):
+        self.replays += 1
+
+    RerunGraph.replay = replay
 
     def eager(self, model, step, rows, ids, pos):
         _at, keep = self._inputs(rows, pos)

@@ -12,7 +12,7 @@ from oxygen_torch.compile import cudagraphs
 from oxygen_torch.compile.cudagraphs import GraphRunner, RerunGraph, mutated_inputs
 
 
-def _runner(fn, mutated=frozenset(), static=None):
+def _runner(fn, mutated=frozenset(), static=None, **kw):
     """A runner whose graphs are RerunGraph, the CPU stand-in: a capture records the call, a
     replay re-runs it and writes the captured outputs in place. `graphs` lists them."""
     graphs = []
@@ -21,7 +21,7 @@ def _runner(fn, mutated=frozenset(), static=None):
         graphs.append(RerunGraph())
         return graphs[-1]
 
-    runner = GraphRunner(fn, mutated, factory, device_type="cpu", static=static)
+    runner = GraphRunner(fn, mutated, factory, device_type="cpu", static=static, **kw)
     return runner, graphs
 
 
@@ -48,6 +48,27 @@ def test_runner_warms_up_captures_then_replays_with_fresh_inputs():
     assert _args(graphs[0])[1] is w  # the parameter is used in place, not copied
     assert _args(graphs[0])[0] is not x2  # the activation was copied into a static buffer
     assert out2[0].data_ptr() != graphs[0].outs[0].data_ptr()  # outputs survive the next replay
+
+
+def test_runner_without_copy_out_hands_back_the_graphs_own_outputs():
+    """copy_out=False (the engine's merged decode graphs): a replay returns the graph's output
+    tensors themselves, right for this replay's inputs and rewritten by the next replay."""
+    w = torch.randn(5)
+
+    def fn(x, w):
+        return (x * w - 2,)
+
+    runner, graphs = _runner(fn, copy_out=False)
+    xs = [torch.randn(5) for _ in range(4)]
+    outs = [runner(x, w) for x in xs]
+    torch.testing.assert_close(outs[-1][0], xs[-1] * w - 2)
+    assert outs[2][0] is graphs[0].outs[0] and outs[3][0] is outs[2][0]  # not copies
+    torch.testing.assert_close(outs[0][0], xs[0] * w - 2)  # the warm-up's own result stays
+    runner_copy, _ = _runner(fn)
+    runner_copy(xs[0], w)
+    b, c = runner_copy(xs[1], w), runner_copy(xs[2], w)
+    assert c[0] is not b[0]
+    torch.testing.assert_close(b[0], xs[1] * w - 2)  # a copy survives the next replay
 
 
 def test_runner_copies_back_mutated_inputs_and_keys_on_shape():

@@ -165,6 +165,9 @@ class GraphRunner:
     that may run twice (a decode step writes the same K/V to the same slots); `between()` runs
     after that warm-up, before the capture. strict: a failed capture raises CaptureError
     carrying the warm-up's result, instead of warning and running that signature plainly.
+    copy_out: a replay returns copies of the graph's outputs; False, the output tensors
+    themselves (the next replay rewrites them: for a caller that queues every use of a result
+    on the replay's stream before it replays again, and whose graph has its own memory pool).
     device_type "cpu" with no graph_factory: RerunGraph stands in for the graph."""
 
     def __init__(
@@ -179,6 +182,7 @@ class GraphRunner:
         warm_capture: bool = False,
         between=None,
         strict: bool = False,
+        copy_out: bool = True,
     ):
         self.fn = fn
         self.device_type = device_type
@@ -188,6 +192,7 @@ class GraphRunner:
         self.warm: set[tuple] = set()
         self.plain: set[tuple] = set()  # signatures that cannot be captured
         self.warm_capture, self.between, self.strict = warm_capture, between, strict
+        self.copy_out = copy_out
         cpu = device_type != "cuda"
         self._new_graph = graph_factory or (RerunGraph if cpu else torch.cuda.CUDAGraph)
         # thread_local: other threads (the pool's refill thread) may keep calling CUDA meanwhile
@@ -289,6 +294,8 @@ class GraphRunner:
             if isinstance(a, torch.Tensor) and s is not a:
                 a.copy_(s)
         count_cuda_graph("replayed")
+        if not self.copy_out:
+            return g.outputs
         outs = [
             o.clone() if isinstance(o, torch.Tensor) and not alias else o
             for o, alias in zip(_flat(g.outputs), g.alias_static)

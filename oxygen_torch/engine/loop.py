@@ -126,6 +126,8 @@ class Engine(Rows, Delivery):
         self.pid = os.getpid()
         self._host_bufs: list = [None, None]
         self._turn = 0
+        self._slot_bufs: list = [None, None]  # pinned: a decode step's slots on their way up
+        self._slot_turn = 0
         self._kept: list[Request] = []  # ended rows holding KV for their unfinished call
         # rows that ended while a step's tokens are delivered: their KV goes to the prefix cache
         # in one insert after the step's rows are read (Rows.ending), not one a row
@@ -253,6 +255,7 @@ class Engine(Rows, Delivery):
                     launched = self._launch(rows) if rows else None
                 except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
                     launched = None
+                    self._slot_bufs = [None, None]  # (a copy from one may still be queued)
                     self._step_failed(rows, err)
                 done, cpu = time.perf_counter(), time.thread_time() - cpu
             st = self.stats
@@ -386,7 +389,7 @@ class Engine(Rows, Delivery):
         rows' slots on the device (every row keeps its draw: the draws go back there)."""
         device = self.runner.device
         if all(row.ids is None for row in rows):  # decode only: one gather
-            slots = upload([row.req.slot for row in rows], device)
+            slots = self._slots_up([row.req.slot for row in rows], device)
             return self.last.index_select(0, slots), [row.start for row in rows], slots
         ids_host, pos, dec_at, dec_slots = [], [], [], []
         for row in rows:
@@ -465,6 +468,22 @@ class Engine(Rows, Delivery):
         st.tokens += sum(row.n for row in rows)
         st.rows.append(len(rows))
         return Inflight(rows, kept, host, event, began)
+
+    def _slots_up(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """A decode step's slots on the device: on a GPU through two pinned buffers in turn
+        (written as an array: one torch call, the copy, where upload() makes and pins a host
+        tensor first). A buffer's copy was queued before the step after next was launched,
+        and that step's end has been waited for since (a failed launch drops both buffers)."""
+        if device.type != "cuda":
+            return upload(values, device)
+        n = len(values)
+        self._slot_turn ^= 1
+        held = self._slot_bufs[self._slot_turn]
+        if held is None or held[1].shape[0] < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            held = self._slot_bufs[self._slot_turn] = (buf, buf.numpy())
+        held[1][:n] = values
+        return held[0][:n].to(device, non_blocking=True)
 
     def _pinned(self, n: int) -> torch.Tensor:
         """A pinned host buffer for a step's tokens: two in turn (a step's copy is read before

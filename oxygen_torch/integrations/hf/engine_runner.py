@@ -53,7 +53,7 @@ class HFRunner:
         self.pool.storage.map_ahead(cfg.kv.map_ahead_bytes)
         self.block_tokens = self._proto.block_tokens
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
-        self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS)
+        self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS, copy_out=False)
         self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
         self.capture_exact = False  # while warm.py runs: each rows bucket its own decode graph
         self.mixed = mixed_graphs.MixedGraphs(max_graphs=ENGINE_MAX_GRAPHS)  # kv.mixed_graphs

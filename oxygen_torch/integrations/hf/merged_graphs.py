@@ -129,6 +129,7 @@ class MergedDecodeGraph:
         self.fusion: str | None = None  # how the captured forward was fused (None: eager)
         self.lock = threading.Lock()
         self.capture_ctx = None  # a capture context (mixed steps' graphs: one shared pool)
+        self.copy_out = True  # a replay's logits copied out (MergedGraphs' copy_out)
 
     def stage(self, step: MergedStep, ids: list[torch.Tensor], pos: list[int], keep=None) -> int:
         """Copies the reserved `step` into the graph's buffers; returns its real rows (every
@@ -147,8 +148,7 @@ class MergedDecodeGraph:
         view[n + 2 * rows :] = 0
         view[n + 2 * rows : n + 2 * rows + r] = pos
         self._staging.send()
-        packed = torch.cat([t.reshape(-1) for t in ids]).to(torch.int64)
-        self.ids[0, :r].copy_(packed)
+        self.ids[0, :r].copy_(_packed(ids))
         if r < rows:
             self.ids[0, r:].zero_()
         return r
@@ -208,6 +208,7 @@ class MergedDecodeGraph:
             static=frozenset({0, 1}),
             warm_capture=True,
             strict=True,
+            copy_out=self.copy_out,
         )
         try:
             return self.runner(self.ids, self.buf)[0]
@@ -218,11 +219,25 @@ class MergedDecodeGraph:
             raise
 
 
+def _packed(ids: list[torch.Tensor]) -> torch.Tensor:
+    """The step's ids one after the other, flat: the one tensor itself when there is one (a
+    decode step's; the copy into the graph's ids converts)."""
+    if len(ids) == 1:
+        return ids[0].reshape(-1)
+    return torch.cat([x.reshape(-1) for x in ids])
+
+
 class MergedGraphs:
     """The merged decode graphs of one Merger."""
 
-    def __init__(self, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, max_graphs: int = MAX_GRAPHS, copy_out: bool = True):
+        """copy_out False (the engine's): a replay hands back its graph's own logits, no copy
+        of [rows, V] a step. For an owner that queues every use of a step's logits (the draw,
+        a kept row's copy) before it replays the next step, on the same stream; each decode
+        graph's memory is its own. (Not the per-call merged steps: a caller reads its rows on
+        its own thread, maybe after the next replay.)"""
         self.max_graphs = max_graphs
+        self.copy_out = copy_out
         self.graphs: OrderedDict[tuple, MergedDecodeGraph] = OrderedDict()
         self.failed: set[tuple] = set()
         self.fingerprint: tuple = ()
@@ -277,6 +292,7 @@ class MergedGraphs:
                 if key in self.failed:  # (that width's capture failed: eager, not again)
                     return None
                 g = self.graphs[key] = MergedDecodeGraph(rows, width, step, step.pool.key.device)
+                g.copy_out = self.copy_out
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
             self.graphs.move_to_end(key)

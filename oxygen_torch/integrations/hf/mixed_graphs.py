@@ -135,8 +135,7 @@ class MixedGraph(MergedDecodeGraph):
         kept[:] = 0
         kept[:k] = keep
         self._staging.send()
-        packed = torch.cat([x.reshape(-1) for x in ids]).to(torch.int64)
-        self.ids[0, :t].copy_(packed)
+        self.ids[0, :t].copy_(_merged._packed(ids))
         if pad:
             self.ids[0, t:].zero_()
         return k
