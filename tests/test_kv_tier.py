@@ -78,6 +78,31 @@ def host_pool():
     release_pools()
 
 
+@pytest.mark.parametrize("tier_first", [True, False])
+def test_block_heat_is_kept_only_with_a_tier_and_a_prefix_cache(host_pool, tier_first):
+    """The blocks' heat (its one reader: the prefix cache's order of what moves down) is made
+    once the pool has both, whichever comes first; a pool with a tier alone counts no step's
+    reads (each count: ~15 torch calls on the engine thread); with both, its counts work."""
+    pool = host_pool
+    if tier_first:
+        assert pool.cpu_tier(2 * MiB) is not None
+    else:
+        assert pool.prefix_cache(4 * MiB) is not None
+    assert pool.heat is None
+    if tier_first:
+        pc = pool.prefix_cache(4 * MiB)
+    else:
+        pool.cpu_tier(2 * MiB)
+        pc = pool.prefix
+    heat = pool.heat
+    assert heat is not None and pc.heat is heat
+    assert pool.prefix_cache(4 * MiB) is pc and pool.heat is heat  # made once
+    blocks = [int(b) for b in torch.randperm(pool.storage.num_blocks - 1)[:3] + 1]
+    for _ in range(heat.touch_every):
+        heat.touch(torch.tensor([blocks]))
+    assert [heat.key(b)[0] for b in blocks] == [1, 1, 1]
+
+
 def test_a_release_naming_a_slot_twice_frees_it_once_then_says_so(host_pool):
     """A move's slots are freed at once (one check, then one loop); a list that names a slot
     twice frees what comes before the repeat, as freeing them one by one does, and raises."""
@@ -498,7 +523,7 @@ def test_a_tier_asked_for_without_waiting_is_made_beside_the_caller(host_pool, m
     waiter.join(5)
     host_pool.wait_tier_ahead(5)
     tier = host_pool.tier
-    assert tier is not None and tier.num_slots > 0 and host_pool.heat is not None
+    assert tier is not None and tier.num_slots > 0
     assert got == [tier] and slow.made == ["oxygen-cpu-tier"], (got, slow.made)
     assert host_pool.cpu_tier(4 * MiB, wait=False) is tier
     # a block goes down and back byte-exact through the tier made beside

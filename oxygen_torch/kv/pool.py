@@ -91,7 +91,7 @@ class KVPool:
         self._tier_cond = threading.Condition(self.lock)
         self._tier_making = False
         self._tier_ahead: threading.Thread | None = None
-        self.heat: Heat | None = None  # block heat, kept while there is a tier
+        self.heat: Heat | None = None  # block heat: with a tier and a prefix cache (_new_heat)
         # generate() calls too large for this pool run as row groups (kv.oversubscribe)
         self.oversubscribed = {"calls_split": 0, "groups_run": 0}
         self.window_freed_blocks = 0  # freed behind sliding windows (kv/window.py)
@@ -171,10 +171,9 @@ class KVPool:
                            fp8_lowering, moves)  # fmt: skip
             with self.lock:
                 if tier.num_slots > 0 and not self.closed:
-                    heat = Heat(self.storage.num_blocks, 64 // HEAT_EVERY, HEAT_EVERY)
-                    self.tier, self.heat = tier, heat
+                    self.tier = tier
                     if self.prefix is not None:  # its blocks given back go cold from now on
-                        self.prefix.attach(self.tier, self.heat)
+                        self.prefix.attach(self.tier, self._new_heat())
                     return self.tier
             tier.close()
             return None
@@ -233,11 +232,20 @@ class KVPool:
                 self.prefix = PrefixCache(self.manager, self.key.block_tokens, budget)
                 self.manager.reclaimer = self.prefix
                 if self.tier is not None:
-                    self.prefix.attach(self.tier, self.heat)
+                    self.prefix.attach(self.tier, self._new_heat())
             elif budget < self.prefix.budget and self.prefix.num_hot > budget:
                 self.prefix.evict(self.prefix.num_hot - budget)
             self.prefix.budget = budget
             return self.prefix
+
+    def _new_heat(self) -> Heat:
+        """The blocks' heat, made once the pool has both a CPU tier and a prefix cache (its one
+        reader: which hot blocks move down first). Before, no step counts its reads: a count
+        costs the engine thread ~15 torch calls every HEAT_EVERY steps, and under streaming
+        load each call may wait for the interpreter lock. Under self.lock."""
+        if self.heat is None:
+            self.heat = Heat(self.storage.num_blocks, 64 // HEAT_EVERY, HEAT_EVERY)
+        return self.heat
 
     def block_bytes(self) -> int:
         """Bytes of one block id across every layer's K and V (fp8 scales included)."""
