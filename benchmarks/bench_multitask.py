@@ -224,6 +224,10 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    elif SLEEP and oxygen:  # the GPU host's heap frozen (scheduler.gc_freeze, a GPU's only):
+        from oxygen_torch.engine import gc_watch  # else a full collection of ~0.2 s lands in
+
+        gc_watch.freeze_once() or gc_watch.refreeze("the warm-up")  # some runs, not others
     import multitask_at_once as mo  # (beside this script)
 
     slow_launches = _profile_launches(PROFILE_SLOW_MS) if oxygen and PROFILE_SLOW_MS else None
