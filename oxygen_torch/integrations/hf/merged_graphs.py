@@ -223,7 +223,8 @@ def _packed(ids: list[torch.Tensor]) -> torch.Tensor:
     """The step's ids one after the other, flat: the one tensor itself when there is one (a
     decode step's; the copy into the graph's ids converts)."""
     if len(ids) == 1:
-        return ids[0].reshape(-1)
+        x = ids[0]
+        return x if x.dim() == 1 else x.reshape(-1)
     return torch.cat([x.reshape(-1) for x in ids])
 
 
