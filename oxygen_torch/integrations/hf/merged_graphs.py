@@ -307,7 +307,7 @@ class MergedGraphs:
             r() is c for r, c in zip(self._checked, cores)
         )
         if not same:
-            fp = graphs._fingerprint(model)  # (~200 addresses: ~0.2 ms of host time)
+            fp = graphs._fingerprint(model)  # (~200 addresses: ~0.1 ms of host time)
             if fp != self.fingerprint:
                 self.graphs.clear()
                 self.failed.clear()
