@@ -100,6 +100,28 @@ class EngineStats:
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
+class _PinnedPair:
+    """Two pinned int64 host buffers used in turn, grown as needed: a step's copy to or from
+    one is done before the step after next is launched (the step between is waited for)."""
+
+    def __init__(self):
+        self._bufs: list = [None, None]
+        self._turn = 0
+
+    def take(self, n: int):
+        """(the next buffer's first n entries, the whole buffer as an array)."""
+        self._turn ^= 1
+        held = self._bufs[self._turn]
+        if held is None or held[0].shape[0] < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+            held = self._bufs[self._turn] = (buf, buf.numpy())
+        return held[0][:n], held[1]
+
+    def drop(self) -> None:
+        """Both let go (a copy from one may still be queued: fresh ones from now on)."""
+        self._bufs = [None, None]
+
+
 class Engine(Rows, Delivery):
     """The loop of one model and KV pool (see the module docstring)."""
 
@@ -124,10 +146,8 @@ class Engine(Rows, Delivery):
         self._slots = 0
         self.last = torch.zeros(0, dtype=torch.int64, device=runner.device)
         self.pid = os.getpid()
-        self._host_bufs: list = [None, None]
-        self._turn = 0
-        self._slot_bufs: list = [None, None]  # pinned: a decode step's slots on their way up
-        self._slot_turn = 0
+        self._host_bufs = _PinnedPair()  # a step's drawn tokens on their way down
+        self._slot_bufs = _PinnedPair()  # a decode step's slots on their way up (a GPU's)
         self._kept: list[Request] = []  # ended rows holding KV for their unfinished call
         # rows that ended while a step's tokens are delivered: their KV goes to the prefix cache
         # in one insert after the step's rows are read (Rows.ending), not one a row
@@ -255,7 +275,7 @@ class Engine(Rows, Delivery):
                     launched = self._launch(rows) if rows else None
                 except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
                     launched = None
-                    self._slot_bufs = [None, None]  # (a copy from one may still be queued)
+                    self._slot_bufs.drop()  # (a copy from one may still be queued)
                     self._step_failed(rows, err)
                 done, cpu = time.perf_counter(), time.thread_time() - cpu
             st = self.stats
@@ -458,7 +478,7 @@ class Engine(Rows, Delivery):
             charge(row.req.account, row.n)
         host, event = tokens, None
         if device.type == "cuda":
-            host = self._pinned(tokens.shape[0])
+            host = self._host_bufs.take(tokens.shape[0])[0]
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -470,31 +490,14 @@ class Engine(Rows, Delivery):
         return Inflight(rows, kept, host, event, began)
 
     def _slots_up(self, values: list[int], device: torch.device) -> torch.Tensor:
-        """A decode step's slots on the device: on a GPU through two pinned buffers in turn
-        (written as an array: one torch call, the copy, where upload() makes and pins a host
-        tensor first). A buffer's copy was queued before the step after next was launched,
-        and that step's end has been waited for since (a failed launch drops both buffers)."""
+        """A decode step's slots on the device: on a GPU through _slot_bufs (written as an
+        array: one torch call, the copy, where upload() makes and pins a host tensor first; a
+        failed launch drops both buffers)."""
         if device.type != "cuda":
             return upload(values, device)
-        n = len(values)
-        self._slot_turn ^= 1
-        held = self._slot_bufs[self._slot_turn]
-        if held is None or held[1].shape[0] < n:
-            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-            held = self._slot_bufs[self._slot_turn] = (buf, buf.numpy())
-        held[1][:n] = values
-        return held[0][:n].to(device, non_blocking=True)
-
-    def _pinned(self, n: int) -> torch.Tensor:
-        """A pinned host buffer for a step's tokens: two in turn (a step's copy is read before
-        the step after next is launched), grown as needed."""
-        self._turn ^= 1
-        buf = self._host_bufs[self._turn]
-        if buf is None or buf.shape[0] < n:
-            buf = self._host_bufs[self._turn] = torch.empty(
-                max(n, 256), dtype=torch.int64, pin_memory=True
-            )
-        return buf[:n]
+        buf, arr = self._slot_bufs.take(len(values))
+        arr[: len(values)] = values
+        return buf.to(device, non_blocking=True)
 
     @staticmethod
     def _suppressed(r: Request) -> tuple[int, ...]:
