@@ -197,11 +197,13 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     `max_length` tokens (default the model's max_position_embeddings, at most 8,192), and with
     kv.mixed_graphs one graph per tokens bucket of the steps with prompt tokens; with
     kv.prefill_compile, the forward the longer prompt steps run is compiled; the KV pool's CPU
-    tier (pool.cpu_tier_bytes, where preempted rows are swapped) is made. Later steps of
+    tier (pool.cpu_tier_bytes, where preempted rows are swapped) is made, and on a GPU the
+    graphs of its moves by the mapped kernel captured for a row's blocks. Later steps of
     those sizes replay instead of stalling every running call for a capture. Needs the
     model on oxygen attention (enable() before creating it, or apply()) and the engine
     (scheduler.engine). Returns the buckets run, graphs captured, whether the prefill forward
-    is compiled, the CPU tier's bytes, table width and seconds."""
+    is compiled, the CPU tier's bytes and its moves' graphs captured, table width and
+    seconds."""
     from .integrations.hf.warm import warm_up as _warm_up
 
     return _warm_up(model, max_rows=max_rows, max_length=max_length)

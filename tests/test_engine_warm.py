@@ -197,6 +197,29 @@ def test_warm_up_makes_the_cpu_tier_up_front(switched, monkeypatch, tier_bytes):
         assert tier is None and not made and got["cpu_tier_bytes"] == 0
 
 
+def test_warm_up_prepares_the_tiers_moves_for_a_rows_blocks(switched, monkeypatch):
+    """With a CPU tier, warm_up() asks it to prepare its moves by the mapped kernel (compiled,
+    graphs captured on a GPU) for a row's blocks at max_length and reports the graphs
+    captured; on the host backend the tier itself prepares none."""
+    from oxygen_torch.kv.tier import CPUTier
+
+    asked = []
+    real = CPUTier.warm_moves
+
+    def warm_moves(self, max_blocks):
+        asked.append((max_blocks, real(self, max_blocks)))
+        return 3
+
+    monkeypatch.setattr(CPUTier, "warm_moves", warm_moves)
+    model = tiny("llama", max_position_embeddings=1024)
+    kv = dict(RERUN, arena_bytes=(40 << 20) + (16 << 20))
+    cfg = load_config(scheduler={"engine": True}, kv=kv, pool={"cpu_tier_bytes": 16 << 20})
+    hf.apply(model, cfg)
+    got = oxygen_torch.warm_up(model, max_rows=2, max_length=300)
+    assert got["tier_graphs"] == 3 and asked == [(got["table_blocks"], 0)], (got, asked)
+    assert got["table_blocks"] >= 300 // 16
+
+
 def test_warm_up_goes_on_without_a_tier_it_cannot_make(switched, monkeypatch, caplog):
     """A CPU tier that cannot be made (here: raises, as pinning past the host's limit would)
     does not fail warm_up: one warning naming it, no tier, and the warm-up's other work done."""

@@ -253,3 +253,49 @@ def test_auto_moves_down_by_the_kernel_beside_steps_on_a_gpu_and_gathers_otherwi
         assert transfer.way_of(gpu, up=False, moves=way) == way
     with pytest.raises(ValueError, match="pool.tier_moves: 'engine' is not one of"):
         transfer.way_of(gpu, up=False, moves="engine")
+
+
+def test_kernel_ways_are_the_directions_way_of_can_send_by_the_mapped_kernel(monkeypatch):
+    """transfer.kernel_ways (what warm_up prepares): for each device and pool.tier_moves, the
+    directions whose moves way_of sends by the mapped kernel with steps beside them or not; an
+    unknown way is refused, naming it."""
+    monkeypatch.setattr(transfer, "BESIDE_S", 3600.0)
+    for dev in (torch.device("cuda", 0), torch.device("cpu")):
+        for way in transfer.TIER_MOVES:
+            seen = set()
+            for beside in (False, True):
+                monkeypatch.setattr(transfer, "_last_step", {})
+                if beside:
+                    transfer.note_step(dev)
+                seen |= {up for up in (False, True) if transfer.way_of(dev, up, way) == "mapped"}
+            assert sorted(transfer.kernel_ways(dev, way)) == sorted(seen), (dev, way)
+    assert transfer.kernel_ways(torch.device("cuda", 0)) == [False]
+    with pytest.raises(ValueError, match="pool.tier_moves: 'both' is not one of"):
+        transfer.kernel_ways(torch.device("cuda", 0), "both")
+
+
+def test_prepare_captures_each_bucket_up_to_the_blocks_once(monkeypatch):
+    """MappedMoves.prepare: on a GPU, the graphs of every bucket from MAPPED_BUCKET up to the one
+    holding `blocks` for that direction and grid, each captured once (a later prepare or move
+    of those keys captures nothing); off a GPU nothing (the kernel runs eagerly there)."""
+    from oxygen_torch.triton_kernels import block_rows as br
+
+    monkeypatch.setattr(br, "check", lambda views, host: None)
+    cpu = transfer.MappedMoves([], None, torch.device("cpu"))
+    assert cpu.prepare(False, 2, 300) == 0 and not cpu._graphs
+    moves = transfer.MappedMoves([], None, torch.device("cpu"))
+    moves.device = torch.device("cuda")  # (a stand-in: _capture recorded, not run)
+    captured = []
+
+    def capture(up, grid, cap):
+        captured.append((up, grid, cap))
+        return ("graph", "buffer")
+
+    monkeypatch.setattr(moves, "_capture", capture)
+    b = transfer.MAPPED_BUCKET
+    assert moves.prepare(False, 2, 5 * b) == 4
+    assert captured == [(False, 2, b), (False, 2, 2 * b), (False, 2, 4 * b), (False, 2, 8 * b)]
+    assert moves.prepare(False, 2, 3 * b) == 0 and moves.prepare(False, 2, 8 * b) == 0
+    assert moves.prepare(False, 16, 1) == 1 and moves.prepare(True, 2, b + 1) == 2
+    assert captured[4:] == [(False, 16, b), (True, 2, b), (True, 2, 2 * b)]
+    assert set(moves._graphs) == set(captured)

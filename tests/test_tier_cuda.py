@@ -226,3 +226,46 @@ def test_merged_decode_graphs_on_the_gpu(oxygen):
     assert st["replays"] >= 1 and st["failed"] == 0, st
     assert agree >= 0.9
     assert max(schedulers(model)[0].stats.batch_sizes) > 3
+
+
+@pytest.mark.parametrize("moves", ["auto", "mapped"])
+def test_warmed_mapped_moves_capture_nothing_at_the_first_swap(oxygen, monkeypatch, moves):
+    """CPUTier.warm_moves (oxygen_torch.warm_up) on the GPU: the mapped kernel's graphs for
+    moves of up to 300 blocks captured up front (auto: down only, at both grids; mapped: both
+    ways); moves down beside steps then replay them, capturing none, byte exact."""
+    dev = torch.device("cuda")
+    monkeypatch.setattr(transfer, "_last_step", {})
+    key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
+    pool = get_pool(key)
+    tier = pool.cpu_tier(64 * MiB, moves=moves)
+    with pool.lock:
+        warmed = tier.warm_moves(300)
+    ways = 2 if moves == "mapped" else 1
+    assert warmed == ways * 2 * 4, warmed  # grids x buckets 64, 128, 256, 512
+    with pool.lock:
+        assert tier.warm_moves(300) == 0
+    st = pool.storage
+    g = torch.Generator(device=dev).manual_seed(5)
+    for n in (40, 300):
+        transfer.note_step(dev)  # (steps beside: auto's moves down take the kernel)
+        with pool.lock:
+            blocks = pool.manager.allocate(n)
+        idx = torch.tensor(blocks, device=dev)
+        want = []
+        for cache in (*st.k, *st.v):
+            data = torch.randn(n, *cache.shape[1:], device=dev, generator=g).to(cache.dtype)
+            cache.index_copy_(0, idx, data)
+            want.append(data)
+        slots = tier.down(blocks)
+        tier.wait()
+        for cache in (*st.k, *st.v):
+            cache.index_fill_(0, idx, 7.0)
+        tier.up(slots, blocks)
+        for cache, data in zip((*st.k, *st.v), want):
+            assert torch.equal(cache.index_select(0, idx), data), n
+        tier.release(slots)
+        with pool.lock:
+            pool.manager.decref(blocks)
+    s = tier.stats()
+    assert s["mapped_graphs"] == warmed and s["mapped_eager"] == 0, s
+    assert s["mapped_replays"] == 2 * ways, s

@@ -130,6 +130,11 @@ class CPUTier:
         whose pinned rows have no device alias it warns once and gathers."""
         if transfer.way_of(self.device, up, self.moves) != "mapped":
             return None
+        return self._kernel_moves()
+
+    def _kernel_moves(self) -> transfer.MappedMoves | None:
+        """The mapped moves over the host rows' device alias, made at the first use (None, said
+        once, where there is none to be had)."""
         if self._alias is None:
             self._alias = False
             why = ""
@@ -145,6 +150,21 @@ class CPUTier:
                 warn_once(f"oxygen_torch: the CPU tier moves KV blocks through gather kernels, "
                           f"not the mapped kernel (pool.tier_moves \"mapped\"): {why}")  # fmt: skip
         return self._alias if self._alias is not False else None
+
+    def warm_moves(self, max_blocks: int) -> int:
+        """Before traffic (oxygen_torch.warm_up): the mapped kernel compiled and the CUDA graphs
+        of the moves that can go by it (pool.tier_moves "auto": moves down, the engine's swaps
+        beside its steps; "mapped": both ways) captured for moves of up to `max_blocks` blocks,
+        at either grid, so that the first preemption does not stall every running call for
+        them. Returns the graphs captured; 0 off a GPU."""
+        ways = transfer.kernel_ways(self.device, self.moves)
+        if not ways or self.device.type != "cuda":
+            return 0
+        kernel = self._kernel_moves()
+        if kernel is None:
+            return 0
+        grids = (transfer.MAPPED_PROGRAMS, transfer.MAPPED_PROGRAMS_BESIDE_STEPS)
+        return sum(kernel.prepare(up, g, max_blocks) for up in ways for g in grids)
 
     def _pressed(self, n: int) -> bool:
         return self.num_slots - len(self._cpu_free) + n > PRESSURE * self.num_slots

@@ -101,6 +101,16 @@ def way_of(device: torch.device, up: bool, moves: str = "auto") -> str:
     return "mapped" if down_beside else "gather"
 
 
+def kernel_ways(device: torch.device, moves: str = "auto") -> list[bool]:
+    """The directions (`up`) whose moves on `device` can go by the mapped kernel under
+    pool.tier_moves `moves` (way_of, whether steps run beside them or not)."""
+    if moves not in TIER_MOVES:
+        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {TIER_MOVES}")
+    if moves == "mapped":
+        return [False, True]
+    return [False] if moves == "auto" and device.type == "cuda" else []
+
+
 def note_step(device: torch.device) -> None:
     """A step begins on `device` (the paged cache's step planning calls this): moves meanwhile
     take the grid beside steps."""
@@ -335,6 +345,24 @@ class MappedMoves:
         static.copy_(buf.pin_memory(), non_blocking=True)
         graph.replay()
         self.counts["replays"] += 1
+
+    def prepare(self, up: bool, grid: int, blocks: int) -> int:
+        """The graphs that moves of up to `blocks` blocks in this direction and grid replay,
+        captured now (the kernel compiled with the first), not at the first such move: that
+        one stalls the steps beside it for a Triton compile (~0.1 s on the H200 with a cold
+        cache) and a capture. Returns how many were captured; nothing off a GPU (the kernel
+        runs eagerly there)."""
+        if self.device.type != "cuda":
+            return 0
+        captured, cap = 0, MAPPED_BUCKET
+        while True:
+            key = (up, grid, cap)
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(up, grid, cap)
+                captured += 1
+            if cap >= blocks:
+                return captured
+            cap *= 2
 
     def _capture(self, up: bool, grid: int, cap: int) -> tuple:
         """(graph, its buffer) for moves of up to `cap` blocks; (None, None) when the capture
