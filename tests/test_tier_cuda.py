@@ -157,6 +157,31 @@ def test_a_swap_in_ahead_is_waited_for_by_the_next_step_not_by_the_current_strea
     assert not pending(core)
 
 
+def _down_and_up(pool, tier, n: int, g: torch.Generator, busy=lambda: None) -> None:
+    """n blocks of random bytes moved down to the tier and back up over other bytes: each byte
+    back in place (`busy` queues work on the current stream before each layer's write)."""
+    st, dev = pool.storage, pool.storage.k[0].device
+    with pool.lock:
+        blocks = pool.manager.allocate(n)
+    idx = torch.tensor(blocks, device=dev)
+    want = []
+    for cache in (*st.k, *st.v):
+        busy()
+        data = torch.randn(n, *cache.shape[1:], device=dev, generator=g).to(cache.dtype)
+        cache.index_copy_(0, idx, data)
+        want.append(data)
+    slots = tier.down(blocks)
+    tier.wait()
+    for cache in (*st.k, *st.v):
+        cache.index_fill_(0, idx, 5.0)
+    tier.up(slots, blocks)
+    for cache, data in zip((*st.k, *st.v), want):
+        assert torch.equal(cache.index_select(0, idx), data), n
+    tier.release(slots)
+    with pool.lock:
+        pool.manager.decref(blocks)
+
+
 def test_mapped_moves_replay_one_graph_a_bucket_byte_exact(oxygen, monkeypatch):
     """transfer.MappedMoves on the GPU: moves of 3 to 300 blocks down and back up by graph
     replays (one graph per direction and bucket: 64, 64, 128, 512), each byte in place, behind
@@ -167,29 +192,10 @@ def test_mapped_moves_replay_one_graph_a_bucket_byte_exact(oxygen, monkeypatch):
     key = PoolKey(dev, 4, 4, 128, torch.bfloat16, 16, "auto", 256 * MiB, 2 * MiB)
     pool = get_pool(key)
     tier = pool.cpu_tier(64 * MiB, moves="mapped")
-    st = pool.storage
     big = torch.randn(4096, 4096, device=dev)
     g = torch.Generator(device=dev).manual_seed(3)
     for n in (3, 40, 65, 300, 40):
-        with pool.lock:
-            blocks = pool.manager.allocate(n)
-        idx = torch.tensor(blocks, device=dev)
-        want = []
-        for cache in (*st.k, *st.v):
-            _ = big @ big
-            data = torch.randn(n, *cache.shape[1:], device=dev, generator=g).to(cache.dtype)
-            cache.index_copy_(0, idx, data)
-            want.append(data)
-        slots = tier.down(blocks)
-        tier.wait()
-        for cache in (*st.k, *st.v):
-            cache.index_fill_(0, idx, 5.0)
-        tier.up(slots, blocks)
-        for cache, data in zip((*st.k, *st.v), want):
-            assert torch.equal(cache.index_select(0, idx), data), n
-        tier.release(slots)
-        with pool.lock:
-            pool.manager.decref(blocks)
+        _down_and_up(pool, tier, n, g, lambda: big @ big)
     s = tier.stats()
     assert s["blocks_mapped"] == 2 * (3 + 40 + 65 + 300 + 40)
     assert (s["mapped_graphs"], s["mapped_replays"], s["mapped_eager"]) == (6, 10, 0), s
@@ -244,28 +250,10 @@ def test_warmed_mapped_moves_capture_nothing_at_the_first_swap(oxygen, monkeypat
     assert warmed == ways * 2 * 4, warmed  # grids x buckets 64, 128, 256, 512
     with pool.lock:
         assert tier.warm_moves(300) == 0
-    st = pool.storage
     g = torch.Generator(device=dev).manual_seed(5)
     for n in (40, 300):
         transfer.note_step(dev)  # (steps beside: auto's moves down take the kernel)
-        with pool.lock:
-            blocks = pool.manager.allocate(n)
-        idx = torch.tensor(blocks, device=dev)
-        want = []
-        for cache in (*st.k, *st.v):
-            data = torch.randn(n, *cache.shape[1:], device=dev, generator=g).to(cache.dtype)
-            cache.index_copy_(0, idx, data)
-            want.append(data)
-        slots = tier.down(blocks)
-        tier.wait()
-        for cache in (*st.k, *st.v):
-            cache.index_fill_(0, idx, 7.0)
-        tier.up(slots, blocks)
-        for cache, data in zip((*st.k, *st.v), want):
-            assert torch.equal(cache.index_select(0, idx), data), n
-        tier.release(slots)
-        with pool.lock:
-            pool.manager.decref(blocks)
+        _down_and_up(pool, tier, n, g)
     s = tier.stats()
     assert s["mapped_graphs"] == warmed and s["mapped_eager"] == 0, s
     assert s["mapped_replays"] == 2 * ways, s
