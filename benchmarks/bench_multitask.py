@@ -67,6 +67,10 @@ NO_WARM_UP = os.environ.get("BENCH_MULTITASK_NO_WARM_UP") == "1"
 # --engine-clock: oxygen's trace modes time tokens on the engine thread (traces.EngineClock, as
 # `serve`'s streams are fed) instead of waking each caller every step for its streamer's put()
 ENGINE_CLOCK = os.environ.get("BENCH_MULTITASK_ENGINE_CLOCK") == "1"
+# --gil-holders PY_SPY: oxygen's trace modes sample which thread holds the interpreter lock
+# during the timed run (py-spy record --gil --nonblocking on this process): the engine's launches
+# that wait (their wall several times their CPU) wait for whoever holds it
+GIL_HOLDERS = os.environ.get("BENCH_MULTITASK_GIL_HOLDERS")
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -231,6 +235,7 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
     import multitask_at_once as mo  # (beside this script)
 
     slow_launches = _profile_launches(PROFILE_SLOW_MS) if oxygen and PROFILE_SLOW_MS else None
+    spy = _gil_sampler(mode) if oxygen and GIL_HOLDERS else None
     t0, compiles = time.perf_counter(), mo._compile_log()
     before = mo._graphs(model) if oxygen else {}
     captured, padded = before.get("captures", 0), before.get("padded", 0)
@@ -242,6 +247,8 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
         results, oom, took = run_requests(model, reqs, threaded=mode != "stock_serial")
     peak = torch.cuda.max_memory_reserved() / 2**30 if DEVICE == "cuda" else 0.0
     out = summarize(mode, seed, cv, results, oom, took, peak, len(reqs))
+    if spy is not None:
+        out["gil_holders"] = spy()
     out["rate"] = rate
     if warmed is not None:  # (before the timed run)
         out["warm_up"] = {k: warmed[k] for k in ("captured", "mixed_captured", "table_blocks",
@@ -283,6 +290,64 @@ def run_mode(mode: str, seed: int, cv: float, n: int) -> dict:
 
 
 SLOW_MS = 15.0  # a step this long is a slow one: a high row's token waits through all of it
+
+
+def _gil_sampler(mode: str, rate: int = 250):
+    """--gil-holders: py-spy (the path given) samples which thread holds the interpreter lock,
+    `rate` times a second, without stopping the process, until the returned function is called
+    (after the timed run); it returns gil_holders() of the samples, which also go raw to
+    $OUT/gil_<mode>.txt (or a temporary file)."""
+    import signal
+    import tempfile
+
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / f"gil_{mode}.txt"
+    cmd = [GIL_HOLDERS, "record", "--pid", str(os.getpid()), "--gil", "--threads",
+           "--nonblocking", "--rate", str(rate), "--format", "raw",
+           "--output", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # (attached before the timed run starts)
+
+    def stop() -> dict:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return {"error": "py-spy did not stop"}
+        if not out.exists():
+            return {"error": (err or "")[-500:]}
+        return gil_holders(out.read_text().splitlines())
+
+    return stop
+
+
+def gil_holders(lines: list[str], top: int = 12) -> dict:
+    """py-spy's raw samples (`thread (tid): name;frame;...;frame count`) of the lock's holder,
+    by kind of thread (the engine's `oxygen-*` threads, the callers' `Thread-*`, the main one,
+    others by name) with each kind's share, and the callers' most sampled frames (the three
+    innermost of oxygen_torch, or of anything when none is): what holds the lock the engine's
+    launches wait for."""
+    kinds: dict[str, int] = {}
+    frames: dict[str, int] = {}
+    for line in lines:
+        stack, _, n = line.rstrip().rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        head, *calls = stack.split(";")
+        name = head.split(":", 1)[1].strip() if ":" in head else head
+        kind = ("engine" if name.startswith("oxygen-") else "caller" if name.startswith("Thread-")
+                else "main" if name == "MainThread" else name)  # fmt: skip
+        kinds[kind] = kinds.get(kind, 0) + int(n)
+        if kind == "caller":
+            ours = [c for c in calls if "oxygen_torch/" in c] or calls
+            key = " < ".join(c.split(" (")[0] for c in ours[-3:][::-1])
+            frames[key] = frames.get(key, 0) + int(n)
+    total = sum(kinds.values()) or 1
+    return {
+        "samples": total,
+        "share": {k: round(v / total, 3) for k, v in sorted(kinds.items(), key=lambda x: -x[1])},
+        "callers_top": sorted(frames.items(), key=lambda x: -x[1])[:top],
+    }
 
 
 def _profile_launches(min_ms: float, keep: int = 6):
@@ -624,6 +689,13 @@ def main() -> None:
         "streams are fed) instead of each caller's streamer woken every step",
     )
     ap.add_argument(
+        "--gil-holders",
+        metavar="PY_SPY",
+        help="trace modes: py-spy (this path) samples which thread holds the interpreter lock "
+        "during the timed run (--gil, without stopping the process): each kind of thread's "
+        "share and the callers' most sampled frames, in the JSON (raw: $OUT/gil_<mode>.txt)",
+    )
+    ap.add_argument(
         "--no-warm-up",
         action="store_true",
         help="trace modes: skip oxygen_torch.warm_up() before the timed run (every rows "
@@ -763,6 +835,8 @@ def main() -> None:
         os.environ["BENCH_MULTITASK_NO_WARM_UP"] = "1"
     if args.engine_clock:
         os.environ["BENCH_MULTITASK_ENGINE_CLOCK"] = "1"
+    if args.gil_holders:
+        os.environ["BENCH_MULTITASK_GIL_HOLDERS"] = args.gil_holders
     if args.no_forward:
         if not args.sleep_model:
             ap.error("--no-forward: stubs the forward of --sleep-model's CPU model; give that too")
