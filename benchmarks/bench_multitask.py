@@ -321,12 +321,18 @@ def _gil_sampler(mode: str, rate: int = 250):
     return stop
 
 
+# oxygen_torch's threads other than the engines' (`oxygen-<model class>`), by name
+OXYGEN_HELPERS = {"oxygen-cpu-tier", "oxygen-engine-receiver", "oxygen-engine-sender",
+                  "oxygen-kv-ahead", "oxygen-metrics", "oxygen-metrics-accept",
+                  "oxygen-metrics-idle", "oxygen-timeline"}  # fmt: skip
+
+
 def gil_holders(lines: list[str], top: int = 12) -> dict:
     """py-spy's raw samples (`thread (tid): name;frame;...;frame count`) of the lock's holder,
-    by kind of thread (the engine's `oxygen-*` threads, the callers' `Thread-*`, the main one,
-    others by name) with each kind's share, and the callers' most sampled frames (the three
-    innermost of oxygen_torch, or of anything when none is): what holds the lock the engine's
-    launches wait for."""
+    by kind of thread (the engines' `oxygen-<model class>` threads, the callers' `Thread-*`, the
+    main one, others, oxygen_torch's own helpers included, by name) with each kind's share, and
+    the callers' most sampled frames (the three innermost of oxygen_torch, or of anything when
+    none is): what holds the lock the engine's launches wait for."""
     kinds: dict[str, int] = {}
     frames: dict[str, int] = {}
     for line in lines:
@@ -335,7 +341,8 @@ def gil_holders(lines: list[str], top: int = 12) -> dict:
             continue
         head, *calls = stack.split(";")
         name = head.split(":", 1)[1].strip() if ":" in head else head
-        kind = ("engine" if name.startswith("oxygen-") else "caller" if name.startswith("Thread-")
+        kind = ("engine" if name.startswith("oxygen-") and name not in OXYGEN_HELPERS
+                else "caller" if name.startswith("Thread-")
                 else "main" if name == "MainThread" else name)  # fmt: skip
         kinds[kind] = kinds.get(kind, 0) + int(n)
         if kind == "caller":
