@@ -211,6 +211,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     counters = _pool_counters()
     compiles = _compile_log()
     captured = _graphs(model).get("captures", 0)
+    mixed_captured = _graphs(model, mixed=True).get("captures", 0)
     t0 = time.perf_counter()
     with _profiled(f"{mode}_k{k}_s{seed}"), _busy(BUSY) as spins:
         tokens = go(reqs)
@@ -245,6 +246,9 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     graphs = _graphs(model)
     if graphs:
         out["graph_captures"] = graphs["captures"] - captured
+        # (a step with prompt tokens in a tokens bucket no warm-up step had: its graph captured
+        # and its forward compiled in the timed run, seconds that every row waits through)
+        out["mixed_captures"] = _graphs(model, mixed=True).get("captures", 0) - mixed_captured
     if timeline:
         out["timeline"] = timeline[-400:]
         full = [x for x in timeline if x[1] == x[2] == k]  # decode steps of every row
