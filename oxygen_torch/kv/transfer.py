@@ -93,19 +93,22 @@ def way_of(device: torch.device, up: bool, moves: str = "auto") -> str:
     other move takes the copy engine's full speed: copies up did not slow decode, and a step
     waits for the move up that brings its blocks back; on the host backend there is no PCIe to
     cross and the kernel would run in Triton's interpreter)."""
-    if moves not in TIER_MOVES:  # (a tier's `moves` set after the configuration was checked)
-        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {TIER_MOVES}")
+    _check_moves(moves)
     if moves != "auto":
         return moves
     down_beside = device.type == "cuda" and not up and beside_steps(device)
     return "mapped" if down_beside else "gather"
 
 
+def _check_moves(moves: str) -> None:
+    if moves not in TIER_MOVES:  # (a tier's `moves` set after the configuration was checked)
+        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {TIER_MOVES}")
+
+
 def kernel_ways(device: torch.device, moves: str = "auto") -> list[bool]:
     """The directions (`up`) whose moves on `device` can go by the mapped kernel under
     pool.tier_moves `moves` (way_of, whether steps run beside them or not)."""
-    if moves not in TIER_MOVES:
-        raise ValueError(f"pool.tier_moves: {moves!r} is not one of {TIER_MOVES}")
+    _check_moves(moves)
     if moves == "mapped":
         return [False, True]
     return [False] if moves == "auto" and device.type == "cuda" else []
@@ -296,6 +299,12 @@ def mapped_grid(device: torch.device) -> int:
 MAPPED_BUCKET = 64  # the smallest move a mapped move's CUDA graph is captured for, in blocks
 
 
+def _bucket(n: int) -> int:
+    """The blocks of the graph a mapped move of n blocks replays: a power of two, at least
+    MAPPED_BUCKET."""
+    return max(MAPPED_BUCKET, 1 << (n - 1).bit_length())
+
+
 class MappedMoves:
     """A tier's moves by the mapped kernel (pool.tier_moves "mapped", and "auto" beside steps): each
     is one upload of its int64 buffer [n, ids, rows] (triton_kernels.block_rows.meta) and one
@@ -328,16 +337,13 @@ class MappedMoves:
         if not n:
             return
         grid = mapped_grid(self.device)
-        cap = max(MAPPED_BUCKET, 1 << (n - 1).bit_length())
+        cap = _bucket(n)
         buf = int64(meta(blocks, rows, cap))
         if self.device.type != "cuda":
             self.counts["eager"] += 1
             launch(self.views, self.host, buf, cap, up, grid)
             return
-        key = (up, grid, cap)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(up, grid, cap)
-        graph, static = self._graphs[key]
+        graph, static = self._graph(up, grid, cap)
         if graph is None:  # its capture failed (said once): the kernel itself
             self.counts["eager"] += 1
             launch(self.views, self.host, to_device(buf, self.device), cap, up, grid)
@@ -354,15 +360,18 @@ class MappedMoves:
         runs eagerly there)."""
         if self.device.type != "cuda":
             return 0
-        captured, cap = 0, MAPPED_BUCKET
-        while True:
-            key = (up, grid, cap)
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(up, grid, cap)
-                captured += 1
-            if cap >= blocks:
-                return captured
+        held, cap = len(self._graphs), MAPPED_BUCKET
+        while cap <= _bucket(blocks):
+            self._graph(up, grid, cap)
             cap *= 2
+        return len(self._graphs) - held
+
+    def _graph(self, up: bool, grid: int, cap: int) -> tuple:
+        """The (graph, buffer) of moves of up to `cap` blocks, captured at its first use."""
+        key = (up, grid, cap)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(up, grid, cap)
+        return self._graphs[key]
 
     def _capture(self, up: bool, grid: int, cap: int) -> tuple:
         """(graph, its buffer) for moves of up to `cap` blocks; (None, None) when the capture
