@@ -21,7 +21,8 @@ checked: each seed's trace cut to --layers and --max-new (fragmentation per seed
 --threads x --ops random malloc/free of 512 B - 45 MiB (goal: no corruption, mapped back to 0,
 fragmentation <= 5 %); and the trace recorded from generate() on the H200
 (tests/data/generate_trace.jsonl.gz) paced at its recorded rate for each --hysteresis-ms: maps a
-decode step beside the 2 ms row's. --dry-run prints each seed's workload and the plan.
+decode step beside the 2 ms row's; --latency adds malloc+free from C on a host-backend pool per
+size (the pool's own cost, the part of the GPU's C loop column a CPU can measure). --dry-run prints each seed's workload and the plan.
 
 Prints a table last; with $OUT set, writes bench_allocator.json and bench_allocator.md there.
 
@@ -177,8 +178,31 @@ def replay_host(seeds, layers: int, max_new: int) -> dict:
     return out
 
 
+def host_latency() -> dict[int, float]:
+    """malloc + free of each size from C (a loop in the library) on a host-backend pool, ns a
+    pair: the pool's own cost, the part of the GPU's `C loop` column this machine can measure
+    (the GPU adds the driver's capture query; torch.empty adds PyTorch's pluggable wrapper)."""
+    from oxygen_torch.pool import VirtualPool
+    from oxygen_torch.pool import native as _native
+
+    pool = VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=20_000)
+    try:
+        lib = _native.lib()
+        out = {}
+        for sz in SIZES:
+            lib.oxygen_pool_bench(pool._h, sz, 2_000, None)  # warm: the size's pages mapped
+            out[sz] = min(lib.oxygen_pool_bench(pool._h, sz, 50_000, None) for _ in range(3))
+        return out
+    finally:
+        pool.close()
+
+
 def host(args) -> int:
     """The CPU side: seeds replayed, random threads, the recorded trace paced by hysteresis."""
+    if args.latency:
+        lat = host_latency()
+        print("host backend, malloc + free from C, ns a pair (best of 3 x 50,000): " + ", ".join(
+            f"{sz >> 10} KiB {ns:.0f}" for sz, ns in lat.items()))  # fmt: skip
     if args.seeds:
         res = replay_host(args.seeds, args.layers, args.max_new)
         v, name = max((r["frag_pct"], n) for n, r in res.items())
@@ -320,6 +344,11 @@ def parse(argv=None) -> argparse.Namespace:
         help="print each seed's workload and what would run; no GPU",
     )
     ap.add_argument("--host", action="store_true", help="the CPU side on the host backend")
+    ap.add_argument(
+        "--latency",
+        action="store_true",
+        help="--host: also malloc + free from C on a host-backend pool, per size",
+    )
     ap.add_argument("--layers", type=int, default=2, help="--host: layers kept of each seed")
     ap.add_argument("--max-new", type=int, default=8, help="--host: new tokens per call")
     ap.add_argument("--threads", type=int, default=8, help="--host: random malloc/free threads")

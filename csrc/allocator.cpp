@@ -100,7 +100,15 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
   b.bytes = bytes;
   b.stream = st;
   b.capture = cap ? cap->id : 0;
-  live_.emplace(p, b);
+  if (spare_live_.empty()) {
+    live_.emplace(p, b);
+  } else {
+    auto n = std::move(spare_live_.back());
+    spare_live_.pop_back();
+    n.key() = p;
+    n.mapped() = b;
+    live_.insert(std::move(n));
+  }
   bump(stats_.num_allocs);
   bump(stats_.live_blocks);
   bump(stats_.requested_bytes, b.requested);
@@ -124,8 +132,9 @@ Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
     set_last_error("free of an unknown pointer or double free");
     return ERR_INVALID;
   }
-  Block b = it->second;
-  live_.erase(it);
+  auto node = live_.extract(it);
+  Block b = std::move(node.mapped());
+  if (spare_live_.size() < 8) spare_live_.push_back(std::move(node));
   if (size > 0 && static_cast<std::size_t>(size) != b.requested) {
     bump(stats_.num_size_mismatch);
     if (!reported_mismatch_) report("free with a size other than the block's (block size used)",
@@ -265,8 +274,9 @@ bool Allocator::place_on_idle(std::size_t bytes, std::size_t align, const Stream
     const std::uintptr_t cands[3] = {round_up(rs, align), lo, (re - bytes) / align * align};
     for (std::uintptr_t c : cands) {
       if (c < rs || c + bytes > re || c % align) continue;
-      std::size_t need = 0;
-      for (std::size_t p = (c - base()) / page_; p <= (c + bytes - 1 - base()) / page_; ++p)
+      std::size_t need = 0;  // (counting stops once it passes the best so far)
+      for (std::size_t p = (c - base()) / page_, e = (c + bytes - 1 - base()) / page_;
+           p <= e && need <= best_need; ++p)
         need += !range_->is_mapped(p);
       if (need < best_need || (need == best_need && re - rs < best_size)) {
         best_need = need;

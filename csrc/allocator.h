@@ -138,7 +138,7 @@ class Allocator {
   void retire_lent(std::size_t max_pages);
   static constexpr std::size_t kSweepUnmaps = 128;
   void unref_pages(std::size_t p0, std::size_t p1);
-  void make_idle(std::size_t p);
+  void make_idle(std::size_t p, std::uint64_t now);  // idle since `now` (now_ns())
   void unidle(std::size_t p);
   Status map_missing(std::size_t p0, std::size_t p1);
   std::size_t reclaim_idle(std::size_t max_pages, bool aged_only);
@@ -185,6 +185,9 @@ class Allocator {
   std::vector<Deferred> deferred_;
   void free_deferred();  // those whose streams have passed (caller polled events)
   std::unordered_map<std::uintptr_t, Block> live_;
+  // Nodes of freed blocks, reused by the next mallocs (a heap allocation and free a block saved;
+  // the same for FreeExtents' indexes, extents.h).
+  std::vector<std::unordered_map<std::uintptr_t, Block>::node_type> spare_live_;
   std::unordered_map<std::size_t, std::unique_ptr<SlabPage>> slabs_;
   std::map<std::pair<StreamState*, std::uint64_t>, std::unique_ptr<Heap>> heaps_;
   Heap* last_heap_ = nullptr;

@@ -112,12 +112,13 @@ void Allocator::retire_lent(std::size_t max_pages) {
 }
 
 void Allocator::unref_pages(std::size_t p0, std::size_t p1) {
+  std::uint64_t now = 0;  // one reading for every page (a 64 MiB free read the clock 32 times)
   for (std::size_t p = p0; p <= p1; ++p)
-    if (--refcnt_[p] == 0 && range_->is_mapped(p)) make_idle(p);
+    if (--refcnt_[p] == 0 && range_->is_mapped(p)) make_idle(p, now ? now : (now = now_ns()));
 }
 
-void Allocator::make_idle(std::size_t p) {
-  idle_since_[p] = now_ns();
+void Allocator::make_idle(std::size_t p, std::uint64_t now) {
+  idle_since_[p] = now;
   if (idle_.insert(p)) bump(stats_.idle_pages);
 }
 

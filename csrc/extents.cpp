@@ -4,15 +4,32 @@
 namespace oxygen {
 
 void FreeExtents::add(std::uintptr_t addr, std::size_t size, Tag tag) {
-  by_addr_.emplace(addr, Extent{size, tag});
-  by_size_.emplace(size, addr);
+  if (spare_addr_.empty()) {
+    by_addr_.emplace(addr, Extent{size, tag});
+  } else {
+    ByAddr::node_type n = std::move(spare_addr_.back());
+    spare_addr_.pop_back();
+    n.key() = addr;
+    n.mapped() = Extent{size, tag};
+    by_addr_.insert(std::move(n));
+  }
+  if (spare_size_.empty()) {
+    by_size_.emplace(size, addr);
+  } else {
+    BySize::node_type n = std::move(spare_size_.back());
+    spare_size_.pop_back();
+    n.value() = {size, addr};
+    by_size_.insert(std::move(n));
+  }
   free_bytes_ += size;
 }
 
-void FreeExtents::erase(std::map<std::uintptr_t, Extent>::iterator it) {
-  by_size_.erase({it->second.size, it->first});
+void FreeExtents::erase(ByAddr::iterator it) {
+  BySize::node_type s = by_size_.extract({it->second.size, it->first});
+  if (s && spare_size_.size() < kSpare) spare_size_.push_back(std::move(s));
   free_bytes_ -= it->second.size;
-  by_addr_.erase(it);
+  ByAddr::node_type a = by_addr_.extract(it);
+  if (spare_addr_.size() < kSpare) spare_addr_.push_back(std::move(a));
 }
 
 void FreeExtents::insert(std::uintptr_t addr, std::size_t size, Tag tag) {
