@@ -22,7 +22,8 @@ checked: each seed's trace cut to --layers and --max-new (fragmentation per seed
 fragmentation <= 5 %); and the trace recorded from generate() on the H200
 (tests/data/generate_trace.jsonl.gz) paced at its recorded rate for each --hysteresis-ms: maps a
 decode step beside the 2 ms row's; --latency adds malloc+free from C on a host-backend pool per
-size (the pool's own cost, the part of the GPU's C loop column a CPU can measure). --dry-run prints each seed's workload and the plan.
+size (the pool's own cost, the part of the GPU's C loop column a CPU can measure). --dry-run
+prints each seed's workload and the plan.
 
 Prints a table last; with $OUT set, writes bench_allocator.json and bench_allocator.md there.
 

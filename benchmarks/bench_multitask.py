@@ -440,9 +440,13 @@ def slow_steps(timeline: list, limit: int = 40) -> dict:
     passed SLOW_MS: how many, their ms, and the longest `limit` as (start ms, period ms, GPU idle
     after it ms, rows, tokens, choose / launch / complete ms, GPU ms, the engine thread's CPU ms
     in the launch, collection pause ms, its CPU ms in the choosing, the choosing's wait at the
-    door ms): where a slow token's time went (a launch or a choosing far longer than its CPU
-    ms waited: for the interpreter lock, other threads' Python, a sync, a lock). On a GPU
-    a step after the engine paused (nothing to run: its GPU idle unknown) starts no period."""
+    door ms, the launch's OS run-queue wait ms, its blocks, its preemptions): where a slow
+    token's time went (a launch or a choosing far longer than its CPU ms waited: for a core,
+    the interpreter lock, other threads' Python, a sync, a lock); and the slow steps' launches
+    summed (`launch_waits`: CPU, run queue, blocked, the mean block). On a GPU a step after the
+    engine paused (nothing to run: its GPU idle unknown) starts no period."""
+    from multitask_at_once import launch_waits  # (beside this script)
+
     periods = []
     on_gpu = any(e[7] is not None for e in timeline)
     for a, b in zip(timeline, timeline[1:]):
@@ -454,8 +458,9 @@ def slow_steps(timeline: list, limit: int = 40) -> dict:
     return dict(
         steps=len(timeline), slow=len(slow), slow_ms=round(sum(p[0] for p in slow), 1),
         median_ms=round(statistics.median(p[0] for p in periods), 3) if periods else None,
-        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[8], a[9], *a[10:12])
+        longest=[(a[0], round(p, 2), round(idle, 2), *a[1:7], a[8], a[9], *a[10:15])
                  for p, idle, a in slow[:limit]],
+        launch_waits=launch_waits([a for _p, _i, a in slow]),
     )  # fmt: skip
 
 

@@ -266,6 +266,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         # launches' wall time the engine thread did not run (its CPU time short of the wall):
         # waits for the interpreter lock while callers' threads run Python, or device syncs
         out["launch_wait_ms"] = round(sum(x[4] - x[8] for x in timeline if x[8] is not None), 1)
+        out["launch_waits"] = launch_waits(timeline)
     if after:
         steps = after["steps"] - before.get("steps", 0)
         out["steps"] = steps
@@ -427,6 +428,26 @@ def _model_engine(model):
     return next(iter(group.values()), None)
 
 
+def launch_waits(timeline: list) -> dict:
+    """Where the launches of `timeline` (_timeline's entries) spent their wall time, ms: the
+    engine thread's CPU, its wait in the OS run queue (another thread had its core), and the
+    rest blocked (the interpreter lock, a lock, a device sync), with its blocks and preemptions
+    and the mean block (engine/thread_clock.py): ~the switch interval a block is the lock taken
+    back after torch ops while other threads run Python; one long block, a sync or a lock."""
+    xs = [x for x in timeline if x[8] is not None and len(x) > 14]
+    if not xs:
+        return {}
+    wall, cpu = sum(x[4] for x in xs), sum(x[8] for x in xs)
+    known = [x for x in xs if x[12] is not None]
+    runq = sum(x[12] for x in known) if known else None
+    blocks = sum(x[13] or 0 for x in xs)
+    blocked = wall - cpu - (runq or 0.0)
+    return dict(launches=len(xs), wall_ms=round(wall, 1), cpu_ms=round(cpu, 1),
+                runq_ms=None if runq is None else round(runq, 1), blocked_ms=round(blocked, 1),
+                blocks=blocks, preempted=sum(x[14] or 0 for x in xs),
+                mean_block_ms=round(blocked / blocks, 3) if blocks else None)  # fmt: skip
+
+
 def _timeline(model, since: float = 0.0) -> list:
     """The engine's step timeline from perf_counter time `since` (the timed run's start)."""
     eng = _model_engine(model)
@@ -440,9 +461,10 @@ def _timeline(model, since: float = 0.0) -> list:
 
     # (start ms, rows, tokens, choose / launch / complete ms, GPU ms, GPU idle ms before it,
     # the engine thread's CPU ms in the launch, the interpreter's collection pauses in the step,
-    # the engine thread's CPU ms in the choosing, the choosing's wait at the door ms)
+    # the engine thread's CPU ms in the choosing, the choosing's wait at the door ms; then of
+    # the launch: the engine thread's OS run-queue wait ms, its blocks and its preemptions)
     return [(round(1e3 * (a - t0), 2), r, n, ms(c), ms(la), ms(co), ms(g), ms(i), ms(cpu),
-             *(ms(v) for v in (x + [None] * 3)[:3]))
+             *(ms(v) for v in (x + [None] * 4)[:4]), *(x + [None] * 6)[4:6])
             for a, r, n, c, la, co, g, i, cpu, *x in t]  # fmt: skip
 
 

@@ -43,7 +43,7 @@ def test_a_collection_during_a_step_is_counted_in_its_entry_and_in_engine_stats(
     assert after["gc_full"] >= before["gc_full"] + 1
     assert after["gc_s"] > before["gc_s"]
     entries = list(eng.stats.timeline)[n:]
-    assert len(entries[0]) == 12 and entries[0][9] > 0  # the collecting step's pause
+    assert len(entries[0]) == 15 and entries[0][9] > 0  # the collecting step's pause
     assert entries[0][9] <= after["gc_s"] - before["gc_s"] + 1e-9
 
 

@@ -799,11 +799,15 @@ def test_engine_steps_and_tokens_reach_the_metrics(oxygen):
     # each call's front door (generate() called -> rows submitted) is timed once
     assert snap["doors"] == len(kws) and 0 < eng.stats.door_max_s <= snap["door_s"]
     assert snap["door_max_s"] == eng.stats.door_max_s
-    # each step's line: its choosing's CPU and its wait at the door within the choosing's wall
+    # each step's line: its choosing's CPU and its wait at the door within the choosing's wall;
+    # its launch's CPU and OS run-queue wait within the launch's wall, its blocks and preemptions
     for line in eng.stats.timeline:
-        assert len(line) == 12, line
+        assert len(line) == 15, line
         choose, picked, door_wait = line[3], line[10], line[11]
         assert 0 <= door_wait <= choose and 0 <= picked <= choose + 0.01, line
+        launch, cpu, runq, blocks, preempted = line[4], line[8], line[12], line[13], line[14]
+        assert 0 <= cpu <= launch + 0.01 and (runq is None or 0 <= runq <= launch + 0.01), line
+        assert isinstance(blocks, int) and isinstance(preempted, int) and blocks >= 0, line
     host = after["step_time"]["host"]
     assert sum(host[1]) - sum(before["step_time"]["host"][1]) == steps
     new = out.shape[1] - kws[0]["input_ids"].shape[1]

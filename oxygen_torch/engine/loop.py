@@ -40,6 +40,7 @@ from .sampling import RowSample, Sampler
 from .schedule import Budget, StepRow, choose
 from .stats import METRICS
 from .task import PRIORITIES, Cancelled
+from .thread_clock import ThreadClock, spent
 
 log = logging.getLogger("oxygen_torch")
 
@@ -96,7 +97,9 @@ class EngineStats:
     # previous step's completion, s (engine/gc_watch.py); then the engine thread's CPU s in
     # the choosing (its inbox, the door, the choice: a choosing far longer than its CPU waited,
     # for the interpreter lock or a lock), and of the choosing's wall the wait at the door for a
-    # caller's front-door Python inside it, s
+    # caller's front-door Python inside it, s; then of the launch: the engine thread's wait in
+    # the OS run queue s (None where unknown), its blocks (voluntary context switches: waits
+    # for the interpreter lock, a lock, a sync) and preemptions (engine/thread_clock.py)
     timeline: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -236,6 +239,7 @@ class Engine(Rows, Delivery):
     def _main(self) -> None:
         device, stream = self.runner.device, None
         switching.hold(self.cfg.switch_interval_ms)  # (engine/switching.py)
+        self._clock = ThreadClock()  # (this thread's own: its launches' waits told apart)
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -248,12 +252,14 @@ class Engine(Rows, Delivery):
             self._fail_all(err)
         finally:
             switching.release()
+            self._clock.close()
             if stream is not None:
                 streams.stop(device, stream)
 
     def _loop(self) -> None:
         inflight: Inflight | None = None
         idle_since = time.monotonic()
+        clock = self._clock
         while True:
             if inflight is None and not self.running and not self.waiting:
                 self._gather_burst()
@@ -269,15 +275,16 @@ class Engine(Rows, Delivery):
                 self._drop_cancelled()
                 rows = choose(self, Budget(self.step_tokens, self.cfg.max_step_seqs,
                                            *self.kvs.step_blocks()))  # fmt: skip
-                chosen, cpu = time.perf_counter(), time.thread_time()
-                picked = cpu - picked
+                chosen, at = time.perf_counter(), clock.read()
+                picked = at[0] - picked
                 try:
                     launched = self._launch(rows) if rows else None
                 except Exception as err:  # noqa: BLE001 - given to the call(s) it belongs to
                     launched = None
                     self._slot_bufs.drop()  # (a copy from one may still be queued)
                     self._step_failed(rows, err)
-                done, cpu = time.perf_counter(), time.thread_time() - cpu
+                done = time.perf_counter()
+                cpu, runq, blocks, preempted = spent(at, clock.read())
             st = self.stats
             st.host_s += done - start
             st.choose_s += chosen - start
@@ -290,7 +297,7 @@ class Engine(Rows, Delivery):
                 took = time.perf_counter() - done
                 launched.entry = [start, len(rows), tokens, chosen - start, done - chosen, took,
                                   None, None, cpu, gc_watch.pause_s - paused, picked,
-                                  opened - at_door]  # fmt: skip
+                                  opened - at_door, runq, blocks, preempted]  # fmt: skip
                 st.timeline.append(launched.entry)
             inflight = launched
             if launched is not None:
