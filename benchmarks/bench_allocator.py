@@ -181,14 +181,17 @@ def replay_host(seeds, layers: int, max_new: int) -> dict:
 
 def host_latency() -> dict[int, float]:
     """malloc + free of each size from C (a loop in the library) on a host-backend pool, ns a
-    pair: the pool's own cost, the part of the GPU's `C loop` column this machine can measure
-    (the GPU adds the driver's capture query; torch.empty adds PyTorch's pluggable wrapper)."""
+    pair, beside one live 512-byte block (a program's other small tensors: a small block freed
+    beside live ones is stashed for the next malloc of its size, csrc/allocator.h): the pool's
+    own cost, the part of the GPU's `C loop` column this machine can measure (the GPU adds the
+    driver's capture query; torch.empty adds PyTorch's pluggable wrapper)."""
     from oxygen_torch.pool import VirtualPool
     from oxygen_torch.pool import native as _native
 
     pool = VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=20_000)
     try:
         lib = _native.lib()
+        pool.malloc(512)  # (live until the pool closes)
         out = {}
         for sz in SIZES:
             lib.oxygen_pool_bench(pool._h, sz, 2_000, None)  # warm: the size's pages mapped

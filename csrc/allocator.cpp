@@ -84,6 +84,7 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
   std::uintptr_t p = bytes <= ctx().max_pages() * page_ ? place(bytes, st, cap, &b) : 0;
   if (!p && bytes <= ctx().max_pages() * page_) {
     // Out of pages: wait for the device if allowed, drop cached slabs, unmap every safe idle page.
+    flush_stash();
     poll_events(true);
     release_empty_slabs(false);
     bump(stats_.reclaims, reclaim_idle(SIZE_MAX, false));
@@ -160,7 +161,7 @@ Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
       return OK;
     }
   }
-  free_block(b, fs);
+  free_block(b, fs, true);  // (a user's free, in its stream's order: the block may be stashed)
   if (now_ns() - last_sweep_ > 4 * opt_.hysteresis_ns) sweep_locked(false);
   return OK;
 }
@@ -196,9 +197,9 @@ void Allocator::free_deferred() {
   deferred_.resize(kept);
 }
 
-void Allocator::free_block(const Block& b, StreamState* fs) {
+void Allocator::free_block(const Block& b, StreamState* fs, bool stash) {
   if (b.capture) return free_capture_block(b, fs);
-  if (b.small) return small_free(b, fs);
+  if (b.small) return small_free(b, fs, stash);
   large_free(b, fs);  // slab blocks are a capture's (free_capture_block)
 }
 
@@ -429,6 +430,7 @@ void Allocator::release_slab_page(SlabPage* sp, Tag tag) {
 void Allocator::empty_cache() {
   std::lock_guard<std::mutex> g(mu_);
   if (!active_captures_.empty()) refresh_captures();
+  flush_stash();
   poll_events(true);
   release_empty_slabs(false);
   reclaim_idle(SIZE_MAX, false);

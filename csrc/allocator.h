@@ -119,7 +119,7 @@ class Allocator {
   // small blocks (allocator_small.cpp)
   std::uintptr_t small_alloc(std::size_t bytes, StreamState* st, Block* b);
   bool new_small_page(StreamState* st);
-  void small_free(const Block& b, StreamState* fs);
+  void small_free(const Block& b, StreamState* fs, bool stash);
   void release_small_page(std::size_t p);
   void release_cached_small(bool aged_only);
   std::uintptr_t slab_alloc(Heap* heap, int cls, Block* b);
@@ -127,7 +127,7 @@ class Allocator {
   void slab_put(SlabPage* sp, std::uint32_t slot, Tag tag);
   void release_slab_page(SlabPage* sp, Tag tag);
   void large_free(const Block& b, StreamState* fs);
-  void free_block(const Block& b, StreamState* fs);
+  void free_block(const Block& b, StreamState* fs, bool stash = false);
   Heap* heap_for(StreamState* st, std::uint64_t capture);
   void report(const char* kind, std::uintptr_t ptr, std::int64_t size);
 
@@ -169,6 +169,18 @@ class Allocator {
   std::vector<std::uint32_t> small_live_;  // live small blocks on each small-block page
   std::size_t small_empty_ = PageSet::npos;  // one empty small-block page kept for reuse
   std::uint64_t small_empty_since_ = 0;
+  // The last small block freed on the stream it was allocated on, not yet given back to small_
+  // (still counted on its page): a malloc of the same bytes on that stream takes it as it is,
+  // the common free-then-allocate of one tensor shape skipping both indexes. Given back at the
+  // next such free and first thing in every sweep, reclaim and empty_cache (flush_stash: before
+  // their event polls, so that a synchronizing one finds the block's ticket done).
+  struct SmallStash {
+    std::uintptr_t addr = 0;
+    std::size_t span = 0;
+    StreamState* stream = nullptr;
+  } stash_;
+  void small_give_back(std::uintptr_t addr, std::size_t span, StreamState* fs);
+  void flush_stash();
   std::vector<std::uint32_t> refcnt_;      // live blocks / slabs touching each page
   std::vector<std::uint64_t> idle_since_;  // when each idle page became idle
   PageSet idle_;                           // mapped pages with refcnt 0

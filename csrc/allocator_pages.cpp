@@ -214,6 +214,7 @@ void Allocator::poll_events(bool sync) {
 }
 
 void Allocator::sweep_locked(bool force) {
+  flush_stash();
   poll_events(false);
   extents_.coalesce();
   release_empty_slabs(!force);

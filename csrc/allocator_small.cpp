@@ -17,6 +17,15 @@ namespace oxygen {
 
 std::uintptr_t Allocator::small_alloc(std::size_t bytes, StreamState* st, Block* b) {
   std::uintptr_t a = 0;
+  if (stash_.addr && stash_.span == bytes && stash_.stream == st) {
+    // freed on st: st's later work runs after what it queued on the block (its page still
+    // counts it, so nothing to count again)
+    a = stash_.addr;
+    stash_ = SmallStash{};
+    b->small = true;
+    b->span = bytes;
+    return a;
+  }
   Tag t;
   if (!small_.take(bytes, kMinBlock, st, &a, &t)) {
     // A fresh page is wholly usable by st, so the second take cannot miss.
@@ -51,10 +60,26 @@ bool Allocator::new_small_page(StreamState* st) {
   return true;
 }
 
-void Allocator::small_free(const Block& b, StreamState* fs) {
-  small_.insert(b.addr, b.span, streams_.on_free(fs));
-  std::size_t p = (b.addr - base()) / page_;
-  if (--small_live_[p] == 0) {
+void Allocator::small_free(const Block& b, StreamState* fs, bool stash) {
+  // Stashed only beside other live blocks of its page: a page never holds a stashed block
+  // alone (its last block goes back at once, and the page to small_empty_ or out, as before).
+  if (stash && fs == b.stream && small_live_[(b.addr - base()) / page_] > 1) {
+    SmallStash old = stash_;
+    stash_ = SmallStash{b.addr, b.span, fs};
+    if (old.addr) small_give_back(old.addr, old.span, old.stream);
+    return;
+  }
+  small_give_back(b.addr, b.span, fs);
+}
+
+void Allocator::small_give_back(std::uintptr_t addr, std::size_t span, StreamState* fs) {
+  // (a stashed block gets its stream's ticket of now, not of its free: later, never earlier
+  // than allowed for the other streams)
+  small_.insert(addr, span, streams_.on_free(fs));
+  std::size_t p = (addr - base()) / page_;
+  if (--small_live_[p] == 1 && stash_.addr && (stash_.addr - base()) / page_ == p) {
+    flush_stash();  // (the stashed block is the page's last: it goes back, the page empties)
+  } else if (small_live_[p] == 0) {
     if (small_empty_ == PageSet::npos) {
       // Keep one empty page a while: a loop that frees and re-allocates one small tensor must
       // not map and unmap a page each time (the sweep returns it after the hysteresis).
@@ -76,6 +101,13 @@ void Allocator::release_small_page(std::size_t p) {
   give_back(pieces);
   unref_pages(p, p);
   drop(stats_.small_pages);
+}
+
+void Allocator::flush_stash() {
+  if (!stash_.addr) return;
+  SmallStash old = stash_;
+  stash_ = SmallStash{};
+  small_give_back(old.addr, old.span, old.stream);
 }
 
 void Allocator::release_cached_small(bool aged_only) {

@@ -226,3 +226,33 @@ def test_record_stream_blocks_are_freed_by_empty_cache_and_teardown(lib):
     p.record_stream(keep, S2)
     p.free(keep, stream=S1)
     p.close()  # a deferred block at teardown: no crash, nothing left
+
+
+def test_a_small_block_freed_beside_live_ones_is_taken_again_only_on_its_stream(lib):
+    """The stash (csrc/allocator.h): a small block freed on its own stream beside live blocks
+    of its page is what the next malloc of its size on that stream gets; another stream does not
+    get it while the free has not passed on the device; nothing of it is lost after."""
+    import random
+
+    rng = random.Random()
+    n = rng.randrange(512, 1 << 20, 512)
+    lib.oxygen_host_hold_events(1)
+    with VirtualPool(backend="host", capacity=64 * MiB, hysteresis_us=60_000_000) as p:
+        keep = p.malloc(rng.randint(1, 4096), stream=S1)  # a live neighbour on the page
+        a = p.malloc(n, stream=S1)
+        p.free(a, stream=S1)
+        b = p.malloc(n, stream=S2)  # the free has not passed: not a's bytes
+        assert not overlaps(a, n, b, n)
+        again = p.malloc(n, stream=S1)
+        assert again == a  # its own stream takes it back at once
+        p.free(again, stream=S1)
+        p.free(again, stream=S1)  # a double free of a stashed block: reported, ignored
+        assert p.stats()["num_bad_frees"] == 1
+        c, d = p.malloc(n, stream=S1), p.malloc(n, stream=S1)
+        assert c == a and not overlaps(c, n, d, n)  # one block, handed out once
+        for x, s in ((c, S1), (d, S1), (b, S2), (keep, S1)):
+            p.free(x, stream=s)
+        lib.oxygen_host_hold_events(0)
+        p.empty_cache()  # the stashed block goes back first: nothing stays mapped
+        s = p.stats()
+        assert s["mapped_bytes"] == 0 and s["live_blocks"] == 0, s
