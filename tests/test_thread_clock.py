@@ -79,3 +79,25 @@ def test_a_closed_clock_still_reads_cpu_and_counts():
     assert cpu >= 0 and runq is None and blocks >= 0 and preempted >= 0
     assert spent((1.0, None, 2, 3), (1.5, 0.2, 5, 3)) == (0.5, None, 3, 0)
     assert spent((1.0, 0.1, 0, 0), (1.5, 0.25, 1, 2))[1] == pytest.approx(0.15)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/thread-self: Linux")
+def test_a_reading_keeps_the_interpreter_lock_and_reads_what_os_pread_reads():
+    import os
+
+    from oxygen_torch.engine import thread_clock
+
+    assert thread_clock._PREAD is not None  # (glibc has pread: the lock-holding read is used)
+
+    def both(clock):
+        if clock._fd is None:
+            pytest.skip("no schedstat on this kernel")
+        ours = clock._schedstat().split()
+        theirs = os.pread(clock._fd, 128, 0).split()
+        return ours, theirs
+
+    ours, theirs = _on_a_thread(both)
+    assert len(ours) == len(theirs) == 3
+    # run-queue wait (ns) and timeslices only grow, and little between two reads
+    assert 0 <= int(theirs[1]) - int(ours[1]) < 10**9
+    assert 0 <= int(theirs[2]) - int(ours[2]) < 1000
