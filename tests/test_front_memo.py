@@ -34,6 +34,8 @@ def settings(rng: random.Random) -> tuple:
     kw = {}
     if rng.random() < 0.5:
         kw["max_new_tokens"] = rng.randint(1, 40)
+    if rng.random() < 0.3:
+        kw["min_new_tokens"] = rng.randint(0, 40)
     if rng.random() < 0.4:
         kw["do_sample"] = rng.random() < 0.5
         kw["temperature"] = round(rng.uniform(0.1, 2.0), 3)
@@ -88,7 +90,7 @@ def test_remembered_resolutions_equal_stocks_as_the_configs_change(arch):
 def test_the_memo_is_bounded():
     model = tiny("llama")
     for n in range(front._MEMO_SIZE + 20):
-        front._prepare(model, model._prepare_generation_config, None, {"max_new_tokens": n + 1})
+        front._prepare(model, model._prepare_generation_config, None, {"top_k": n + 1})
     assert len(front._memo[model]) == front._MEMO_SIZE
 
 
@@ -110,6 +112,39 @@ def test_plain_settings_are_resolved_once_and_values_without_a_key_every_call():
     for _ in range(3):
         same(front._prepare(model, counted, None, kw), stock(model, None, kw))
     assert len(calls) == 4
+
+
+def test_lengths_are_not_in_the_key_and_lengths_stock_refuses_are_refused_as_stock():
+    model = tiny("llama")
+    calls = []
+    prepare = model._prepare_generation_config
+
+    def counted(given, **kw):
+        calls.append(kw)
+        return prepare(given, **kw)
+
+    rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
+    for _ in range(20):  # every length its own: resolved once per set of names given
+        kw = {"max_new_tokens": rng.randint(1, 500), "top_k": 7}
+        if rng.random() < 0.5:
+            kw["min_new_tokens"] = rng.randint(0, 500)
+        got = front._prepare(model, counted, None, kw)
+        same(got, stock(model, None, kw))
+    assert len(calls) <= 2
+    given = T.GenerationConfig(max_new_tokens=5)
+    for n in (3, 11):  # a given config's own length, overridden by the call's
+        kw = {"max_new_tokens": n}
+        same(front._prepare(model, counted, copy.deepcopy(given), kw), stock(model, given, kw))
+    for bad in (0, -3, True, 2.0):  # stock's own error (or its own resolution) for each
+        kw = {"max_new_tokens": bad, "top_k": 7}
+        try:
+            want = stock(model, None, kw)
+        except ValueError as err:
+            with pytest.raises(ValueError) as ours:
+                front._prepare(model, counted, None, kw)
+            assert str(ours.value) == str(err)
+        else:
+            same(front._prepare(model, counted, None, kw), want)
 
 
 def test_a_config_holding_generation_settings_is_refused_as_stock_after_calls_that_passed(
