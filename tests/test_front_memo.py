@@ -54,6 +54,17 @@ def settings(rng: random.Random) -> tuple:
     return given, kw
 
 
+def counting(model):
+    """(the calls made, the model's _prepare_generation_config counting them into it)."""
+    calls, prepare = [], model._prepare_generation_config
+
+    def counted(given, **kw):
+        calls.append(kw)
+        return prepare(given, **kw)
+
+    return calls, counted
+
+
 def same(a, b) -> None:
     (gc_a, kw_a), (gc_b, kw_b) = a, b
     assert gc_a.to_dict() == gc_b.to_dict()
@@ -96,12 +107,7 @@ def test_the_memo_is_bounded():
 
 def test_plain_settings_are_resolved_once_and_values_without_a_key_every_call():
     model = tiny("llama")
-    calls = []
-    prepare = model._prepare_generation_config
-
-    def counted(given, **kw):
-        calls.append(kw)
-        return prepare(given, **kw)
+    calls, counted = counting(model)
 
     mask = torch.ones(1, 5, dtype=torch.long)
     for _ in range(3):  # plain values (and a mask, which is the call's own): resolved once
@@ -116,12 +122,7 @@ def test_plain_settings_are_resolved_once_and_values_without_a_key_every_call():
 
 def test_lengths_are_not_in_the_key_and_lengths_stock_refuses_are_refused_as_stock():
     model = tiny("llama")
-    calls = []
-    prepare = model._prepare_generation_config
-
-    def counted(given, **kw):
-        calls.append(kw)
-        return prepare(given, **kw)
+    calls, counted = counting(model)
 
     rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
     for _ in range(20):  # every length its own: resolved once per set of names given
