@@ -187,8 +187,14 @@ void DeviceCtx::give_back(PhysHandle handle) {
 void DeviceCtx::trim(std::size_t keep) {
   std::vector<PhysHandle> out;
   {
-    std::lock_guard<std::mutex> g(mu_);
-    if (keep == 0) refill_paused_ = true;
+    std::unique_lock<std::mutex> g(mu_);
+    if (keep == 0) {
+      // A handle the refill thread is creating goes back by itself (refill sees the pause); wait
+      // for it, or empty_cache() could return with it still alive (a flaky live_handles of 1
+      // on a loaded CI machine).
+      refill_paused_ = true;
+      created_cv_.wait(g, [this] { return creating_ == 0; });
+    }
     while (cache_.size() > keep) {
       out.push_back(cache_.back());
       cache_.pop_back();
@@ -244,8 +250,8 @@ void DeviceCtx::refill() {
     PhysHandle h = 0;
     Status s = backend_->create(page_, &h);
     std::unique_lock<std::mutex> g(mu_);
-    --creating_;
     if (s != OK) {
+      --creating_;
       owned_.fetch_sub(1);
       refill_failed_ = true;  // device full: the allocating thread will reclaim and report
       created_cv_.notify_all();
@@ -254,11 +260,14 @@ void DeviceCtx::refill() {
     bump(stats_.handles_created);
     if (refill_paused_) {  // trim(0) ran while this handle was being created: hand it back too
       owned_.fetch_sub(1);
-      created_cv_.notify_all();
       g.unlock();
       if (backend_->release(h) == OK) bump(stats_.handles_released);
+      g.lock();
+      --creating_;  // (only now: trim(0) waits for it, so empty_cache() leaves no handle behind)
+      created_cv_.notify_all();
       return;
     }
+    --creating_;
     cache_.push_back(h);
     bump(stats_.handle_cache_pages);
     created_cv_.notify_all();
