@@ -710,8 +710,9 @@ def main() -> None:
     ap.add_argument(
         "--no-warm-up",
         action="store_true",
-        help="trace modes: skip oxygen_torch.warm_up() before the timed run (every rows "
-        "bucket's decode graph captured first, as `serve` does at its start)",
+        help="trace and --at-once modes: skip oxygen_torch.warm_up() before the timed run (every "
+        "rows bucket's decode graph and the mixed steps' graphs captured first, as `serve` "
+        "does at its start)",
     )
     ap.add_argument(
         "--sleep-model", metavar="MS_A_STEP,MS_A_TOKEN",

@@ -17,7 +17,8 @@ greedy or sampling (temperature 0.8, top_p 0.95). Modes, each in its own process
 interpreter lock up by itself (the user's own Python: parsing, post-processing).
 
 Each reports generated tok/s (tokens the requests asked for, over the wall time after a
-warm-up of K requests with 16 new tokens each), GPU memory held at peak, and for the engine its
+warm-up of K requests with 16 new tokens each, then for oxygen's modes oxygen_torch.warm_up()
+up to K rows unless --no-warm-up), GPU memory held at peak, and for the engine its
 steps, host time a step and the timed run's step timeline (start, rows, tokens, choose / launch /
 complete ms, on a GPU each step's GPU ms and the GPU's idle ms before it, and the engine
 thread's CPU ms in the launch) in the JSON.
@@ -204,6 +205,14 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     go(warm)
     if k > 1:  # a second rows bucket: the engine's decode graphs compile their sizes symbolic
         go(warm[: k // 2])
+    warmed = None
+    if mode != "generate_batch" and os.environ.get("BENCH_MULTITASK_NO_WARM_UP") != "1":
+        # oxygen_torch.warm_up(): the mixed steps' graphs too (a step with prompt tokens beside
+        # decoding rows, which the threads' arrivals make or not from run to run: without it
+        # such a step's first capture compiled its forward in the timed run, ~15 s on the H100
+        # that every row waited through, 960 against 21,115 tok/s between two runs of one seed)
+        longest = max(len(p) for p, _ in reqs) + max(n for _, n in reqs)
+        warmed = oxygen_torch.warm_up(model, max_rows=k, max_length=longest)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -249,6 +258,9 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
         # (a step with prompt tokens in a tokens bucket no warm-up step had: its graph captured
         # and its forward compiled in the timed run, seconds that every row waits through)
         out["mixed_captures"] = _graphs(model, mixed=True).get("captures", 0) - mixed_captured
+    if warmed is not None:
+        out["warm_up"] = {x: warmed[x] for x in ("captured", "mixed_captured", "seconds")
+                          if x in warmed}  # fmt: skip
     if timeline:
         out["timeline"] = timeline[-400:]
         full = [x for x in timeline if x[1] == x[2] == k]  # decode steps of every row
