@@ -156,6 +156,50 @@ def test_prefill_steps_through_the_compiled_forward_on_the_gpu(oxygen, arch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before <= 2
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_compiled_prefill_keeps_any_number_of_logits_in_one_compile_on_the_gpu(oxygen, arch):
+    """kv.prefill_compile on the GPU (float32; no decode graphs: every compile is the
+    prefill's; scheduler.max_step_tokens 64): one row of 40 tokens compiles the forward (one
+    logit kept, as warm_up's step). Then two rows in one call (two kept) and a 300-token prompt
+    (its chunks keep none) agree with stock, and nothing compiles again. (A compile that
+    specialized the kept count compiled again for each, ~25 s on the H100 mid-trace, and with
+    none kept dropped the chunk's K/V writes as dead code on the CPU.)"""
+    model = tiny(arch).cuda()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
+
+    def prompt(rows, lengths):
+        ids = torch.zeros(rows, max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, n in enumerate(lengths):  # (left-padded)
+            ids[r, -n:] = torch.randint(3, 128, (n,), generator=g)
+            mask[r, -n:] = 1
+        return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
+                    max_new_tokens=12)  # fmt: skip
+
+    lengths = torch.randint(30, 41, (2,), generator=g).tolist()
+    kws = [prompt(1, [40]), prompt(2, lengths), prompt(1, [300])]
+    ref = [_generate(model, kw) for kw in kws]
+    cfg = load_config(scheduler={"engine": True, "max_step_tokens": 64},
+                      kv={"debug_checks": False, "prefill_compile": True, "mixed_graphs": 0,
+                          "decode_graphs": False})  # fmt: skip
+    hf.apply(model, cfg)
+    got = [_generate(model, kws[0])]
+    (eng,) = engines(model)
+    assert eng.runner.prefill_compiled == 1
+    since = len(eng.stats.timeline)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got += [_generate(model, kw) for kw in kws[1:]]
+    steps = [(e[1], e[2]) for e in list(eng.stats.timeline)[since:] if e[2] > e[1]]
+    assert (2, sum(lengths)) in steps and (1, 64) in steps, steps
+    assert eng.runner.prefill_compiled == 1 + len(steps), (eng.runner.prefill_compiled, steps)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    for kw, g_, r in zip(kws, got, ref):
+        width = kw["input_ids"].shape[1]
+        assert g_.shape == r.shape, (g_.shape, r.shape)
+        agree = float((g_[:, width:] == r[:, width:]).float().mean())
+        assert agree >= 0.9, (agree, g_[:, width:], r[:, width:])
+
+
 def _generate(model, kw):
     with torch.no_grad():
         return model.generate(**kw)

@@ -129,28 +129,45 @@ def test_warm_up_compiles_the_forward_of_the_steps_no_graph_replays(switched, mo
     kv.mixed_graphs (32 here) run the forward compiled whole with dynamic shapes. Every
     warm-up step with prompt tokens replays a mixed graph, so warm_up ends with one prompt of 33
     tokens, which compiles it (the CPU stand-in told it compiles here, as on a GPU; decode
-    graphs not fused, so that every compile is the prefill's). Calls after it of 60 and 20
-    tokens equal stock, the 60-token one runs the compiled forward, and nothing compiles again."""
+    graphs not fused, so that every compile is the prefill's). Calls after it equal stock, and
+    nothing compiles again: 60 tokens (the compiled forward, one logit kept, as warm_up's), 20
+    (a mixed graph), two rows of 40-48 tokens in one call (two logits kept: a compile that
+    specialized the one kept logit of warm_up's step compiled again here, ~25 s on an H100 in
+    the loaded trace) and a prompt longer than a step (scheduler.max_step_tokens 128: chunks
+    that keep no logit)."""
     from oxygen_torch.integrations.hf import engine_runner
 
     monkeypatch.setattr(engine_runner.HFRunner, "_compiles_here", lambda self: True)
     model = tiny("llama", max_position_embeddings=1024)
-    seeds = torch.randint(0, 10_000, (2,)).tolist()
-    kws = [long_call(seeds[0], 60), long_call(seeds[1], 20)]
+    seeds = torch.randint(0, 10_000, (4,)).tolist()
+    two = [long_call(s, int(n)) for s, n in zip(seeds[2:], torch.randint(40, 49, (2,)))]
+    width = max(kw["input_ids"].shape[1] for kw in two)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, kw in enumerate(two):  # (left-padded)
+        ids[i, width - kw["input_ids"].shape[1] :] = kw["input_ids"][0]
+        mask[i, width - kw["input_ids"].shape[1] :] = 1
+    kws = [long_call(seeds[0], 60), long_call(seeds[1], 20),
+           dict(two[0], input_ids=ids, attention_mask=mask), long_call(seeds[0], 300)]  # fmt: skip
     ref = [_generate(model, kw) for kw in kws]
     kv = dict(RERUN, mixed_graphs=32, decode_graph_fusion=False)
-    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    hf.apply(model, load_config(scheduler={"engine": True, "max_step_tokens": 128}, kv=kv))
     assert load_config().kv.prefill_compile  # (the default)
-    got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
+    got = oxygen_torch.warm_up(model, max_rows=4, max_length=512)
     assert got["prefill_compiled"], got
     (eng,) = engines(model)
     runner = eng.runner
     assert runner.prefill_compiled == 1, runner.prefill_compiled
     assert [e[2] for e in eng.stats.timeline if e[2] > e[1]][-1] == 33  # (its prompt step)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    since = len(eng.stats.timeline)
     for kw, r in zip(kws, ref):
         assert torch.equal(_generate(model, kw), r)
-    assert runner.prefill_compiled == 2, runner.prefill_compiled  # (the 60 tokens; 20 replays)
+    steps = [(e[1], e[2]) for e in list(eng.stats.timeline)[since:] if e[2] > e[1]]
+    both = sum(kw["input_ids"].shape[1] for kw in two)
+    assert (2, both) in steps and (1, 128) in steps, steps
+    # 60; the two rows; 128 + 128 + 44 (20 replays a mixed graph)
+    assert runner.prefill_compiled == 6, (runner.prefill_compiled, steps)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 

@@ -7,6 +7,11 @@ cache tensor and no guard on the cache's host state, and the block table, length
 reads are the decode graph's buffers. It runs the same code as the eager path
 (``PagedKVCore.step``), so every path runs the same kernels; it does not synchronise with the
 host, so a step is capturable in a CUDA graph.
+
+Its K/V store is a side effect the op's schema does not declare (mutates_args is empty: the
+cache is no argument), so a compiled graph must use every layer's output: one whose result a
+compiler can prove empty drops the layers as dead code, their stores with them (a prefill chunk
+that kept no logit did on the CPU: HFRunner._compiled keeps two at least).
 """
 
 from __future__ import annotations

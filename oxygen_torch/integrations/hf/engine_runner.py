@@ -32,6 +32,7 @@ from .batched import _forward, _geometry, _graph_forward, step_cache
 from .cache import PagedKVCache
 
 ENGINE_MAX_GRAPHS = 48  # rows buckets x table widths the engine's decode steps go through
+PREFILL_KEEP_MIN = 2  # the compiled prefill forward's kept logits at least (HFRunner._compiled)
 
 
 class HFRunner:
@@ -189,13 +190,15 @@ class HFRunner:
         )
         return self.graph_blocks
 
-    def _inputs(self, rows, pos):
-        """The step's positions [1, T] and the kept logits' indices [K], on the device."""
+    def _inputs(self, rows, pos, least: int = 0):
+        """The step's positions [1, T] and the kept logits' indices [K], on the device; at
+        least `least` indices (the first token's repeated: its logits dropped by the caller)."""
         keep, at = [], 0
         for row in rows:
             at += row.n
             if row.keep:
                 keep.append(at - 1)
+        keep += [0] * (least - len(keep))
         dev = to_device(torch.tensor(pos + keep, dtype=torch.int64), self.device)
         n = len(pos)
         return dev[:n].view(1, -1), dev[n:]
@@ -215,8 +218,14 @@ class HFRunner:
         over `step` (lent to this thread while it runs), on the runner's one cache object (a
         compiled forward guards on its inputs). None when the first compile fails (warned
         once; these steps run eagerly from then on: a step is idempotent, the eager run writes
-        the same K/V to the same slots)."""
-        at, keep = self._inputs(rows, pos)
+        the same K/V to the same slots).
+        The kept logits' indices are PREFILL_KEEP_MIN at least: a dynamic compile specializes a
+        size of 0 or 1, so steps keeping none (a long prompt's first chunks), one (one prompt
+        alone: warm_up's) and several (decoding rows beside) would each compile the forward again,
+        ~25 s on an H100 in the middle of the traffic (seen in the loaded trace); one compile
+        serves them all."""
+        kept = sum(1 for row in rows if row.keep)
+        at, keep = self._inputs(rows, pos, PREFILL_KEEP_MIN)
         if self._prefill_cache is None:
             self._prefill_cache = step_cache(step, model)
         cache = self._prefill_cache
@@ -245,7 +254,7 @@ class HFRunner:
             self._prefill_ready = True
             gc_watch.refreeze("the engine's prefill forward's compile")
         self.prefill_compiled += 1
-        return out.logits[0]
+        return out.logits[0, :kept]
 
 
 def _vocab(model) -> int:
