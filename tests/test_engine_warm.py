@@ -171,6 +171,38 @@ def test_warm_up_compiles_the_forward_of_the_steps_no_graph_replays(switched, mo
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_compile_in_the_traffic_is_told_once_and_not_after_warm_up(switched, monkeypatch, caplog):
+    """A step that compiled alone outside warm_up() (here the prefill forward, kv.prefill_compile,
+    the CPU stand-in told it compiles; any such step told: STALL_TELL_S 0) is said once, with
+    its seconds and the way out (warm_up); a model warmed first says nothing at its calls."""
+    from oxygen_torch.integrations.hf import engine_runner
+
+    monkeypatch.setattr(engine_runner.HFRunner, "_compiles_here", lambda self: True)
+    monkeypatch.setattr(engine_runner, "STALL_TELL_S", 0.0)
+    kv = dict(RERUN, mixed_graphs=32, decode_graph_fusion=False)
+    seeds = torch.randint(0, 10_000, (3,)).tolist()
+
+    def told():
+        return [r.getMessage() for r in caplog.records if "in the traffic" in r.getMessage()]
+
+    model = tiny("llama", max_position_embeddings=1024)
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        for s in seeds:
+            _generate(model, long_call(s, 60))
+    (said,) = told()
+    assert "kv.prefill_compile" in said and "warm_up(model)" in said and "rows (1)" in said, said
+    hf.disable_hf()
+    caplog.clear()
+    model = tiny("llama", max_position_embeddings=1024)
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=kv))
+    with caplog.at_level("WARNING", logger="oxygen_torch"):
+        oxygen_torch.warm_up(model, max_rows=2, max_length=256)
+        for s in seeds:
+            _generate(model, long_call(s, 60))
+    assert told() == [], told()
+
+
 def test_warm_up_leaves_the_prefill_forward_alone_where_it_is_off(switched, monkeypatch):
     """kv.prefill_compile false: warm_up runs no longer prompt and compiles nothing for it."""
     from oxygen_torch.integrations.hf import engine_runner

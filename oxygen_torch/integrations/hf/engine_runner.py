@@ -11,8 +11,10 @@ on (kv.decode_graphs, on a GPU).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
+import time
 import weakref
 
 import torch
@@ -33,6 +35,15 @@ from .cache import PagedKVCache
 
 ENGINE_MAX_GRAPHS = 48  # rows buckets x table widths the engine's decode steps go through
 PREFILL_KEEP_MIN = 2  # the compiled prefill forward's kept logits at least (HFRunner._compiled)
+# a step that compiled (or captured) alone for this long outside warm_up() is told, once a kind
+STALL_TELL_S = 1.0
+STALLS = {
+    "decode": "decode step of a new rows bucket captured its graph",
+    "mixed": "step with prompt tokens beside decoding rows captured its graph",
+    "prefill": "step over kv.mixed_graphs prompt tokens ran the compiled forward (kv.prefill_"
+    "compile)",
+}
+log = logging.getLogger("oxygen_torch")
 
 
 class HFRunner:
@@ -57,6 +68,8 @@ class HFRunner:
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS, copy_out=False)
         self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
         self.capture_exact = False  # while warm.py runs: each rows bucket its own decode graph
+        self.warming = False  # while warm.py runs (its compiles are not told: _tell_stall)
+        self._told: set[str] = set()
         self.mixed = mixed_graphs.MixedGraphs(max_graphs=ENGINE_MAX_GRAPHS)  # kv.mixed_graphs
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
         self.replayed = 0
@@ -114,6 +127,7 @@ class HFRunner:
             fuse_on = graph is not None and graph.runner is None and self._fuses()
             compiled = not decode and graph is None and self._compiles_prefill()
             alone = fuse_on or (compiled and not self._prefill_ready)
+            began = time.perf_counter()
             with trace_guard.GUARD.compile() if alone else trace_guard.GUARD.step():
                 logits = None
                 if graph is not None:
@@ -133,7 +147,23 @@ class HFRunner:
             step.abandon()
             raise
         step.commit()
+        if alone:
+            kind = "prefill" if graph is None else "mixed" if mixed else "decode"
+            self._tell_stall(kind, time.perf_counter() - began, len(rows))
         return logits
+
+    def _tell_stall(self, kind: str, seconds: float, rows: int) -> None:
+        """A step that compiled or captured alone for STALL_TELL_S or more outside warm_up():
+        said once a kind (a compile in the traffic is seconds every running call waits)."""
+        if self.warming or seconds < STALL_TELL_S or kind in self._told:
+            return
+        self._told.add(kind)
+        log.warning(
+            "oxygen_torch: the engine's first %s in the traffic: %.1f s that the step's rows "
+            "(%d) and every waiting call waited through (the forward's compile, once per process); "
+            "oxygen_torch.warm_up(model) pays it before the traffic comes (serve does)",
+            STALLS[kind], seconds, rows,
+        )  # fmt: skip
 
     def _mixed_ok(self, rows, tokens: int) -> bool:
         """A step with prompt tokens that may replay a mixed-step graph (kv.mixed_graphs)."""
