@@ -274,7 +274,8 @@ class KVConfig:
     decode_graph_compile: bool = True
     # the engine's steps that carry prompt tokens (the steps no decode graph replays) run the
     # model's forward compiled whole by backend "oxygen" too, with dynamic shapes (one compile
-    # for every token count, at the first such step; it runs alone) instead of eagerly: an
+    # for every token count, shared with the decode and mixed graphs: whichever step comes
+    # first pays it, alone) instead of eagerly: an
     # eager forward's Python (the H100's arrival trace: 25-47 ms of the engine thread for a
     # 22-layer step, whatever its tokens) is what every decoding row of the step waits for.
     # On a GPU, or on a CPU with cpu_decode_graphs "fuse"; a compile that fails warns once and

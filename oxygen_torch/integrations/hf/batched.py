@@ -508,15 +508,33 @@ def _forward(model, step: MergedStep, ids, pos, keep_idx, forward=None, cache=No
     name = compat.cache_arg(type(model))
     if forward is None:
         forward = type(model).forward.__get__(model)
+    else:  # (compiled: sizes symbolic from the first compile, tokens and kept logits apart)
+        _symbolic(ids, pos, keep_idx)
     return forward(
         input_ids=ids, position_ids=pos, attention_mask=None, use_cache=True,
         logits_to_keep=keep_idx, return_dict=True, **{name: cache},
     )  # fmt: skip
 
 
+def _symbolic(ids, pos, keep) -> None:
+    """The compiled forward's sizes of 2 or more (its tokens, its kept logits) symbolic from
+    its first compile on (torch._dynamo.maybe_mark_dynamic): the engine's decode graphs, its
+    mixed steps' graphs and its compiled prefill run one compile of it, whichever comes first,
+    instead of a static compile and then a symbolic one each (~15 s apiece on an H100, every
+    running call waiting). A size of 1 stays its own compile (one row's decode graph)."""
+    if ids.shape[-1] >= 2:
+        torch._dynamo.maybe_mark_dynamic(ids, ids.dim() - 1)
+        torch._dynamo.maybe_mark_dynamic(pos, pos.dim() - 1)
+    if isinstance(keep, torch.Tensor) and keep.numel() >= 2:
+        torch._dynamo.maybe_mark_dynamic(keep, 0)
+
+
 def _graph_forward(model, core, ids, pos, forward=None, cache=None):
-    """A merged decode graph's forward over its static buffers (every logit kept)."""
-    return _forward(model, core, ids, pos, 0, forward, cache)
+    """A merged decode graph's forward over its static buffers (every logit kept: by their
+    indices, as a mixed step's graph and the compiled prefill keep theirs, so that the three
+    run one compiled forward: _symbolic)."""
+    keep = torch.arange(ids.shape[-1], device=ids.device)
+    return _forward(model, core, ids, pos, keep, forward, cache)
 
 
 def _geometry(model, text=None) -> tuple[int, int, torch.dtype, torch.device]:

@@ -244,7 +244,8 @@ class HFRunner:
 
     def _compiled(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor | None:
         """The step's logits through the model's forward compiled whole by backend "oxygen"
-        with dynamic shapes (kv.prefill_compile): its layers' attention is oxygen::paged_step
+        with dynamic shapes (kv.prefill_compile; the decode and mixed graphs' compile, where one
+        ran: batched._symbolic): its layers' attention is oxygen::paged_step
         over `step` (lent to this thread while it runs), on the runner's one cache object (a
         compiled forward guards on its inputs). None when the first compile fails (warned
         once; these steps run eagerly from then on: a step is idempotent, the eager run writes
@@ -262,7 +263,7 @@ class HFRunner:
         cache._core = step
         bound = type(model).forward.__get__(model)
         try:
-            with fuse.compiled(model, bound, step, dynamic=True) as fn:
+            with fuse.compiled(model, bound, step, dynamic=None) as fn:
                 context.lend(step)
                 try:
                     with context.tracing():

@@ -20,11 +20,13 @@ The capture runs the model's forward compiled whole by backend "oxygen" (fuse.co
 attention becomes oxygen::paged_step over the graph's core, Inductor fuses the norms, rotary,
 residual adds and activations), as a single call's decode graphs do, where
 `kv.decode_graph_fusion` and `kv.decode_graph_compile` are on (the engine's graphs; on a CPU
-with `kv.cpu_decode_graphs` "fuse"): compiled with automatic dynamic shapes, so the second rows
-bucket compiles the sizes symbolic and later buckets only capture. If that compile fails, the
-fusible modules are compiled instead (fuse.fused), else the eager forward is captured; each
-failure warns once. On the H200 the engine's unfused capture took 2.34 ms a decode step at 16
-rows (Llama-1.1B shape) where a single call's compiled graph had taken 1.86-1.90.
+with `kv.cpu_decode_graphs` "fuse"): its sizes symbolic from the first compile
+(batched._symbolic: every logit kept by index, so the mixed steps' graphs and the compiled
+prefill run the same compile), so later buckets only capture; a one-row bucket compiles its
+own. If that compile fails, the fusible modules are compiled instead (fuse.fused), else the
+eager forward is captured; each failure warns once. On the H200 the engine's unfused capture
+took 2.34 ms a decode step at 16 rows (Llama-1.1B shape) where a single call's compiled graph
+had taken 1.86-1.90.
 
 Graphs are kept per Merger or engine (at most MAX_GRAPHS, least recently used dropped), dropped
 when the model's weights move; a signature whose capture fails runs eagerly, with one warning.

@@ -11,8 +11,8 @@ CPU without kv.cpu_decode_graphs) it runs one and two rows only: the KV pool is 
 first calls' costs are paid. With kv.mixed_graphs it first captures, for each tokens bucket up
 to that setting, the mixed-step graph of the most rows such a step has (one call of that many
 rows of prompts): every smaller step with prompt tokens replays one of them. With
-kv.prefill_compile, a prompt one token past kv.mixed_graphs compiles the forward the longer
-steps run (one compile for every token count: ~18 s on an H100), if no step before did. And
+kv.prefill_compile, a prompt one token past kv.mixed_graphs runs the compiled forward the longer
+steps run (the graphs' compile: batched._symbolic), if no step before did. And
 it makes the KV pool's CPU tier (pool.cpu_tier_bytes: the engine swaps preempted rows there),
 which on a GPU pins that much host memory (~0.3 s a GiB): the engine would otherwise make it at
 its first preemption, beside its steps, recomputing the rows it preempts until it is made. On a
