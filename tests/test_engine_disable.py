@@ -207,11 +207,12 @@ def test_release_pools_between_a_bind_and_its_first_blocks_takes_no_pool(cleanup
 
 @pytest.mark.parametrize("mode", ["merged", "preempted"])
 def test_release_pools_while_calls_run_takes_no_pool_from_them(cleanup, mode):
-    """8 threads of 3 calls each (preempted: 10 threads of one call of 2 rows x 100+ tokens
-    and 40 new ones) while another thread calls release_pools() in a loop: every call returns
-    stock's tokens. Once they are done, release_pools() lets every pool go."""
+    """8 threads of 3 calls each (preempted: 8 threads of one call of 2 rows x 240+ tokens
+    and 24 new ones: 48 blocks by their end, 31 in the arena) while another thread calls
+    release_pools() in a loop: every call returns stock's tokens. Once they are done,
+    release_pools() lets every pool go."""
     if mode == "preempted":
-        kws, repeat = calls(10, new=40, rows=2, length=100), 1
+        kws, repeat = calls(8, new=24, rows=2, length=240), 1
     else:
         kws, repeat = calls(8, new=10), 3
     ref = stock_answers(kws)

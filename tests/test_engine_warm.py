@@ -203,8 +203,7 @@ def test_a_compile_in_the_traffic_is_told_once_and_not_after_warm_up(switched, m
     assert told() == [], told()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_decode_mixed_and_prefill_steps_share_one_compiled_forward(switched, arch):
+def test_decode_mixed_and_prefill_steps_share_one_compiled_forward(switched):
     """kv.cpu_decode_graphs "fuse" (the CPU compiles as a GPU does): warm_up's mixed graphs of
     three token buckets, decode graphs of rows buckets 1 to 4 and the compiled prefill make two
     compiles of the forward in all: one with its sizes symbolic from the start, which every step
@@ -212,7 +211,7 @@ def test_decode_mixed_and_prefill_steps_share_one_compiled_forward(switched, arc
     then a symbolic forward of its own: five, ~15 s each on an H100). Calls after it (a mixed
     graph's prompt, one over kv.mixed_graphs, two rows) equal stock and compile nothing."""
     torch._dynamo.reset()  # (the compiled forward is shared by a class's models: none yet)
-    model = tiny(arch, max_position_embeddings=1024)
+    model = tiny("qwen3", max_position_embeddings=1024)
     seeds = torch.randint(0, 10_000, (3,)).tolist()
     kws = [long_call(seeds[0], 20), long_call(seeds[1], 100), call(seeds[2] * 3 + 1)]
     ref = [_generate(model, kw) for kw in kws]
