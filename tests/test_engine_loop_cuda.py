@@ -176,7 +176,7 @@ def test_the_compiled_prefill_keeps_any_number_of_logits_in_one_compile_on_the_g
         return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
                     max_new_tokens=12)  # fmt: skip
 
-    lengths = torch.randint(30, 41, (2,), generator=g).tolist()
+    lengths = torch.randint(20, 32, (2,), generator=g).tolist()  # (one step: at most 64)
     kws = [prompt(1, [40]), prompt(2, lengths), prompt(1, [300])]
     ref = [_generate(model, kw) for kw in kws]
     cfg = load_config(scheduler={"engine": True, "max_step_tokens": 64},
