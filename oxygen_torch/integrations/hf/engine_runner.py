@@ -67,8 +67,8 @@ class HFRunner:
         self.precision, self.tiles = self._proto.precision, self._proto.tiles
         self.graphs = merged_graphs.MergedGraphs(max_graphs=ENGINE_MAX_GRAPHS, copy_out=False)
         self.graph_blocks = 0  # the narrowest table a decode graph is captured with (warm.py)
-        self.capture_exact = False  # while warm.py runs: each rows bucket its own decode graph
-        self.warming = False  # while warm.py runs (its compiles are not told: _tell_stall)
+        # while warm.py runs: each rows bucket its own decode graph (and no stall told)
+        self.capture_exact = False
         self._told: set[str] = set()
         self.mixed = mixed_graphs.MixedGraphs(max_graphs=ENGINE_MAX_GRAPHS)  # kv.mixed_graphs
         self.kv_rows = RowKV(self.pool, cfg, (prefix_cache._serial(model),), self._bind)
@@ -155,7 +155,7 @@ class HFRunner:
     def _tell_stall(self, kind: str, seconds: float, rows: int) -> None:
         """A step that compiled or captured alone for STALL_TELL_S or more outside warm_up():
         said once a kind (a compile in the traffic is seconds every running call waits)."""
-        if self.warming or seconds < STALL_TELL_S or kind in self._told:
+        if self.capture_exact or seconds < STALL_TELL_S or kind in self._told:  # (warm.py)
             return
         self._told.add(kind)
         log.warning(
@@ -183,12 +183,7 @@ class HFRunner:
         graph = self.mixed.pick(model, step, width, len(rows), tokens)
         if graph is None:
             return None, None
-        keep, at = [], 0
-        for row in rows:
-            at += row.n
-            if row.keep:
-                keep.append(at - 1)
-        return graph, keep
+        return graph, _kept(rows)
 
     def _compiles_here(self) -> bool:
         """Whether this runner compiles forwards at all: on a GPU, or on a CPU with
@@ -220,21 +215,14 @@ class HFRunner:
         )
         return self.graph_blocks
 
-    def _inputs(self, rows, pos, least: int = 0):
-        """The step's positions [1, T] and the kept logits' indices [K], on the device; at
-        least `least` indices (the first token's repeated: its logits dropped by the caller)."""
-        keep, at = [], 0
-        for row in rows:
-            at += row.n
-            if row.keep:
-                keep.append(at - 1)
-        keep += [0] * (least - len(keep))
+    def _inputs(self, pos, keep: list[int]):
+        """The step's positions [1, T] and the kept logits' indices [K], on the device."""
         dev = to_device(torch.tensor(pos + keep, dtype=torch.int64), self.device)
         n = len(pos)
         return dev[:n].view(1, -1), dev[n:]
 
     def _eager(self, model, step: MergedStep, rows, ids, pos) -> torch.Tensor:
-        at, keep = self._inputs(rows, pos)
+        at, keep = self._inputs(pos, _kept(rows))
         return _forward(model, step, ids.view(1, -1), at, keep).logits[0]
 
     def _compiles_prefill(self) -> bool:
@@ -255,8 +243,9 @@ class HFRunner:
         alone: warm_up's) and several (decoding rows beside) would each compile the forward again,
         ~25 s on an H100 in the middle of the traffic (seen in the loaded trace); one compile
         serves them all."""
-        kept = sum(1 for row in rows if row.keep)
-        at, keep = self._inputs(rows, pos, PREFILL_KEEP_MIN)
+        kept = _kept(rows)
+        # (padded with the first token's index: its logits dropped below)
+        at, keep = self._inputs(pos, kept + [0] * (PREFILL_KEEP_MIN - len(kept)))
         if self._prefill_cache is None:
             self._prefill_cache = step_cache(step, model)
         cache = self._prefill_cache
@@ -285,7 +274,18 @@ class HFRunner:
             self._prefill_ready = True
             gc_watch.refreeze("the engine's prefill forward's compile")
         self.prefill_compiled += 1
-        return out.logits[0, :kept]
+        return out.logits[0, : len(kept)]
+
+
+def _kept(rows) -> list[int]:
+    """The packed indices of the step's tokens whose logits are kept: each row that keeps one
+    (a prompt's last chunk, a decoding row), its last token."""
+    keep, at = [], 0
+    for row in rows:
+        at += row.n
+        if row.keep:
+            keep.append(at - 1)
+    return keep
 
 
 def _vocab(model) -> int:

@@ -132,7 +132,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     # each rows bucket captures its own decode graph, although the mixed pass's first calls
     # capture a larger one it could replay padded (until asked for merged_graphs.CAPTURE_AFTER
     # times: then it would capture mid-traffic)
-    runner.capture_exact = runner.warming = True
+    runner.capture_exact = True
     try:
         # kv.mixed_graphs, first and largest first (their graphs share one memory pool): a
         # step with prompt tokens a tokens bucket, `target` tokens (the bucket's top, or the
@@ -162,7 +162,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
             if over <= min(eng.step_tokens, length - 2):
                 run([over])
     finally:
-        runner.capture_exact = runner.warming = False
+        runner.capture_exact = False
     # the KV pool's CPU tier (pool.cpu_tier_bytes), where the engine swaps the rows it
     # preempts: made on a GPU at the first preemption, beside the steps, and until then those
     # rows are recomputed; made here, the first preemption swaps (its pinning: ~0.3 s a GiB)
