@@ -116,7 +116,7 @@ def test_warm_up_captures_every_rows_buckets_own_decode_graph(switched):
     model = tiny("llama")
     hf.apply(model, on(256, block_tokens=16))
     got = oxygen_torch.warm_up(model, max_rows=32, max_length=128)
-    assert got["rows_buckets"] == [2, 4, 8, 12, 16, 24, 32], got
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12, 16, 24, 32], got
     (eng,) = engines(model)
     rows = sorted({key[0] for key in eng.runner.graphs.graphs})
     assert rows == got["rows_buckets"], (rows, got)

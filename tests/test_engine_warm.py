@@ -45,9 +45,8 @@ def merged(model) -> dict:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_after_warm_up_the_calls_steps_replay_and_capture_nothing(switched, arch):
-    """warm_up(max_rows=32, max_length=480): buckets 2..32 captured once each (a one-row step
-    replays bucket 2), tables 32 blocks wide (480 tokens in 16-token blocks: 30, rounded up to a
-    power of two). Then 10 concurrent
+    """warm_up(max_rows=32, max_length=480): buckets 1..32 captured once each, tables 32 blocks
+    wide (480 tokens in 16-token blocks: 30, rounded up to a power of two). Then 10 concurrent
     calls of 1-3 rows (up to 24 rows a step) and one of 440 + 4 tokens (28 blocks: wider than a
     graph's table would be without the warm-up) equal stock and capture no graph; a call of 600
     tokens (38 blocks: past max_length) captures one of its own, and equals stock too."""
@@ -58,19 +57,19 @@ def test_after_warm_up_the_calls_steps_replay_and_capture_nothing(switched, arch
     ref = [_generate(model, kw) for kw in kws + [past]]
     hf.apply(model, load_config(scheduler={"engine": True}, kv=RERUN))
     got = oxygen_torch.warm_up(model, max_rows=32, max_length=480)
-    assert got["rows_buckets"] == [2, 4, 8, 12, 16, 24, 32], got
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12, 16, 24, 32], got
     assert got["table_blocks"] == 32 and got["max_length"] == 480, got
     st = merged(model)
-    assert got["captured"] == st["captures"] == st["graphs"] == 7, (got, st)
+    assert got["captured"] == st["captures"] == st["graphs"] == 8, (got, st)
     out, errors = in_threads(lambda kw: _generate(model, kw), [(kw,) for kw in kws])
     assert not errors, errors
     for i, r in enumerate(ref[:-1]):
         assert torch.equal(out[i], r), (arch, i)
     after = merged(model)
-    assert after["captures"] == 7 and after["failed"] == 0, after
+    assert after["captures"] == 8 and after["failed"] == 0, after
     assert after["replays"] > st["replays"], after  # (the calls' decode steps replayed)
     assert torch.equal(_generate(model, past), ref[-1])
-    assert merged(model)["captures"] == 8  # a table of 64 blocks: not warmed
+    assert merged(model)["captures"] == 9  # a table of 64 blocks: not warmed
 
 
 def test_a_limit_between_buckets_warms_the_bucket_above_it(switched):
@@ -80,7 +79,7 @@ def test_a_limit_between_buckets_warms_the_bucket_above_it(switched):
     model = tiny("llama", max_position_embeddings=1024)
     hf.apply(model, load_config(scheduler={"engine": True, "max_step_seqs": 10}, kv=RERUN))
     got = oxygen_torch.warm_up(model)
-    assert got["rows_buckets"] == [2, 4, 8, 12] and got["captured"] == 4, got
+    assert got["rows_buckets"] == [1, 2, 4, 8, 12] and got["captured"] == 5, got
     assert got["max_length"] == 1024 and got["table_blocks"] == 64, got
     assert oxygen_torch.engine_stats(model)["running"] == 0
 
@@ -206,12 +205,11 @@ def test_a_compile_in_the_traffic_is_told_once_and_not_after_warm_up(switched, m
 
 def test_decode_mixed_and_prefill_steps_share_one_compiled_forward(switched):
     """kv.cpu_decode_graphs "fuse" (the CPU compiles as a GPU does): warm_up's mixed graphs of
-    three token buckets, decode graphs of rows buckets 2 and 4 and the compiled prefill make one
-    compile of the forward in all, its sizes symbolic from the start: every step is two tokens
-    or more (a one-row decode step replays the two-row graph; each kind had compiled a static
-    and then a symbolic forward of its own: five, ~15 s each on an H100, and one-row decode its
-    own after that: two). Calls after it (a mixed graph's prompt, one over kv.mixed_graphs, two
-    rows, one row) equal stock and compile nothing."""
+    three token buckets, decode graphs of rows buckets 1 to 4 and the compiled prefill make two
+    compiles of the forward in all: one with its sizes symbolic from the start, which every step
+    of two tokens or more runs, and one-row decode's own (each kind had compiled a static and
+    then a symbolic forward of its own: five, ~15 s each on an H100). Calls after it (a mixed
+    graph's prompt, one over kv.mixed_graphs, two rows) equal stock and compile nothing."""
     torch._dynamo.reset()  # (the compiled forward is shared by a class's models: none yet)
     model = tiny("qwen3", max_position_embeddings=1024)
     seeds = torch.randint(0, 10_000, (3,)).tolist()
@@ -222,10 +220,10 @@ def test_decode_mixed_and_prefill_steps_share_one_compiled_forward(switched):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = oxygen_torch.warm_up(model, max_rows=4, max_length=256)
     assert got["mixed_captured"] == 3 and got["prefill_compiled"], got
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     for kw, r in zip(kws, ref):
         assert torch.equal(_generate(model, kw), r)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
 
 
 def test_warm_up_leaves_the_prefill_forward_alone_where_it_is_off(switched, monkeypatch):
@@ -312,4 +310,4 @@ def test_warm_up_goes_on_without_a_tier_it_cannot_make(switched, monkeypatch, ca
         got = oxygen_torch.warm_up(model, max_rows=2, max_length=256)
     said = [r.getMessage() for r in caplog.records if "CPU tier" in r.getMessage()]
     assert len(said) == 1 and "no pinned memory here" in said[0], said
-    assert got["cpu_tier_bytes"] == 0 and got["captured"] == 1, got
+    assert got["cpu_tier_bytes"] == 0 and got["captured"] == 2, got

@@ -521,9 +521,7 @@ def _symbolic(ids, pos, keep) -> None:
     its first compile on (torch._dynamo.maybe_mark_dynamic): the engine's decode graphs, its
     mixed steps' graphs and its compiled prefill run one compile of it, whichever comes first,
     instead of a static compile and then a symbolic one each (~15 s apiece on an H100, every
-    running call waiting). A size of 1 would be its own compile: the decode graphs' rows
-    buckets start at 2 (merged_graphs.BUCKETS) and the compiled prefill keeps 2 logits at least
-    (engine_runner.PREFILL_KEEP_MIN), so no step passes one token or one kept logit."""
+    running call waiting). A size of 1 stays its own compile (one row's decode graph)."""
     if ids.shape[-1] >= 2:
         torch._dynamo.maybe_mark_dynamic(ids, ids.dim() - 1)
         torch._dynamo.maybe_mark_dynamic(pos, pos.dim() - 1)

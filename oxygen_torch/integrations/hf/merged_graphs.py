@@ -22,13 +22,11 @@ residual adds and activations), as a single call's decode graphs do, where
 `kv.decode_graph_fusion` and `kv.decode_graph_compile` are on (the engine's graphs; on a CPU
 with `kv.cpu_decode_graphs` "fuse"): its sizes symbolic from the first compile
 (batched._symbolic: every logit kept by index, so the mixed steps' graphs and the compiled
-prefill run the same compile), so later buckets only capture. A one-row step replays the
-two-row graph, its second row padding: a size of 1 would compile a static forward of its own
-(~15 s on an H100, a call alone's second compile), for a step a padding row costs next to
-nothing (the weights are read once for both rows). If that compile fails, the fusible modules
-are compiled instead (fuse.fused), else the eager forward is captured; each failure warns once.
-On the H200 the engine's unfused capture took 2.34 ms a decode step at 16 rows (Llama-1.1B
-shape) where a single call's compiled graph had taken 1.86-1.90.
+prefill run the same compile), so later buckets only capture; a one-row bucket compiles its
+own. If that compile fails, the fusible modules are compiled instead (fuse.fused), else the
+eager forward is captured; each failure warns once. On the H200 the engine's unfused capture
+took 2.34 ms a decode step at 16 rows (Llama-1.1B shape) where a single call's compiled graph
+had taken 1.86-1.90.
 
 Graphs are kept per Merger or engine (at most MAX_GRAPHS, least recently used dropped), dropped
 when the model's weights move; a signature whose capture fails runs eagerly, with one warning.
@@ -51,7 +49,7 @@ from ...kv.plan import StepPlan
 from ...kv.storage import GUARD_BLOCK
 from . import fuse, graphs
 
-BUCKETS = (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 8
 # A signature not captured yet replays the smallest captured graph that holds it (more rows,
 # a wider table: padding) until it has been asked for this many times, then gets its own. A

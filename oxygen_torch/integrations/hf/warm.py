@@ -92,7 +92,7 @@ def warm_up(model, *, max_rows: int | None = None, max_length: int | None = None
     # no decode graphs (kv.decode_graphs off, a CPU without kv.cpu_decode_graphs): nothing to
     # capture; one and two rows still make the KV pool and pay the first calls' costs
     replays = graphs.usable(runner.device, runner._proto_cache)
-    sizes = buckets_up_to(rows) if replays else [1, 2][: min(rows, 2)]
+    sizes = buckets_up_to(rows) if replays else buckets_up_to(min(rows, 2))
     before, mixed_before = runner.graphs.captures, runner.mixed.captures
     held_before = set(runner.mixed.graphs)
     gen = getattr(model, "generation_config", None)
