@@ -54,3 +54,8 @@ def test_skinny_mm_refuses_what_it_cannot_multiply():
 @pytest.mark.parametrize("split", [1, 4])
 def test_skinny_mm_on_the_gpu(m, n, k, split):
     _check(m, n, k, torch.bfloat16, SkinnyConfig(64, 128, split, 4, 4), device="cuda")
+
+
+@pytest.mark.cuda
+def test_skinny_mm_in_fp32_on_the_gpu_is_not_tf32():
+    _check(16, 1000, 1000, torch.float32, SkinnyConfig(64, 64, 2, 4, 3), device="cuda", tol=1e-5)

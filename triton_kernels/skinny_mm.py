@@ -48,6 +48,7 @@ def _skinny_kernel(
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     PARTIAL: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: full fp32 products, as torch.mm's default (not tf32)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,7 +74,10 @@ def _skinny_kernel(
             k_ok = offs_k < k_hi
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     o_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = row_ok[:, None] & col_ok[None, :]
     if PARTIAL:
@@ -141,6 +145,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = None)
         EVEN_N=n % cfg.block_n == 0,
         EVEN_K=k % per == 0 and per % cfg.block_k == 0,
         PARTIAL=partial,
+        IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
