@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_runnable
+from ._checks import check_dtype, check_runnable
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,12 @@ def _block_m(m: int) -> int:
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype. cfg: the tiles (SkinnyConfig())."""
     check_runnable("x", x)
+    check_runnable("w", w)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"skinny_mm: x {list(x.shape)} and w {list(w.shape)}: want [M, K], [N, K]")
-    if x.dtype != w.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"skinny_mm: dtypes {x.dtype} / {w.dtype}: want one of fp16, bf16, fp32")
+    check_dtype("x", x, (torch.float16, torch.bfloat16, torch.float32))
+    if x.dtype != w.dtype:
+        raise ValueError(f"skinny_mm: dtypes {x.dtype} / {w.dtype}: x and w need one dtype")
     if x.device != w.device:
         raise ValueError(f"skinny_mm: x on {x.device}, w on {w.device}")
     if x.stride(1) != 1 or w.stride(1) != 1:

@@ -275,9 +275,9 @@ class KVConfig:
     # the engine's steps that carry prompt tokens (the steps no decode graph replays) run the
     # model's forward compiled whole by backend "oxygen" too, with dynamic shapes (one compile
     # for every token count, shared with the decode and mixed graphs: whichever step comes
-    # first pays it, alone) instead of eagerly: an
-    # eager forward's Python (the H100's arrival trace: 25-47 ms of the engine thread for a
-    # 22-layer step, whatever its tokens) is what every decoding row of the step waits for.
+    # first pays it, alone) instead of eagerly: an eager forward's Python (the H100's arrival
+    # trace: 25-47 ms of the engine thread for a 22-layer step, whatever its tokens) is what
+    # every decoding row of the step waits for.
     # On a GPU, or on a CPU with cpu_decode_graphs "fuse"; a compile that fails warns once and
     # the steps run eagerly. On since measured on an H100 (benchmarks/RESULTS.md, time to first
     # token): with kv.mixed_graphs 2048 it is the steps over 2,048 prompt tokens, and their
