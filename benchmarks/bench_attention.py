@@ -469,6 +469,60 @@ def prefill_sweep(gen):
     return best
 
 
+# the engine's decode shapes (issue 34's profile: the 1B shape with a 128k vocabulary, head dim
+# 64, block_tokens 16, the merged graph's table 512 tokens wide; at 64 rows of ~192 keys the
+# kernel took 35 us a layer on the H100, ~0.4 TB/s of K+V): (rows, keys, table width in tokens)
+ENGINE_DECODE = [(64, 192, 512), (64, 384, 512), (256, 384, 512), (1, 384, 512), (64, 1024, 2048)]
+ENGINE_SWEEP = [(16, 2, 2), (32, 2, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3),
+                (64, 8, 2), (16, 4, 3)]  # fmt: skip
+
+
+def engine_decode(gen):
+    """--engine-decode: our decode kernel at the engine's shapes (head dim 64, block_tokens 16),
+    its table as wide as the engine's graph (the rows' lengths below it) and exactly as wide,
+    beside cuDNN on contiguous K/V and the copy of the same bytes; then launch choices
+    (block_n, warps, stages) x splits 1, 2, 4 while the budget lasts. What the profile's 35 us a
+    layer is made of: the tile rule at a short span, the grid, or the kernel's fixed cost."""
+    hq, hkv, d, bt = 32, 8, 64, 16
+    best = {}
+    for b, n, width in ENGINE_DECODE:
+        case = f"engine decode B={b} L={n} D={d}"
+        q = torch.randn(b, hq, 1, d, device=DEV, dtype=BF16, generator=gen)
+        k = torch.randn(b, hkv, n, d, device=DEV, dtype=BF16, generator=gen)
+        v = torch.randn_like(k)
+        nbytes = k.nbytes + v.nbytes
+        ref = anchors(case, q, k, v, False, nbytes, "TB/s")
+        q3 = q[:, :, 0].contiguous()
+        lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+        perm, table = shuffled_table(b, n, bt, gen)
+        kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
+        wide = torch.zeros(b, width // bt, dtype=torch.int32, device=DEV)
+        wide[:, : n // bt] = table  # (past the length: block 0, never read)
+        for name, t in (("table as wide as the graph's", wide), ("table exact", table)):
+            out = torch.empty_like(q3)
+            fn = functools.partial(paged_decode, q3, kc, vc, t, lens, out=out)
+            fn()
+            cfg, _, splits = decode_launch(q3, kc, t, 0, PrecisionMode.AUTO_MIXED, None, None)
+            err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+            row(case, f"ours, {name}", bench(fn), nbytes, "TB/s", err,
+                f"{cfg}, splits={splits}")  # fmt: skip
+        for bn, warps, stages in ENGINE_SWEEP:
+            for splits in (1, 2, 4):
+                if elapsed() > BUDGET_S:
+                    return best
+                cfg = LaunchConfig(16, bn, warps, stages, num_splits=splits)
+                fn = functools.partial(paged_decode, q3, kc, vc, wide, lens, launch=cfg)
+                ms = bench(fn)
+                tbs = nbytes / (ms * 1e-3) / 1e12
+                print(f"sweep {case} {cfg}: {ms * 1e3:.1f} us {tbs:.2f} TB/s", flush=True)
+                if case not in best or ms < best[case]["ms"]:
+                    best[case] = dict(ms=ms, tbps=tbs, bn=bn, warps=warps, stages=stages,
+                                      splits=splits)  # fmt: skip
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return best
+
+
 def table_md() -> str:
     lines = ["| case | impl | ms | value | unit | ours/cuDNN | rel err vs SDPA | note |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -503,6 +557,14 @@ def main():
         env.update(gpu=props.name, sms=props.multi_processor_count)
     print(env, flush=True)
     # first: the README's error table must not be crowded out
+    if ARGS.engine_decode:
+        best = engine_decode(gen)
+        md = table_md()
+        print("\n" + md + f"\n\nsweep best: {json.dumps(best)}\ntotal {elapsed():.0f} s")
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "bench_attention_engine.json"), "w") as f:
+                json.dump(dict(env=env, rows=ROWS, sweep=best), f, indent=1)
+        return
     errors = precision_errors(gen) if not ARGS.decode_only else {}
     for b, n in progress(DECODE, "decode cases"):
         decode_case(b, n, gen)
@@ -550,5 +612,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--decode-only", action="store_true", help="only the decode cases (bf16 and fp8 KV)"
     )
+    parser.add_argument("--engine-decode", action="store_true",
+                        help="only decode at the engine's shapes (head dim 64, tables as wide "
+                        "as its graphs') and a sweep of launch choices there")  # fmt: skip
     ARGS = parser.parse_args()
     cpu_errors() if ARGS.cpu_errors else main()
