@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue 35: the anchor workload (bench_allocator.py --anchor --calls N) under expandable segments
-# and the pool at several pool.hysteresis_ms, each in its own process, then both again under
-# py-spy --native (raw samples: where the pool's extra seconds go).
+# and the pool at several pool.hysteresis_ms, each in its own process; then the modes in
+# $SPY_MODES (default: the pool at 20 ms) again under py-spy --native, raw samples to $OUT (where
+# the pool's extra seconds go).
 #   OUT=... bash .device/alloc_profile.sh [calls] [hysteresis ms ...]
 set -u
 OUT="${OUT:-/tmp/out}"
 CALLS="${1:-7}"; shift || true
-HYST="${*:-20 2 200}"
+HYST="${*:-200}"
 W="import sys, json; sys.path.insert(0, 'benchmarks'); import workloads as w; print(json.dumps(w.run(sys.argv[1], $CALLS, None)))"
 python3 -c "$W" expandable >"$OUT/alloc_expandable.json" 2>"$OUT/alloc_expandable.err"
-tail -1 "$OUT/alloc_expandable.json"
+echo "expandable: $(tail -1 "$OUT/alloc_expandable.json")"
 for h in $HYST; do
   OXYGEN_HYSTERESIS_MS=$h python3 -c "$W" oxygen >"$OUT/alloc_oxygen_h$h.json" 2>"$OUT/alloc_oxygen_h$h.err"
-  echo "h=$h: $(tail -1 "$OUT/alloc_oxygen_h$h.json")"
+  echo "oxygen h=$h: $(tail -1 "$OUT/alloc_oxygen_h$h.json")"
 done
 SPY=$(command -v py-spy || true)
 if [ -z "$SPY" ]; then
@@ -20,8 +21,8 @@ if [ -z "$SPY" ]; then
   SPY=$(command -v py-spy || true)
 fi
 [ -n "$SPY" ] || { echo "no py-spy"; exit 0; }
-for mode in oxygen expandable; do
+for mode in ${SPY_MODES:-oxygen}; do
   "$SPY" record --native --rate 100 --format raw -o "$OUT/alloc_${mode}_pyspy.txt" -- \
-    python3 -c "$W" $mode >"$OUT/alloc_${mode}_spied.json" 2>"$OUT/alloc_${mode}_spied.err"
-  echo "spied $mode: $(tail -1 "$OUT/alloc_${mode}_spied.json")"
+    python3 -c "$W" "$mode" >"$OUT/alloc_${mode}_spied.json" 2>"$OUT/alloc_${mode}_spied.err"
+  echo "spied $mode (pool.hysteresis_ms default): $(tail -1 "$OUT/alloc_${mode}_spied.json")"
 done
