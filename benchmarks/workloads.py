@@ -286,14 +286,17 @@ def run(mode: str, calls: int | None, seed: int | None = None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     toks = 0
+    call_s = []  # each call's seconds (synchronized): where two allocators' times part
     t0 = time.perf_counter()
     for b, p, n in work:
+        t = time.perf_counter()
         ids = torch.randint(0, cfg.vocab_size, (b, p), device="cuda")
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                            min_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
         toks += b * n
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        call_s.append(round(time.perf_counter() - t, 3))
     dt = time.perf_counter() - t0
     pa, pr = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     end_now = torch.cuda.memory_reserved()
@@ -312,6 +315,8 @@ def run(mode: str, calls: int | None, seed: int | None = None) -> dict:
         "end_allocated_GiB": round(torch.cuda.memory_allocated() / 2**30, 3),
         "tok_per_s": round(toks / dt, 1),
         "seconds": round(dt, 1),
+        "calls_bpn": [list(c) for c in work],  # (batch, prompt, new) of each call
+        "call_s": call_s,
     }
     if mode == "oxygen":
         from oxygen_torch import pool as allocator
