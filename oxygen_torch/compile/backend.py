@@ -4,7 +4,8 @@
     torch.compile(model, backend="oxygen", mode="reduce-overhead")
 
 Steps per Dynamo graph: validate the options (ValueError naming the option), rewrite attention
-(passes.py), report what was left (warning, or UnsupportedAttentionError with
+(passes.py), join linear layers on one input whose weights are adjacent in memory into one GEMM
+(linear_cat.py), report what was left (warning, or UnsupportedAttentionError with
 fallback="error"), compile with Inductor's `compile_fx` (options["inductor"] as config patches),
 and with mode="reduce-overhead" on CUDA wrap the result in our CUDA-graph runner (cudagraphs.py).
 """
@@ -16,6 +17,7 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
+from . import linear_cat
 from .cudagraphs import GraphRunner, mutated_inputs
 from .options import CompileOptions
 from .passes import rewrite_attention
@@ -62,6 +64,7 @@ final_compiler = _inductor
 def compile_graph(gm: GraphModule, example_inputs, opts: CompileOptions):
     """Compiles one Dynamo graph with validated options."""
     report = rewrite_attention(gm, opts)
+    linear_cat.rewrite(gm, example_inputs)  # (weights laid out adjacent: one GEMM a group)
     cuda = _on_cuda(example_inputs)
     graphs = opts.mode == "reduce-overhead" and cuda
     if opts.mode == "reduce-overhead" and not cuda:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kv import fresh
+from . import linear_cat
 
 
 @dataclass
@@ -39,6 +40,7 @@ _totals: dict[str, Any] = {}
 
 def reset_stats() -> None:
     fresh.reset()
+    linear_cat.reset()
     with _lock:
         _totals.clear()
         _totals.update(
@@ -75,7 +77,8 @@ def stats() -> dict[str, Any]:
     left_reasons [{pattern, reason, where}], notes, cuda_graphs {captured, replayed, skipped},
     prefill_attention {dense, paged, why {reason: n}}: prefill attention calls (one per layer and
     forward) on the paged cache by path, dense being SDPA on a fresh prefill's own K/V
-    (kv.fresh_prefill)."""
+    (kv.fresh_prefill); linear_cat {groups_of_N, ran_apart}: linear layers on one input joined
+    into one GEMM (compile/linear_cat.py), and its calls whose weights were not adjacent."""
     with _lock:
         return {
             "graphs_compiled": _totals["graphs_compiled"],
@@ -87,6 +90,7 @@ def stats() -> dict[str, Any]:
             "notes": list(_totals["notes"]),
             "cuda_graphs": dict(_totals["cuda_graphs"]),
             "prefill_attention": fresh.stats(),
+            "linear_cat": linear_cat.stats(),
         }
 
 

@@ -386,6 +386,13 @@ class KernelConfig:
     # ones does not hold the step: off until bench_attention.py has timed it on the H200 (the
     # classic splits: one 32k row beside 31 of 512 took 0.42 ms against cuDNN's 0.09)
     decode_balance: bool = False
+    # a model's q / k / v and gate / up weights laid out as adjacent rows of one buffer each
+    # when its first engine is made (same parameters and values, no memory added; transformers'
+    # save_pretrained still works), so the compiled forward runs each group as one GEMM
+    # (compile/linear_cat.py). The H100 (bench_linear.py, 1B shape, 64 rows): q, k and v 17.2 us
+    # apart, 7.4 us as one GEMM; gate and up 28.8 / 26.3 us. Off until a whole engine step has
+    # been timed with it (bench_multitask.py)
+    fuse_projections: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "precision", PrecisionMode.parse(self.precision))

@@ -28,7 +28,7 @@ from ...kv.decode_step import DecodeStep
 from ...kv.merged import MergedStep, Part
 from ...kv.pool import get_pool
 from ...kv.transfer import to_device
-from . import fuse, graphs, merged_graphs, mixed_graphs, trace_guard
+from . import fuse, graphs, merged_graphs, mixed_graphs, projections, trace_guard
 from . import prefix as prefix_cache
 from .batched import _forward, _geometry, _graph_forward, step_cache
 from .cache import PagedKVCache
@@ -314,6 +314,8 @@ def engine_for(model, cfg, text=None) -> Engine:
             # prefill decide how large a batch fits
             if not group:  # the model's first engine: they all stop when the model goes
                 weakref.finalize(model, _stop_orphans)
+                if cfg.kernel.fuse_projections:
+                    _fuse_projections(model)
             eng = group[key] = Engine(
                 HFRunner(model, cfg), cfg.scheduler, type(model).__name__,
                 step_tokens=cfg.kv.prefill_chunk_tokens,
@@ -323,6 +325,26 @@ def engine_for(model, cfg, text=None) -> Engine:
     if made and cfg.scheduler.gc_freeze and eng.runner.device.type == "cuda":
         gc_watch.freeze_once()  # (outside the lock: a collection runs finalizers)
     return eng
+
+
+def _fuse_projections(model) -> None:
+    """kernel.fuse_projections, before the model's first engine captures anything: its q / k / v
+    and gate / up weights as one buffer each (projections.py). Not when a single call's decode
+    graphs were captured on the model already (they would read the old, freed tensors)."""
+    mg = graphs._graphs.get(model)
+    if mg is not None and mg.graphs:
+        _patching.warn_once(
+            "oxygen_torch: kernel.fuse_projections: left off for this model: decode graphs "
+            "were captured on its weights before its first engine"
+        )
+        return
+    done = projections.make_adjacent(model)
+    left = {k: v for k, v in done.items() if k not in ("joined", "already adjacent")}
+    if left:
+        _patching.warn_once(
+            f"oxygen_torch: kernel.fuse_projections: groups left apart in "
+            f"{type(model).__name__}: {dict(left)}"
+        )
 
 
 # every engine not yet garbage, its model's entry in _engines gone or not: close_all() ends them
