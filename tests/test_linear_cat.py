@@ -21,8 +21,8 @@ from oxygen_torch.compile import backend as backend_mod
 from oxygen_torch.compile import linear_cat as LC
 from oxygen_torch.compile import make_backend
 from oxygen_torch.config import load_config
+from oxygen_torch.integrations.hf import engine_runner, projections
 from oxygen_torch.integrations.hf import integration as hf
-from oxygen_torch.integrations.hf import projections
 
 
 def _rand_rows(gen, *shape):
@@ -231,5 +231,35 @@ def test_fused_projections_on_the_gpu_give_stock_tokens_through_decode_graphs(ar
         assert projections.report(model) == {"joined": 2 * model.config.num_hidden_layers}
         st = oxygen_torch.compile.stats()["linear_cat"]
         assert st.get("groups_of_3", 0) >= 2 and st.get("ran_apart", 0) == 0, st
+    finally:
+        hf.disable_hf()
+
+
+def test_a_model_whose_single_call_graphs_exist_is_left_apart():
+    """Decode graphs captured by a call alone (the per-call path) read the model's weights where
+    they are: a first engine made after them leaves the layout alone (they would read freed
+    tensors), and its calls still give stock's tokens."""
+    from oxygen_torch.integrations.hf import graphs
+
+    model = tiny("llama", seed=8)
+    kws = [call(s) for s in (1, 2)]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    hf.apply(model, load_config(scheduler={"engine": False}, kv={"cpu_decode_graphs": "rerun"}))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(**kws[0]), ref[0])
+        assert graphs._graphs[model].graphs  # captured by that call
+        ptr = model.model.layers[0].self_attn.k_proj.weight.data_ptr()
+        cfg = load_config(
+            scheduler={"engine": True}, kernel={"fuse_projections": True},
+            kv={"cpu_decode_graphs": "rerun"},
+        )  # fmt: skip
+        hf.apply(model, cfg)
+        with torch.no_grad():
+            assert torch.equal(model.generate(**kws[1]), ref[1])
+        assert engine_runner._engines.get(model), "the second call ran on an engine"
+        assert projections.report(model) is None
+        assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() == ptr
     finally:
         hf.disable_hf()

@@ -330,15 +330,17 @@ def engine_for(model, cfg, text=None) -> Engine:
 def _fuse_projections(model) -> None:
     """kernel.fuse_projections, before the model's first engine captures anything: its q / k / v
     and gate / up weights as one buffer each (projections.py). Not when a single call's decode
-    graphs were captured on the model already (they would read the old, freed tensors)."""
-    mg = graphs._graphs.get(model)
-    if mg is not None and mg.graphs:
-        _patching.warn_once(
-            "oxygen_torch: kernel.fuse_projections: left off for this model: decode graphs "
-            "were captured on its weights before its first engine"
-        )
-        return
-    done = projections.make_adjacent(model)
+    graphs were captured on the model already (they would read the old, freed tensors); under
+    their lock, so that none is made meanwhile."""
+    with graphs._lock:
+        mg = graphs._graphs.get(model)
+        if mg is not None and mg.graphs:
+            _patching.warn_once(
+                "oxygen_torch: kernel.fuse_projections: left off for this model: decode graphs "
+                "were captured on its weights before its first engine"
+            )
+            return
+        done = projections.make_adjacent(model)
     left = {k: v for k, v in done.items() if k not in ("joined", "already adjacent")}
     if left:
         _patching.warn_once(
