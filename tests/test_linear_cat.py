@@ -112,6 +112,42 @@ def test_a_laid_out_model_compiles_each_group_to_one_gemm_with_the_same_logits(a
     assert projections.make_adjacent(model) is done  # once a model
 
 
+class _Three(nn.Module):
+    """Three linears on one input, as q / k / v (no attention: the backend's attention op has
+    no backward either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 6), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.q_proj(x).sum(-1) * self.k_proj(x).mean(-1) + self.v_proj(x).square().sum(-1)
+
+
+def test_a_graph_that_trains_keeps_its_linears_apart(aot):
+    """With grad on and weights that want it, the pass leaves the linears (the op has no
+    backward): the gradients equal the eager forward's; without grad the same module's
+    compile joins them."""
+    torch.manual_seed(int(torch.randint(0, 1000, (1,))))
+    model = _Three()
+    assert projections.make_adjacent(model) == {"joined": 1}
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    fn = torch.compile(type(model).forward, backend=make_backend({}), fullgraph=True)
+    fn(model, x).sum().backward()
+    assert oxygen_torch.compile.stats()["linear_cat"] == {}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        want = model(x)
+        torch._dynamo.reset()
+        got = torch.compile(type(model).forward, backend=make_backend({}), fullgraph=True)(model, x)
+    torch.testing.assert_close(got, want)
+    assert oxygen_torch.compile.stats()["linear_cat"] == {"groups_of_3": 1}
+
+
 def test_a_model_not_laid_out_is_compiled_as_written(aot):
     model = tiny("llama", seed=3)
     ids = torch.randint(1, 128, (1, 6))

@@ -105,6 +105,10 @@ def _fusible(group: list[Node], values: dict) -> bool:
     bs = [_args(n)[2] for n in group]
     if not all(isinstance(w, Node) and w in values for w in ws):
         return False
+    if torch.is_grad_enabled() and any(
+        values[n].requires_grad for n in ws + bs if isinstance(n, Node) and n in values
+    ):  # (a graph that trains: the op has no backward, the linears apart keep theirs)
+        return False
     if not adjacent([values[w] for w in ws]):
         return False
     if all(b is None for b in bs):
