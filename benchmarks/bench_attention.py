@@ -179,6 +179,17 @@ def flex_row(case, q, k, v, causal, work, unit):
         row(case, "flex (compiled)", None, work, unit, note=f"failed: {type(e).__name__}"[:80])
 
 
+def ours_decode(q3, kc, vc, table, lens, ref):
+    """Our decode (the tiling rule's launch) on a paged case, run once: (the call, its launch
+    choice, its splits, its error against ref [B, Hq, 1, D] or None)."""
+    out = torch.empty_like(q3)
+    fn = functools.partial(paged_decode, q3, kc, vc, table, lens, out=out)
+    fn()
+    cfg, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
+    err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+    return fn, cfg, splits, err
+
+
 def decode_case(b, n, gen):
     case = f"decode B={b} L={n}"
     q = torch.randn(b, HQ, 1, D, device=DEV, dtype=BF16, generator=gen)
@@ -191,11 +202,7 @@ def decode_case(b, n, gen):
     for bt in BLOCK_TOKENS:
         perm, table = shuffled_table(b, n, bt, gen)
         kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
-        out = torch.empty_like(q3)
-        fn = functools.partial(paged_decode, q3, kc, vc, table, lens, out=out)
-        fn()
-        _, _, splits = decode_launch(q3, kc, table, 0, PrecisionMode.AUTO_MIXED, None, None)
-        err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+        fn, _, splits, err = ours_decode(q3, kc, vc, table, lens, ref)
         row(case, f"ours bt={bt}", bench(fn), nbytes, "TB/s", err,
             f"splits={splits}, host {host_us(fn):.0f} us a call")  # fmt: skip
         bf16_ms = ROWS[-1]["ms"]  # (the classic grid's: the fp8 rows' reference)
@@ -499,11 +506,7 @@ def engine_decode(gen):
         wide = torch.zeros(b, width // bt, dtype=torch.int32, device=DEV)
         wide[:, : n // bt] = table  # (past the length: block 0, never read)
         for name, t in (("table as wide as the graph's", wide), ("table exact", table)):
-            out = torch.empty_like(q3)
-            fn = functools.partial(paged_decode, q3, kc, vc, t, lens, out=out)
-            fn()
-            cfg, _, splits = decode_launch(q3, kc, t, 0, PrecisionMode.AUTO_MIXED, None, None)
-            err = rel_err(out, ref[:, :, 0]) if ref is not None else None
+            fn, cfg, splits, err = ours_decode(q3, kc, vc, t, lens, ref)
             row(case, f"ours, {name}", bench(fn), nbytes, "TB/s", err,
                 f"{cfg}, splits={splits}")  # fmt: skip
         for bn, warps, stages in ENGINE_SWEEP:
