@@ -210,16 +210,36 @@ def test_groups_that_are_not_plain_linears_are_left_and_counted():
     assert (attn.q_proj.weight.data_ptr(), mlp.gate_proj.weight.data_ptr()) == ptrs
 
 
+def _engine_on_a_model_not_laid_out(arch, kws, device="cpu"):
+    """Calls through the engine's compiled forward on another model of `arch`, with
+    kernel.fuse_projections off: its graphs join nothing."""
+    other = tiny(arch, seed=int(torch.randint(0, 1000, (1,)))).to(device)
+    cfg = load_config(
+        scheduler={"engine": True, "decode_graphs": device == "cuda"},
+        kv={"cpu_decode_graphs": "fuse", "debug_checks": False},
+    )  # fmt: skip
+    hf.apply(other, cfg)
+    try:
+        out, errors = in_threads(lambda kw: _generate(other, kw), [(kw,) for kw in kws])
+        assert not errors, errors
+        assert projections.report(other) is None and projections.layout(other) == "as loaded"
+    finally:
+        hf.disable_hf()
+
+
 @pytest.mark.parametrize("arch", ["qwen2"])  # (q / k / v biases, a sliding window)
 def test_the_engine_with_fused_projections_gives_stock_tokens(arch):
     """kernel.fuse_projections on: the model's first engine lays its weights out; 6 concurrent
     greedy calls through the compiled decode graphs (CPU stand-in, kv.cpu_decode_graphs "fuse")
-    give stock's tokens, and the compiled forward ran its groups as one GEMM each."""
+    give stock's tokens, and the compiled forward ran its groups as one GEMM each, though a
+    model of the same class, not laid out, ran through the engine's compiled forward first (the
+    compiled functions are per layout: on the GPU one compiled first was reused, groups apart)."""
     model = tiny(arch, seed=int(torch.randint(0, 1000, (1,))))
     seeds = torch.randint(0, 10_000, (6,)).tolist()
     kws = [call(s) for s in seeds]
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
+    _engine_on_a_model_not_laid_out(arch, kws[:2])
     oxygen_torch.compile.reset_stats()
     cfg = load_config(
         scheduler={"engine": True}, kernel={"fuse_projections": True},
@@ -252,6 +272,7 @@ def test_fused_projections_on_the_gpu_give_stock_tokens_through_decode_graphs(ar
         kws.append(kw)
     with torch.no_grad():
         ref = [model.generate(**kw) for kw in kws]
+    _engine_on_a_model_not_laid_out(arch, kws[:2], "cuda")
     oxygen_torch.compile.reset_stats()
     cfg = load_config(
         scheduler={"engine": True, "decode_graphs": True}, kernel={"fuse_projections": True},

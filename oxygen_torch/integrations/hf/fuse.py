@@ -61,9 +61,14 @@ def compiled(model, forward, core, options=None, dynamic: bool | None = False):
     compile_config naming backend "oxygen"), else the core's precision and fallback "error".
     dynamic: torch.compile's (None, an engine's merged graphs: a second batch bucket compiles
     the sizes symbolic, and later buckets reuse it, instead of one compile a bucket).
-    One compiled function per forward function, options and `dynamic`, shared by the models of
-    a class (it holds no model: they stay collectable)."""
+    One compiled function per forward function, options, `dynamic` and projection layout,
+    shared by the models of a class (it holds no model: they stay collectable). The layout is in
+    the key because the oxygen backend joins adjacent projections when it compiles
+    (compile/linear_cat.py): a model laid out by kernel.fuse_projections reusing a graph compiled
+    on a model that was not would run its projections apart, and the other way round each group
+    would be run apart by the op's check."""
     from ...compile import make_backend
+    from .projections import layout
 
     if options is None:
         spec = {"precision": core.precision.name.lower(), "fallback": "error"}
@@ -71,7 +76,7 @@ def compiled(model, forward, core, options=None, dynamic: bool | None = False):
         spec = {**options.as_dict(), "mode": "default"}
     func = getattr(forward, "__func__", None)
     bound = func is not None and getattr(forward, "__self__", None) is model
-    key = (func, "whole", repr(sorted(spec.items())), dynamic)
+    key = (func, "whole", repr(sorted(spec.items())), dynamic, layout(model))
     with _lock:
         fn = _compiled.get(key) if bound else None
         if fn is None:

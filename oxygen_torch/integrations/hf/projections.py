@@ -97,3 +97,12 @@ def report(model: nn.Module) -> Counter | None:
     """What make_adjacent did to `model`, or None when it has not run on it."""
     with _lock:
         return _done.get(model)
+
+
+def layout(model: nn.Module) -> str:
+    """The string "adjacent" when make_adjacent laid out (or found laid out) some group of
+    `model`, else "as loaded": compiled forwards are shared per layout (fuse.compiled), since the
+    oxygen backend's pass joins a group only when its weights are adjacent at compile time."""
+    with _lock:
+        done = _done.get(model)
+    return "adjacent" if done and (done["joined"] or done["already adjacent"]) else "as loaded"
