@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 35: the anchor workload (bench_allocator.py --anchor --calls N) under expandable segments
 # and the pool at several pool.hysteresis_ms, each in its own process; then the modes in
-# $SPY_MODES (default: the pool at 20 ms) again under py-spy --native, raw samples to $OUT (where
+# $SPY_MODES (default: the pool at 20 ms) again under py-spy --native at $SPY_RATE a second
+# (default 20: at 100 native sampling fell 5 s behind on an H100 host), raw samples to $OUT (where
 # the pool's extra seconds go).
 #   OUT=... bash .device/alloc_profile.sh [calls] [hysteresis ms ...]
 set -u
@@ -22,7 +23,7 @@ if [ -z "$SPY" ]; then
 fi
 [ -n "$SPY" ] || { echo "no py-spy"; exit 0; }
 for mode in ${SPY_MODES:-oxygen}; do
-  "$SPY" record --native --rate 100 --format raw -o "$OUT/alloc_${mode}_pyspy.txt" -- \
+  "$SPY" record --native --rate ${SPY_RATE:-20} --format raw -o "$OUT/alloc_${mode}_pyspy.txt" -- \
     python3 -c "$W" "$mode" >"$OUT/alloc_${mode}_spied.json" 2>"$OUT/alloc_${mode}_spied.err"
   echo "spied $mode (pool.hysteresis_ms default): $(tail -1 "$OUT/alloc_${mode}_spied.json")"
 done
