@@ -4,14 +4,16 @@
 # $SPY_MODES (default: the pool at 20 ms) again under py-spy --native at $SPY_RATE a second
 # (default 20: at 100 native sampling fell 5 s behind on an H100 host), raw samples to $OUT (where
 # the pool's extra seconds go).
-#   OUT=... bash .device/alloc_profile.sh [calls] [hysteresis ms ...]
+#   OUT=... [ANCHORS="expandable default"] bash .device/alloc_profile.sh [calls] [hysteresis ms ...]
 set -u
 OUT="${OUT:-/tmp/out}"
 CALLS="${1:-7}"; shift || true
 HYST="${*:-200}"
 W="import sys, json; sys.path.insert(0, 'benchmarks'); import workloads as w; print(json.dumps(w.run(sys.argv[1], $CALLS, None)))"
-python3 -c "$W" expandable >"$OUT/alloc_expandable.json" 2>"$OUT/alloc_expandable.err"
-echo "expandable: $(tail -1 "$OUT/alloc_expandable.json")"
+for a in ${ANCHORS:-expandable}; do  # ANCHORS="expandable default": the caching allocator too
+  python3 -c "$W" "$a" >"$OUT/alloc_$a.json" 2>"$OUT/alloc_$a.err"
+  echo "$a: $(tail -1 "$OUT/alloc_$a.json")"
+done
 for h in $HYST; do
   OXYGEN_HYSTERESIS_MS=$h python3 -c "$W" oxygen >"$OUT/alloc_oxygen_h$h.json" 2>"$OUT/alloc_oxygen_h$h.err"
   echo "oxygen h=$h: $(tail -1 "$OUT/alloc_oxygen_h$h.json")"
