@@ -7,6 +7,8 @@ against stock with the setting on."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,7 +222,7 @@ def _engine_on_a_model_not_laid_out(arch, kws, device="cpu"):
     )  # fmt: skip
     hf.apply(other, cfg)
     try:
-        out, errors = in_threads(lambda kw: _generate(other, kw), [(kw,) for kw in kws])
+        _, errors = in_threads(lambda kw: _generate(other, kw), [(kw,) for kw in kws])
         assert not errors, errors
         assert projections.report(other) is None and projections.layout(other) == "as loaded"
     finally:
@@ -316,6 +318,38 @@ def test_a_model_whose_single_call_graphs_exist_is_left_apart():
         with torch.no_grad():
             assert torch.equal(model.generate(**kws[1]), ref[1])
         assert engine_runner._engines.get(model), "the second call ran on an engine"
+        assert projections.report(model) is None
+        assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() == ptr
+    finally:
+        hf.disable_hf()
+
+
+def test_the_setting_turned_on_after_a_models_first_engine_is_said_not_applied(caplog):
+    """kernel.fuse_projections on for a model whose first engine was made with it off: the
+    weights stay where that engine's graphs read them, the calls give stock's tokens, and a
+    warning says the setting was not applied (no silent no-op); a model left apart at its first
+    engine for another reason is not told twice."""
+    from oxygen_torch import _patching
+
+    model = tiny("llama", seed=int(torch.randint(0, 1000, (1,))))
+    kws = [call(s) for s in torch.randint(0, 10_000, (2,)).tolist()]
+    with torch.no_grad():
+        ref = [model.generate(**kw) for kw in kws]
+    _patching.forget_warnings()
+    graphs_kv = {"cpu_decode_graphs": "rerun"}
+    hf.apply(model, load_config(scheduler={"engine": True}, kv=graphs_kv))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(**kws[0]), ref[0])
+        ptr = model.model.layers[0].self_attn.k_proj.weight.data_ptr()
+        on = load_config(
+            scheduler={"engine": True}, kernel={"fuse_projections": True}, kv=graphs_kv
+        )
+        hf.apply(model, on)
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="oxygen_torch"):
+            assert torch.equal(model.generate(**kws[1]), ref[1])
+        said = [r.getMessage() for r in caplog.records if "fuse_projections" in r.getMessage()]
+        assert len(said) == 1 and "first engine was made with the setting off" in said[0], said
         assert projections.report(model) is None
         assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() == ptr
     finally:

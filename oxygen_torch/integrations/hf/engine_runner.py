@@ -308,6 +308,8 @@ def engine_for(model, cfg, text=None) -> Engine:
     made = False
     with _engines_lock:
         group = _engines.setdefault(model, {})
+        if cfg.kernel.fuse_projections and group and projections.report(model) is None:
+            _fuse_too_late(model)
         eng = group.get(key)
         if eng is None or eng.closed or eng.pid != os.getpid():
             # kv.prefill_chunk_tokens bounds a step's tokens too: the activations of a long
@@ -327,6 +329,20 @@ def engine_for(model, cfg, text=None) -> Engine:
     return eng
 
 
+def _fuse_too_late(model) -> None:
+    """kernel.fuse_projections asked for a model whose first engine was made with it off: its
+    engines' graphs read the weights where they are, so the layout stays (said once a class)."""
+    if not _left_apart.get(model):  # (those were told why at their first engine)
+        _patching.warn_once(
+            f"oxygen_torch: kernel.fuse_projections: not applied to this "
+            f"{type(model).__name__}: its first engine was made with the setting off (the "
+            "layout is chosen once, before any engine's graph reads the weights)"
+        )
+
+
+_left_apart: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> True (warned)
+
+
 def _fuse_projections(model) -> None:
     """kernel.fuse_projections, before the model's first engine captures anything: its q / k / v
     and gate / up weights as one buffer each (projections.py). Not when a single call's decode
@@ -339,6 +355,7 @@ def _fuse_projections(model) -> None:
                 "oxygen_torch: kernel.fuse_projections: left off for this model: decode graphs "
                 "were captured on its weights before its first engine"
             )
+            _left_apart[model] = True
             return
         done = projections.make_adjacent(model)
     left = {k: v for k, v in done.items() if k not in ("joined", "already adjacent")}
