@@ -12,6 +12,8 @@ Then: the error of every precision mode against float64, and a small sweep of de
 choices (bounded by the time left) to feed the tiling rule.
 
     python benchmarks/bench_attention.py [--no-flex] [--no-sweep]     # OUT=dir: json + md there
+    python benchmarks/bench_attention.py --prefill-only --no-flex --no-ttft --prefix-prefill \
+        --prefill-sweep                                 # issue 34 goal 3: prefill paths only
     python benchmarks/bench_attention.py --cpu-errors   # only the error table, CPU interpreter
 """
 
@@ -281,7 +283,7 @@ def fp8_case(q3, k, v, table, perm, lens, bt, ref, bf16_ms):
             f"time vs bf16 = {ms / bf16_ms:.2f}x (goal <= 0.6)")  # fmt: skip
 
 
-def prefill_case(b, s, gen):
+def prefill_case(b, s, gen, block_tokens=BLOCK_TOKENS, fp8=True):
     case = f"prefill B={b} S={s}"
     q = torch.randn(b, HQ, s, D, device=DEV, dtype=BF16, generator=gen)
     k = torch.randn(b, HKV, s, D, device=DEV, dtype=BF16, generator=gen)
@@ -291,7 +293,7 @@ def prefill_case(b, s, gen):
     qt = q.transpose(1, 2).reshape(b * s, HQ, D).contiguous()  # [T, Hq, D]
     cu = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * s
     lens = torch.full((b,), s, dtype=torch.int32, device=DEV)
-    for bt in BLOCK_TOKENS:
+    for bt in block_tokens:
         perm, table = shuffled_table(b, s, bt, gen)
         kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
         out = torch.empty_like(qt)
@@ -302,6 +304,8 @@ def prefill_case(b, s, gen):
             err = rel_err(out, ref.transpose(1, 2).reshape(b * s, HQ, D))
         row(case, f"ours bt={bt}", bench(fn), flops, "TFLOP/s", err)
         bf16_ms = ROWS[-1]["ms"]
+        if not fp8:
+            continue
         kc, vc, ks, vs = fp8_paged(k, v, table, bt)  # fp8 KV prefill: the same case over codes
         fn = functools.partial(paged_prefill, qt, kc, vc, table, cu, lens, out=out,
                                k_scale=ks, v_scale=vs)  # fmt: skip
@@ -476,6 +480,112 @@ def prefill_sweep(gen):
     return best
 
 
+# issue 34 goal 3 beyond the two square cases: fresh prompts shorter than the dense rule's 4,096
+# (B, S), and prefill over a cached prefix (B, prefix tokens, new tokens): which path a step
+# should take where SDPA's own backends can attend it
+FRESH_SHORT = ((32, 1024), (8, 2048), (64, 512), (128, 256))
+PREFIX = ((4, 3072, 1024), (32, 1024, 512), (1, 14336, 2048), (16, 4096, 256))
+
+
+def prefix_prefill(gen):
+    """--prefix-prefill: (1) fresh prompts of 256-2,048 tokens: SDPA cuDNN / flash (is_causal)
+    beside our paged prefill (whether kv/fresh.py's dense rule should start below 4,096 tokens);
+    (2) new tokens over a cached prefix: ours (the table over prefix + new) beside SDPA on
+    contiguous K/V with the causal diagonal at the bottom right (flash through
+    causal_lower_right, cuDNN through a boolean mask, the varlen flash entry where this torch
+    has one), and the gather of the blocks into contiguous K/V that a dense path for cached
+    prefixes would pay first."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    bt = 16
+    for b, s in FRESH_SHORT:
+        prefill_case(b, s, gen, block_tokens=(bt,), fp8=False)
+        torch.cuda.empty_cache()
+    for b, pre, new in PREFIX:
+        if elapsed() > BUDGET_S:
+            print(f"prefix prefill: budget spent before B={b} prefix={pre}", flush=True)
+            return
+        prefix_case(gen, b, pre, new, bt, varlen_attn, causal_lower_right)
+        torch.cuda.empty_cache()
+
+
+def prefix_case(gen, b, pre, new, bt, varlen_attn, causal_lower_right):
+    """One cached-prefix case of prefix_prefill: b rows of `new` tokens after `pre` cached."""
+    n = pre + new
+    case = f"prefix B={b} P={pre} new={new}"
+    flops = 4 * b * HQ * D * (new * pre + new * new / 2)  # query i sees pre + i + 1 keys
+    q = torch.randn(b, HQ, new, D, device=DEV, dtype=BF16, generator=gen)
+    k = torch.randn(b, HKV, n, D, device=DEV, dtype=BF16, generator=gen)
+    v = torch.randn(b, HKV, n, D, device=DEV, dtype=BF16, generator=gen)
+    ref = None
+    bias = causal_lower_right(new, n)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+            ref = fn()
+            row(case, "sdpa flash lower-right", bench(fn), flops, "TFLOP/s")
+    except Exception as e:
+        row(case, "sdpa flash lower-right", None, flops, "TFLOP/s",
+            note=f"failed: {type(e).__name__}: {e}"[:120])  # fmt: skip
+    mask = torch.ones(new, n, dtype=torch.bool, device=DEV).tril(pre)  # key j <= pre + i
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = fn()
+            err = rel_err(out, ref) if ref is not None else None
+            row(case, "sdpa cuDNN (bool mask)", bench(fn), flops, "TFLOP/s", err)
+    except Exception as e:
+        row(case, "sdpa cuDNN (bool mask)", None, flops, "TFLOP/s",
+            note=f"failed: {type(e).__name__}: {e}"[:120])  # fmt: skip
+    qt = q.transpose(1, 2).reshape(b * new, HQ, D).contiguous()  # [T, Hq, D]
+    ref_t = ref.transpose(1, 2).reshape(b * new, HQ, D) if ref is not None else None
+    if varlen_attn is not None:
+        varlen_row(case, varlen_attn, qt, k, v, b, new, n, flops, ref_t)
+    perm, table = shuffled_table(b, n, bt, gen)
+    kc, vc = paged_from_contiguous(k, bt, perm), paged_from_contiguous(v, bt, perm)
+    cu = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * new
+    lens = torch.full((b,), n, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(qt)
+    fn = functools.partial(paged_prefill, qt, kc, vc, table, cu, lens, out=out)
+    fn()
+    ours = bench(fn)
+    row(case, f"ours bt={bt}", ours, flops, "TFLOP/s", rel_err(out, ref_t) if ref_t is not None
+        else None)  # fmt: skip
+    flat = table.flatten().long()
+    kd, vd = torch.empty_like(kc[: flat.numel()]), torch.empty_like(vc[: flat.numel()])
+
+    def gather():  # the blocks in table order: [B, n, Hkv, D] as flash would read them
+        torch.index_select(kc, 0, flat, out=kd)
+        torch.index_select(vc, 0, flat, out=vd)
+
+    g = bench(gather)
+    row(case, "gather K/V to contiguous", g, 2 * (kd.nbytes + vd.nbytes), "TB/s",
+        note=f"{g / ours:.2f}x ours' time")  # fmt: skip
+
+
+def varlen_row(case, varlen_attn, qt, k, v, b, new, n, flops, ref_t):
+    """torch's varlen flash entry on the packed rows, causal at the bottom right."""
+    kt = k.transpose(1, 2).reshape(b * n, HKV, D).contiguous()
+    vt = v.transpose(1, 2).reshape(b * n, HKV, D).contiguous()
+    cq = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * new
+    ck = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * n
+    note = ""
+    for kw in (dict(window_size=(-1, 0), enable_gqa=True), dict(is_causal=True)):
+        try:  # (the keyword for causal moved between torch versions)
+            fn = functools.partial(varlen_attn, qt, kt, vt, cq, ck, new, n, **kw)
+            out = fn()
+            err = rel_err(out, ref_t) if ref_t is not None else None
+            row(case, "varlen flash (packed)", bench(fn), flops, "TFLOP/s", err, str(kw))
+            return
+        except Exception as e:
+            note += f"{kw}: {type(e).__name__}: {e}"[:100] + "; "
+    row(case, "varlen flash (packed)", None, flops, "TFLOP/s", note=f"failed: {note}")
+
+
 # the engine's decode shapes (issue 34's profile: the 1B shape with a 128k vocabulary, head dim
 # 64, block_tokens 16, the merged graph's table 512 tokens wide; at 64 rows of ~192 keys the
 # kernel took 35 us a layer on the H100, ~0.4 TB/s of K+V): (rows, keys, table width in tokens)
@@ -568,12 +678,12 @@ def main():
             with open(os.path.join(os.environ["OUT"], "bench_attention_engine.json"), "w") as f:
                 json.dump(dict(env=env, rows=ROWS, sweep=best), f, indent=1)
         return
-    errors = precision_errors(gen) if not ARGS.decode_only else {}
-    for b, n in progress(DECODE, "decode cases"):
+    errors = precision_errors(gen) if not (ARGS.decode_only or ARGS.prefill_only) else {}
+    for b, n in progress(DECODE if not ARGS.prefill_only else (), "decode cases"):
         decode_case(b, n, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    for shape in SKEWED:
+    for shape in SKEWED if not ARGS.prefill_only else ():
         skewed_case(gen, *shape)
         if DEV == "cuda":
             torch.cuda.empty_cache()
@@ -581,7 +691,9 @@ def main():
         prefill_case(b, s, gen)
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    best = sweep(gen) if ARGS.sweep and not ARGS.decode_only else {}
+    if ARGS.prefix_prefill:
+        prefix_prefill(gen)
+    best = sweep(gen) if ARGS.sweep and not (ARGS.decode_only or ARGS.prefill_only) else {}
     if ARGS.prefill_sweep:
         best.update(prefill_sweep(gen))
     md = table_md()
@@ -615,6 +727,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--decode-only", action="store_true", help="only the decode cases (bf16 and fp8 KV)"
     )
+    parser.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="only the prefill cases (no error table, decode or skewed rows)",
+    )
+    parser.add_argument("--prefix-prefill", action="store_true",
+                        help="also fresh prompts of 256-2,048 tokens and prefill over a cached "
+                        "prefix, beside SDPA's backends (issue 34 goal 3)")  # fmt: skip
     parser.add_argument("--engine-decode", action="store_true",
                         help="only decode at the engine's shapes (head dim 64, tables as wide "
                         "as its graphs') and a sweep of launch choices there")  # fmt: skip
