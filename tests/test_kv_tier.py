@@ -414,22 +414,26 @@ def test_a_swapped_out_cache_comes_back_before_a_decode_graph_step_plans_it(oxyg
     core = out.past_key_values._core
     want = [core.dense(layer) for layer in range(core.num_layers)]
     core.pool.cpu_tier(16 * MiB)  # (the engine attaches it at its first preemption)
+    held = sorted({b for row in core.seqs.blocks for b in row})
     assert swap_out(core) > 0 and core._swapped is not None
-    with core.pool.lock:  # the freed blocks are overwritten by someone else meanwhile
-        taken = core.pool.manager.allocate(core.pool.manager.num_free)
+    with core.pool.lock:  # the freed blocks are taken and overwritten by someone else, who
+        taken = core.pool.manager.allocate(core.pool.manager.num_free)  # keeps them meanwhile
+    assert set(held) <= set(taken)
     st = core.pool.storage
-    for cache in (*st.k, *st.v):
-        cache.index_fill_(0, torch.tensor(taken), 7.0)
+    for cache in (*st.k, *st.v):  # (only those: the whole pool is 4 GiB of host pages to touch)
+        cache.index_fill_(0, torch.tensor(held), 7.0)
     with core.pool.lock:
-        core.pool.manager.decref(taken)
+        core.pool.manager.decref([b for b in taken if b not in set(held)])
     table, _ = core.begin_graph_step(16)
     assert core._swapped is None
     n = core.length - 1  # the step begun counts its token already
     blocks = table[:, : -(-n // core.block_tokens)].to(torch.int64)
-    for layer, (k, _) in enumerate(want):
+    for layer, (k, _) in enumerate(want):  # (a plan naming the old ids reads 7s)
         got = gather_blocks(st.k[layer], core.pool.k_scale(layer), blocks, n, k.dtype)
         assert torch.equal(got, k), layer
     core.end_graph_step()
+    with core.pool.lock:
+        core.pool.manager.decref(held)
 
 
 @pytest.mark.parametrize("at", [0, 1, 5])
