@@ -139,8 +139,14 @@ def shuffled_table(b, n, bt, gen):
 
 
 def anchors(case, q, k, v, causal, work, unit, our_out=None):
-    """SDPA cuDNN / flash, compiled Flex and the copy ceiling on contiguous [B, H, S, D]."""
+    """SDPA cuDNN / flash, compiled Flex and the copy ceiling on contiguous [B, H, S, D]; in
+    prefill cases also SDPA unpinned (the backend torch picks itself, what kv/fresh.py's dense
+    path gets: it does not pin one, sdpa_kernel's flags being process-wide)."""
     ref = None
+    if causal:
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        fn()
+        row(case, "sdpa (torch's choice)", bench(fn), work, unit)
     for name, backend in (("sdpa cuDNN", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
         try:

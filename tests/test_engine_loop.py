@@ -1339,12 +1339,22 @@ def test_a_stream_is_woken_at_most_every_stream_interval_ms(oxygen, monkeypatch)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
-def test_fresh_prompts_attend_their_own_kv_in_the_engine(oxygen, arch):
+def test_fresh_prompts_attend_their_own_kv_in_the_engine(oxygen, arch, monkeypatch):
     """kv.fresh_prefill in the engine: a step of fresh prompts only (a batch with left padding:
     runs of equal and unequal lengths once packed) attends its own K/V under "dense" and reads
     the blocks under "paged"; tokens and logits agree with each other and with stock, and the
     counts say which path each layer's prefill took. A step with a cached prefix (prompts cut
-    over steps of 32 tokens: a row's later chunk) stays paged under either."""
+    over steps of 32 tokens: a row's later chunk) stays paged under either. Under "auto" the
+    rule is told the step's shortest row and its runs of one length (the SDPA calls a layer)."""
+    from oxygen_torch.kv import fresh
+
+    asked, choose = [], fresh.choose
+
+    def told(setting, **kw):
+        asked.append((setting, kw["columns"], kw["runs"]))
+        return choose(setting, **kw)
+
+    monkeypatch.setattr(fresh, "choose", told)
     model = tiny(arch, seed=5)
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, (1,))))
     ids = torch.randint(3, 128, (4, 21), generator=g)
@@ -1375,6 +1385,10 @@ def test_fresh_prompts_attend_their_own_kv_in_the_engine(oxygen, arch):
             paths = oxygen_torch.compile.stats()["prefill_attention"]
             assert paths["why"].get("cached prefix", 0) >= layers, paths
             assert torch.equal(chunked.sequences, ref.sequences)
+        hf.apply(model, load_config(scheduler={"engine": True}, fresh_prefill="auto"))
+        asked.clear()
+        got["auto"] = model.generate(**kw)  # (CPU: auto's table takes dense)
+        assert asked and set(asked) == {("auto", 15, 3)}, asked  # rows 21, 15, 15, 19
     for setting, out in got.items():
         assert torch.equal(out.sequences, ref.sequences), setting
         for a, r in zip(out.logits, ref.logits):

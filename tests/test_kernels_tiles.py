@@ -120,7 +120,8 @@ def _query(**kw):
 
 def test_overridden_tiles_take_fewer_stages_to_fit_shared_memory():
     auto = launch_config(_query())
-    assert auto.num_stages == 3
+    assert (auto.block_n, auto.num_stages) == (128, 2)  # the rule's own tiles fit as chosen
+    assert launch_config(_query(phase="decode")).num_stages == 3
     # Q 32 KiB + 256-key K/V tiles of 64 KiB each per stage: only one stage fits 180 KiB
     big = launch_config(_query(block_m=128, block_n=256))
     assert (big.block_m, big.block_n, big.num_stages) == (128, 256, 1)

@@ -44,10 +44,12 @@ def test_seed_rule(hidden, kind, expected):
 @pytest.mark.parametrize(
     "query,expected",
     [
-        # prefill: smem (Q + 3 stages of K and V) must fit 160 KiB: D=128 halves block_n
+        # prefill: smem (Q + the stages of K and V) must fit 180 KiB: half-precision D=128
+        # takes two stages of (128, 128) rather than halve block_n
         (dict(head_dim=64), (128, 128)),
-        (dict(head_dim=128), (128, 64)),
-        (dict(head_dim=80), (128, 64)),  # padded to 128
+        (dict(head_dim=128), (128, 128)),
+        (dict(head_dim=80), (128, 128)),  # padded to 128
+        (dict(head_dim=128, dtype=torch.float16), (128, 128)),
         (dict(head_dim=256), (64, 64)),  # accumulator cap halves block_m, then smem
         (dict(head_dim=128, dtype=torch.float32), (128, 32)),
         (dict(head_dim=128, precision="fp32_safe"), (64, 32)),
@@ -56,8 +58,8 @@ def test_seed_rule(hidden, kind, expected):
         (dict(head_dim=128, dtype=torch.uint8), (128, 64)),
         (dict(hidden_size=1024, head_dim=64), (64, 64)),
         (dict(attention_type="moe"), (32, 32)),
-        (dict(seq_len=20), (128, 64)),  # prefill: no cap by length (each cap a compile)
-        (dict(seq_len=5), (128, 64)),
+        (dict(seq_len=20), (128, 128)),  # prefill: no cap by length (each cap a compile)
+        (dict(seq_len=5), (128, 128)),
         # decode: block_m = GQA group padded to a power of two >= 16, block_n in [64, 128]
         (dict(phase="decode"), (16, 64)),
         (dict(phase="decode", dtype=torch.uint8), (16, 64)),  # fp8: 64-key tiles (H200)
@@ -104,7 +106,14 @@ def test_warps_stages_and_splits():
     fp8 = launch_config(tq(phase="decode", dtype=torch.uint8, seq_len=32768))
     assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (64, 4, 3)  # the H200's fastest
     assert select_num_warps(tq(precision="fp32_safe"), 64, 32) == 8
-    assert select_num_stages(q) == 3 and select_num_stages(tq(head_dim=256)) == 2
+    assert select_num_stages(tq(head_dim=64)) == 3 and select_num_stages(tq(head_dim=256)) == 2
+    # half-precision prefill at D=128: two stages of the seed tile (fits 180 KiB; three do not)
+    assert select_num_stages(q) == 2 and select_num_stages(tq(phase="decode")) == 3
+    assert select_num_stages(tq(dtype=torch.uint8)) == 3  # (fp8: its 64-key tiles fit three)
+    clear_choices()
+    cfg = launch_config(q)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 2)
+    clear_choices()
     # batch x kv_heads programs vs 2 x 132 SMs on the H200 anchor cases
     assert select_num_splits(32 * 8, 4096, 64) == 2
     assert select_num_splits(64 * 8, 1024, 64) == 1

@@ -144,9 +144,13 @@ def _choose(**kw):
 
 
 def test_auto_takes_dense_only_where_measured():
-    assert _choose() == "dense"  # the measured H200 case: bf16, D=128, S=4096, no mask
+    assert _choose() == "dense"  # the measured cases: bf16, D=128, S=256-16384, no mask
     assert _choose(columns=16384) == "dense"
-    assert _choose(columns=1024) == "paged"  # shorter prompts: not measured
+    assert _choose(columns=1024) == "dense" and _choose(columns=256) == "dense"
+    assert _choose(columns=255) == "paged"  # shorter prompts: not measured
+    # an engine step of several runs of lengths (an SDPA call each): 4,096 tokens a row first
+    assert _choose(columns=1024, runs=2) == "paged"
+    assert _choose(columns=4096, runs=9) == "dense"
     assert _choose(dtype=torch.float16) == "paged"
     assert _choose(head_dim=64) == "paged"
     assert _choose(padded=True) == "paged"  # a mask, not is_causal: not measured

@@ -13,7 +13,9 @@ else (64, 64), MoE (32, 32), otherwise (64, 64) — and refines it:
 - shared memory: the pipelined K and V tiles (num_stages copies each), the Q tile and, for fp8,
   the K/V tiles converted to half must fit SMEM_BUDGET (180 KiB of 227); block_n is halved first
   (down to 32), then block_m. This shrinks tiles for head_dim 256 and for fp32 storage (or
-  FP32_SAFE compute).
+  FP32_SAFE compute). Half-precision prefill takes two stages instead where that keeps the seed
+  tile whole (head dims 80-128: (128, 128) at two stages, 1.08-1.15x (128, 64) at three on an
+  H100).
 - FP32_SAFE: block_n <= 32 (and block_m <= 64 in prefill) with 8 warps: its ieee dots run on
   FMA units out of registers.
 - seq_len: no decode tile is larger than the next power of two of the sequence (>= 16). Prefill
@@ -207,6 +209,18 @@ def select_num_stages(q: TileQuery) -> int:
     # head_dim 256 tiles are large: two stages already cover the load latency.
     if next_pow2(q.head_dim) >= 256 or q.elem_bytes == 4:
         return 2
+    if q.phase == "prefill" and q.elem_bytes == 2 and q.block_n is None:
+        # half-precision prefill whose seed tile does not fit SMEM_BUDGET at three stages (head
+        # dims 80-128 at 128 x 128): two stages of the whole key tile, not three of half of it.
+        # H100, bench_attention.py --prefill-sweep, bf16 D=128, 2026-12-07: (128, 128) at 2
+        # stages 329.8 / 340.2 / 367.4 / 370.0 TFLOP/s against (128, 64) at 3 stages' 306.4 /
+        # 311.4 / 318.7 / 322.7 (B=4 S=4096 and B=1 S=16384, block_tokens 16 / 64)
+        block_m, block_n = base_block_size(q)
+        while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
+            block_m //= 2
+        if (_smem_bytes(q, block_m, block_n, 3) > SMEM_BUDGET
+                >= _smem_bytes(q, block_m, block_n, 2)):  # fmt: skip
+            return 2
     return 3
 
 

@@ -45,17 +45,36 @@ class Rule:
     window: bool  # whether a sliding-window layer (likewise a mask) matches
     precisions: tuple[PrecisionMode, ...]
     source: str  # the measurement behind the entry
+    # at most this many SDPA calls a layer (an engine step of fresh prompts runs one per run of
+    # rows of one length, each with its own launches: its host time grows with the lengths'
+    # variety); None: any
+    max_runs: int | None = None
 
 
 _HALF_MODES = (PrecisionMode.FP16_ONLY, PrecisionMode.AUTO_MIXED)
 
 AUTO: tuple[Rule, ...] = (
-    # H200, benchmarks/bench_attention.py (do_bench, L2 flushed, median, one run), Hq=32 Hkv=8
-    # D=128 bf16 causal: SDPA cuDNN 566 TFLOP/s against the paged Triton prefill's 295 at B=4
-    # S=4096, and 567 against 302 at B=1 S=16384 (issue 17); SDPA flash 324 / 342 against ours
-    # 293 / 298 in RESULTS.md's run, so either SDPA backend wins there. Only is_causal without a
-    # mask was measured, only those shapes: shorter prompts, other head dims, padding and
-    # windows stay paged until measured.
+    # benchmarks/bench_attention.py (do_bench over CUDA-graph replays, L2 flushed, median, one
+    # run each), Hq=32 Hkv=8 D=128 bf16 causal. H200: SDPA cuDNN 566 TFLOP/s against the paged
+    # Triton prefill's 295 at B=4 S=4096, 567 against 302 at B=1 S=16384 (issue 17). H100,
+    # 2026-12-07 (--prefix-prefill): cuDNN / flash / ours 263 / 132 / 91 at B=128 S=256, 353 /
+    # 198 / 159 at B=64 S=512, 433 / 259 / 222 at B=32 S=1024, 518 / 297 / 271 at B=8 S=2048, so
+    # either SDPA backend wins from 256 tokens. Only is_causal without a mask was measured,
+    # only those shapes: shorter prompts, other head dims, padding and windows stay paged.
+    # Every case measured was one batch of equal prompts (one SDPA call a layer): from 256
+    # tokens a row that is all the rule takes; an engine step whose rows make several runs of
+    # lengths (one call each) keeps the 4,096 of before (a step's host time not measured).
+    Rule(
+        "cuda",
+        (torch.bfloat16,),
+        (128,),
+        256,
+        padding=False,
+        window=False,
+        precisions=_HALF_MODES,
+        source="H200 / H100: SDPA cuDNN and flash ahead of paged at 256-16384 tokens",
+        max_runs=1,
+    ),
     Rule(
         "cuda",
         (torch.bfloat16,),
@@ -101,8 +120,11 @@ def choose(
     window: int | None,
     kv_dtype: str,
     precision: PrecisionMode,
+    runs: int = 1,
 ) -> tuple[str, str]:
-    """(path, why) for one layer's prefill attention: "dense" or "paged". All host values."""
+    """(path, why) for one layer's prefill attention: "dense" or "paged". All host values.
+    runs: the SDPA calls the dense path would make (an engine step: its runs of rows of one
+    length; a generate() batch: 1)."""
     if not fresh:
         return "paged", "cached prefix"
     if setting == "paged":
@@ -122,6 +144,7 @@ def choose(
             and (r.padding or not padded)
             and (r.window or not window)
             and precision in r.precisions
+            and (r.max_runs is None or runs <= r.max_runs)
         ):
             return "dense", f"auto: {r.source}"
     return "paged", "auto: no measured entry"

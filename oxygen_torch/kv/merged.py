@@ -209,12 +209,13 @@ class MergedStep:
         """kv/fresh.py's choice for a prefill step. Only a step whose every row is a fresh
         prompt (no cached prefix, no decode row beside it) may attend its own K/V; its columns
         are its shortest row's tokens, so every row is at least the size an auto entry was
-        measured on."""
+        measured on; its runs, the SDPA calls the dense path would make (`_dense`)."""
         first = self.parts[0].core
         return _fresh.choose(
             first.fresh_prefill, fresh=self._fresh and have_kv, device=q.device, dtype=q.dtype,
             head_dim=q.shape[-1], columns=min(n for n in self._rows if n), padded=False,
             window=sliding_window, kv_dtype=first.kv_dtype, precision=self.precision,
+            runs=sum(1 for n, _ in groupby(self._rows) if n),
         )  # fmt: skip
 
     def _dense(self, q, k, v, scale, sliding_window) -> torch.Tensor:
