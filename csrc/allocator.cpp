@@ -73,7 +73,9 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
   std::uint64_t cid = 0;
   if (ctx().backend().capture_info(stream, &capturing, &cid) != OK) capturing = false;
 
+  waiters_.fetch_add(1, std::memory_order_relaxed);  // (a periodic sweep yields to it)
   std::lock_guard<std::mutex> g(mu_);
+  waiters_.fetch_sub(1, std::memory_order_relaxed);
   if (!active_captures_.empty()) refresh_captures();
   StreamState* st = streams_.get(stream);
   CaptureState* cap = capturing ? capture_for(cid, stream) : nullptr;
@@ -123,7 +125,9 @@ void* Allocator::malloc(std::int64_t size, void* stream, Status* status) {
 
 Status Allocator::free(void* ptr, std::int64_t size, void* stream) {
   auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  waiters_.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> g(mu_);
+  waiters_.fetch_sub(1, std::memory_order_relaxed);
   auto it = live_.find(addr);
   if (it == live_.end()) {
     bump(stats_.num_bad_frees);
@@ -462,7 +466,11 @@ void Allocator::sweep() {
   std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
   if (!g.owns_lock()) return;
   if (!active_captures_.empty()) refresh_captures();
+  sweeping_ = true;
+  yielded_ = false;
   sweep_locked(false);
+  sweeping_ = false;
+  if (yielded_) bump(stats_.sweeps_yielded);
 }
 
 std::size_t Allocator::free_va_bytes() {

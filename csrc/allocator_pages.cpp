@@ -95,7 +95,7 @@ void Allocator::lend_idle(std::size_t p0, std::size_t p1, const StreamState* use
 
 void Allocator::retire_lent(std::size_t max_pages) {
   std::size_t n = 0;
-  for (std::size_t i = 0; i < lent_.size() && n < max_pages;) {
+  for (std::size_t i = 0; i < lent_.size() && n < max_pages && !yield_to_waiter(n);) {
     Lent& l = lent_[i];
     bool safe = true;
     for (auto& pc : l.pieces) safe = safe && is_safe(pc.second.tag);
@@ -156,6 +156,7 @@ std::size_t Allocator::reclaim_idle(std::size_t max_pages, bool aged_only) {
   std::size_t keep = aged_only ? keep_pages(now) : 0;
   for (std::size_t p = idle_.next(0); p != PageSet::npos && n < max_pages; p = idle_.next(p + 1)) {
     if (keep && mapped_bytes() <= keep * page_) break;  // within the recent peak: kept
+    if (yield_to_waiter(n)) break;
     std::uintptr_t lo = base() + p * page_;
     if ((aged_only && now - idle_since_[p] < opt_.hysteresis_ns) ||
         !extents_.all_safe(lo, lo + page_) || range_->unmap(p, 1) != OK)
@@ -211,6 +212,13 @@ void Allocator::poll_events(bool sync) {
     free_deferred();
     if (complete) streams_.all_complete();  // those frees were issued before the synchronize
   }
+}
+
+bool Allocator::yield_to_waiter(std::size_t done) {
+  if (!sweeping_ || done < kSweepFloor || waiters_.load(std::memory_order_relaxed) == 0)
+    return false;
+  yielded_ = true;
+  return true;
 }
 
 void Allocator::sweep_locked(bool force) {

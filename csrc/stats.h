@@ -87,6 +87,7 @@ struct AllocCounters {
   Counter pages_lent{0};           // idle pages whose handle backed a new block (see lend_idle)
   Counter lent_pending{0};         // of those, still mapped at their old address (not retired)
   Counter deferred_bytes{0};       // freed blocks held until the streams recorded on them pass
+  Counter sweeps_yielded{0};       // periodic sweeps that stopped unmapping for a waiting malloc
 };
 
 }  // namespace oxygen

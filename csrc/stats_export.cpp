@@ -14,7 +14,8 @@ const char* stats_names() {
          "mapped_bytes,peak_mapped_bytes,reserved_va_bytes,handle_cache_pages,handles_created,"
          "handles_released,handles_created_inline,num_maps,num_unmaps,map_ns,unmap_ns,"
          "live_handles,max_pages,page_size,pool_va_bytes,live_ranges,pages_lent,small_pages,"
-         "pool_mapped_bytes,deferred_bytes,pool_maps,pool_unmaps,pool_map_ns,pool_unmap_ns";
+         "pool_mapped_bytes,deferred_bytes,pool_maps,pool_unmaps,pool_map_ns,pool_unmap_ns,"
+         "sweeps_yielded";
 }
 
 int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_bytes,
@@ -36,7 +37,8 @@ int export_stats(const AllocCounters* a, DeviceCtx& ctx, std::size_t pool_va_byt
       get(p.handles_created_inline), get(p.num_maps), get(p.num_unmaps), get(p.map_ns),
       get(p.unmap_ns), ctx.owned_pages(), ctx.max_pages(), ctx.page(), pool_va_bytes,
       get(p.live_ranges), get(s.pages_lent), get(s.small_pages), pool_mapped_bytes,
-      get(s.deferred_bytes), get(m.maps), get(m.unmaps), get(m.map_ns), get(m.unmap_ns)};
+      get(s.deferred_bytes), get(m.maps), get(m.unmaps), get(m.map_ns), get(m.unmap_ns),
+      get(s.sweeps_yielded)};
   int k = 0;
   for (; k < n && k < static_cast<int>(v.size()); ++k) out[k] = v[k];
   return k;
