@@ -110,6 +110,8 @@ def test_warps_stages_and_splits():
     # half-precision prefill at D=128: two stages of the seed tile (fits 180 KiB; three do not)
     assert select_num_stages(q) == 2 and select_num_stages(tq(phase="decode")) == 3
     assert select_num_stages(tq(dtype=torch.uint8)) == 3  # (fp8: its 64-key tiles fit three)
+    assert select_num_stages(tq(block_m=16)) == 2  # (the 128-key tiles decide: 196 KiB at 3)
+    assert select_num_stages(tq(block_n=64)) == 3  # (a caller's key tile: its stages are fit)
     clear_choices()
     cfg = launch_config(q)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 2)

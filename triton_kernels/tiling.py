@@ -218,6 +218,7 @@ def select_num_stages(q: TileQuery) -> int:
         block_m, block_n = base_block_size(q)
         while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
             block_m //= 2
+        block_m = q.block_m or block_m  # (a caller's block_m: its own tile decides)
         if (_smem_bytes(q, block_m, block_n, 3) > SMEM_BUDGET
                 >= _smem_bytes(q, block_m, block_n, 2)):  # fmt: skip
             return 2
