@@ -574,22 +574,37 @@ def prefix_case(gen, b, pre, new, bt, varlen_attn, causal_lower_right):
 
 
 def varlen_row(case, varlen_attn, qt, k, v, b, new, n, flops, ref_t):
-    """torch's varlen flash entry on the packed rows, causal at the bottom right."""
-    kt = k.transpose(1, 2).reshape(b * n, HKV, D).contiguous()
-    vt = v.transpose(1, 2).reshape(b * n, HKV, D).contiguous()
+    """torch's varlen flash entry on the packed rows, causal at the bottom right. Its keywords
+    moved between torch versions (2.13: window_size=(-1, 0), enable_gqa; 2.11 refused both and
+    is_causal): they are read from its signature, K/V heads repeated where it takes no GQA."""
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    kw, hkv = {}, HKV
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    else:
+        k, v, hkv = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1), HQ
+    for name, value in (("is_causal", True), ("causal", True), ("window_size", (-1, 0))):
+        if name in params:
+            kw[name] = value
+            break
+    else:
+        row(case, "varlen flash (packed)", None, flops, "TFLOP/s",
+            note=f"no causal keyword in {list(params)}"[:160])  # fmt: skip
+        return
+    kt = k.transpose(1, 2).reshape(b * n, hkv, D).contiguous()
+    vt = v.transpose(1, 2).reshape(b * n, hkv, D).contiguous()
     cq = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * new
     ck = torch.arange(0, b + 1, device=DEV, dtype=torch.int32) * n
-    note = ""
-    for kw in (dict(window_size=(-1, 0), enable_gqa=True), dict(is_causal=True)):
-        try:  # (the keyword for causal moved between torch versions)
-            fn = functools.partial(varlen_attn, qt, kt, vt, cq, ck, new, n, **kw)
-            out = fn()
-            err = rel_err(out, ref_t) if ref_t is not None else None
-            row(case, "varlen flash (packed)", bench(fn), flops, "TFLOP/s", err, str(kw))
-            return
-        except Exception as e:
-            note += f"{kw}: {type(e).__name__}: {e}"[:100] + "; "
-    row(case, "varlen flash (packed)", None, flops, "TFLOP/s", note=f"failed: {note}")
+    try:
+        fn = functools.partial(varlen_attn, qt, kt, vt, cq, ck, new, n, **kw)
+        out = fn()
+        err = rel_err(out, ref_t) if ref_t is not None else None
+        row(case, "varlen flash (packed)", bench(fn), flops, "TFLOP/s", err, str(kw))
+    except Exception as e:
+        row(case, "varlen flash (packed)", None, flops, "TFLOP/s",
+            note=f"{kw}: failed: {type(e).__name__}: {e}"[:160])  # fmt: skip
 
 
 # the engine's decode shapes (issue 34's profile: the 1B shape with a 128k vocabulary, head dim
