@@ -205,6 +205,14 @@ def base_block_size(q: TileQuery) -> tuple[int, int]:
     return (64, 64)
 
 
+def _accumulator_cap(q: TileQuery, block_m: int) -> int:
+    """block_m halved until the fp32 accumulator [block_m, D] is <= 128 x 128: 64 registers a
+    thread at 8 warps."""
+    while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
+        block_m //= 2
+    return block_m
+
+
 def select_num_stages(q: TileQuery) -> int:
     # head_dim 256 tiles are large: two stages already cover the load latency.
     if next_pow2(q.head_dim) >= 256 or q.elem_bytes == 4:
@@ -216,9 +224,7 @@ def select_num_stages(q: TileQuery) -> int:
         # stages 329.8 / 340.2 / 367.4 / 370.0 TFLOP/s against (128, 64) at 3 stages' 306.4 /
         # 311.4 / 318.7 / 322.7 (B=4 S=4096 and B=1 S=16384, block_tokens 16 / 64)
         block_m, block_n = base_block_size(q)
-        while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
-            block_m //= 2
-        block_m = q.block_m or block_m  # (a caller's block_m: its own tile decides)
+        block_m = q.block_m or _accumulator_cap(q, block_m)  # (a caller's block_m decides)
         if (_smem_bytes(q, block_m, block_n, 3) > SMEM_BUDGET
                 >= _smem_bytes(q, block_m, block_n, 2)):  # fmt: skip
             return 2
@@ -243,9 +249,7 @@ def select_block_size(q: TileQuery) -> tuple[int, int]:
         block_m = min(64, max(16, next_pow2(q.group)))
         if q.elem_bytes <= 2:
             block_n = min(128, max(64, block_n))
-    # the fp32 accumulator [block_m, D]: <= 128 x 128 keeps it at 64 registers a thread (8 warps)
-    while block_m * next_pow2(q.head_dim) > 128 * 128 and block_m > 16:
-        block_m //= 2
+    block_m = _accumulator_cap(q, block_m)
     stages = select_num_stages(q)
     while _smem_bytes(q, block_m, block_n, stages) > SMEM_BUDGET and block_n > 32:
         block_n //= 2

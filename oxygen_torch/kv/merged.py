@@ -77,6 +77,7 @@ class MergedStep:
         self._starts: list[list[int]] = []
         self._rows: list[int] = []  # every row's new tokens, packed in this order
         self._fresh = False  # no row with new tokens held a token before the step
+        self._fresh_shape = (0, 0)  # a fresh step's shortest row and runs of one length
         self._masks: dict[int, dict] = {}  # the dense path's window masks, by row length
         self._narrowed: int | None = None  # the narrowest window a part narrowed behind
 
@@ -101,6 +102,11 @@ class MergedStep:
         self._fresh = all(
             n0 == 0 for p, st in zip(self.parts, self._starts) for n0, n in zip(st, p.counts) if n
         )
+        if self._fresh:  # (once a step, not a layer: what kv/fresh.py's choice reads)
+            self._fresh_shape = (
+                min((n for n in self._rows if n), default=0),
+                sum(1 for n, _ in groupby(self._rows) if n),
+            )
         for p in self.parts:
             if p.counts == [1]:  # one token of one row (the engine's decodes): mostly no block
                 p.core._reserve_one_each()
@@ -213,9 +219,9 @@ class MergedStep:
         first = self.parts[0].core
         return _fresh.choose(
             first.fresh_prefill, fresh=self._fresh and have_kv, device=q.device, dtype=q.dtype,
-            head_dim=q.shape[-1], columns=min(n for n in self._rows if n), padded=False,
+            head_dim=q.shape[-1], columns=self._fresh_shape[0], padded=False,
             window=sliding_window, kv_dtype=first.kv_dtype, precision=self.precision,
-            runs=sum(1 for n, _ in groupby(self._rows) if n),
+            runs=self._fresh_shape[1],
         )  # fmt: skip
 
     def _dense(self, q, k, v, scale, sliding_window) -> torch.Tensor:
