@@ -441,6 +441,12 @@ OXY_API void oxygen_host_set_create_delay(std::uint64_t ns) {
     return OK;
   });
 }
+OXY_API void oxygen_host_set_unmap_delay(std::uint64_t ns) {
+  guarded("host_set_unmap_delay", [&] {
+    host_set_unmap_delay(ns);
+    return OK;
+  });
+}
 OXY_API void oxygen_host_set_capture(void* stream, uint64_t id) {
   guarded("host_set_capture", [&] {
     host_set_capture(stream, id);

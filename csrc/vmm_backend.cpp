@@ -82,6 +82,8 @@ std::atomic<bool> g_host_hold{false};
 std::atomic<std::uint64_t> g_host_lag_ns{0};
 // Test knob: creating a physical page takes up to about this long, like a driver call under load.
 std::atomic<std::uint64_t> g_host_create_delay_ns{0};
+// Test knob: unmapping a page takes this long, as a driver unmap does on a GPU (20-50 us).
+std::atomic<std::uint64_t> g_host_unmap_delay_ns{0};
 std::mutex g_host_event_mu;
 std::map<std::uint64_t, std::uint64_t> g_host_recorded_at;  // event -> steady clock ns
 std::mutex g_host_capture_mu;
@@ -188,6 +190,8 @@ class HostBackend final : public Backend {
   Status unmap(std::uintptr_t va, std::size_t size) override {
     int fd = reservation_fd(va, size);
     if (fd < 0) return invalid("unmap: range is not inside a reservation of this backend");
+    if (std::uint64_t d = g_host_unmap_delay_ns.load(std::memory_order_acquire))
+      std::this_thread::sleep_for(std::chrono::nanoseconds(d));
     std::lock_guard<std::mutex> g(host_maps::lock());
     void* p = mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
                    MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, static_cast<off_t>(va));
@@ -287,6 +291,10 @@ void host_hold_events(bool hold) { g_host_hold.store(hold, std::memory_order_rel
 
 void host_set_create_delay(std::uint64_t ns) {
   g_host_create_delay_ns.store(ns, std::memory_order_release);
+}
+
+void host_set_unmap_delay(std::uint64_t ns) {
+  g_host_unmap_delay_ns.store(ns, std::memory_order_release);
 }
 
 void host_set_event_lag(std::uint64_t ns) {

@@ -78,6 +78,8 @@ void host_hold_events(bool hold);
 void host_set_event_lag(std::uint64_t ns);
 // Test knob: every host page creation first sleeps a pseudo-random time up to about ns (0: off).
 void host_set_create_delay(std::uint64_t ns);
+// Test knob: every host page unmap first sleeps ns (0: off).
+void host_set_unmap_delay(std::uint64_t ns);
 void host_set_capture(void* stream, std::uint64_t id);
 
 // Factories. On failure they return nullptr and set *status and last_error().

@@ -327,50 +327,60 @@ def test_idle_pages_within_the_recent_live_peak_stay_while_allocations_come_and_
 def test_a_periodic_sweep_yields_its_unmaps_to_waiting_mallocs_and_memory_still_comes_back():
     """The background sweep unmaps idle pages holding the lock malloc and free wait on (on a GPU
     20-50 us a page, up to 128 a sweep): past a floor of 8 it stops for a waiting thread and
-    goes on 5 ms later. Two threads churn small blocks while a large block's pages, idle and
+    goes on 5 ms later. Three threads churn small blocks while a large block's pages, idle and
     past the live bytes' recent peak (two 1 s epochs on), are unmapped: the sweeps yield
-    (counted) and every idle page still goes; the live blocks keep their bytes."""
+    (counted) and every idle page still goes; the live blocks keep their bytes. A host unmap
+    takes microseconds, so it is slowed to a GPU's here: a sweep's first 8 unmaps hold the lock
+    1.6 ms, long enough for a churning thread to wait on it on a loaded 2-core machine (without
+    the knob CI once saw no sweep with a waiter in three rounds)."""
     import threading
 
-    # (20 ms, the default: a malloc sweeps itself only when the last sweep is 4 x that old, so
-    # the background thread's sweeps are the ones that unmap)
-    with VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=20_000) as pool:
-        live = [(pool.malloc(n), n) for n in random.sample(range(512, 3 * MiB), 6)]
-        for i, (p, n) in enumerate(live):
-            fill(p, n, i)
-        stop, errors = threading.Event(), []
+    from oxygen_torch.pool import native as _native
 
-        def churn(seed):
-            rng = random.Random(seed)
-            sizes = [rng.randint(512, 64 << 10) for _ in range(64)]
-            try:
-                while not stop.is_set():
-                    for n in sizes:  # (mostly in malloc and free: waiting there is the point)
-                        pool.free(pool.malloc(n))
-                    p = pool.malloc(sizes[0])
-                    fill(p, sizes[0], seed)
-                    check(p, sizes[0], seed)
-                    pool.free(p)
-            except Exception as e:  # (reported below: a thread's assert would be lost)
-                errors.append(e)
+    lib = _native.lib()
+    lib.oxygen_host_set_unmap_delay(200_000)
+    try:
+        # (20 ms, the default: a malloc sweeps itself only when the last sweep is 4 x that old, so
+        # the background thread's sweeps are the ones that unmap)
+        with VirtualPool(backend="host", capacity=1 << 30, hysteresis_us=20_000) as pool:
+            live = [(pool.malloc(n), n) for n in random.sample(range(512, 3 * MiB), 6)]
+            for i, (p, n) in enumerate(live):
+                fill(p, n, i)
+            stop, errors = threading.Event(), []
 
-        threads = [threading.Thread(target=churn, args=(s,)) for s in (101, 202, 303)]
-        for t in threads:
-            t.start()
-        try:
-            for _ in range(3):  # (a round without a waiter at the right moment: again)
-                pool.free(pool.malloc(192 * PAGE))  # 192 idle pages, the live peak for now
-                deadline = time.monotonic() + 20
-                while pool.stats()["idle_pages"] > 2 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                assert pool.stats()["idle_pages"] <= 2, pool.stats()["idle_pages"]
-                if pool.stats()["sweeps_yielded"]:
-                    break
-        finally:
-            stop.set()
+            def churn(seed):
+                rng = random.Random(seed)
+                sizes = [rng.randint(512, 64 << 10) for _ in range(64)]
+                try:
+                    while not stop.is_set():
+                        for n in sizes:  # (mostly in malloc and free: waiting there is the point)
+                            pool.free(pool.malloc(n))
+                        p = pool.malloc(sizes[0])
+                        fill(p, sizes[0], seed)
+                        check(p, sizes[0], seed)
+                        pool.free(p)
+                except Exception as e:  # (reported below: a thread's assert would be lost)
+                    errors.append(e)
+
+            threads = [threading.Thread(target=churn, args=(s,)) for s in (101, 202, 303)]
             for t in threads:
-                t.join()
-        assert not errors, errors
-        assert pool.stats()["sweeps_yielded"] > 0
-        for i, (p, n) in enumerate(live):
-            check(p, n, i)
+                t.start()
+            try:
+                for _ in range(3):  # (a round without a waiter at the right moment: again)
+                    pool.free(pool.malloc(192 * PAGE))  # 192 idle pages, the live peak for now
+                    deadline = time.monotonic() + 20
+                    while pool.stats()["idle_pages"] > 2 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert pool.stats()["idle_pages"] <= 2, pool.stats()["idle_pages"]
+                    if pool.stats()["sweeps_yielded"]:
+                        break
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+            assert not errors, errors
+            assert pool.stats()["sweeps_yielded"] > 0
+            for i, (p, n) in enumerate(live):
+                check(p, n, i)
+    finally:
+        lib.oxygen_host_set_unmap_delay(0)

@@ -136,6 +136,7 @@ def _declare_pool(so: ctypes.CDLL) -> None:
         "oxygen_host_hold_events": (None, [c.c_int]),
         "oxygen_host_set_event_lag": (None, [u64]),
         "oxygen_host_set_create_delay": (None, [u64]),
+        "oxygen_host_set_unmap_delay": (None, [u64]),
         "oxygen_pageset_selftest": (c.c_int, [u64, c.c_int, c.c_int]),
         "oxygen_host_set_capture": (None, [vp, u64]),
         "oxygen_arena_create": (c.c_int, [c.c_char_p, c.c_int, sz, sz, c.c_double, c.POINTER(vp)]),
