@@ -566,6 +566,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def floor_cell(r: dict) -> str:
+    """The weight + KV read floor of a decode step of every row, and the decode step (GPU time
+    where timed, else the wall time between steps) as a multiple of it (issue 34: ≤ 1.5x)."""
+    f, step = r.get("floor"), r.get("decode_gpu_ms") or r.get("decode_step_ms")
+    if not f:
+        return "-"
+    return f"{f['floor_ms']}" + (f" ({step / f['floor_ms']:.2f}x)" if step else "")
+
+
 def at_once(args) -> None:
     rows, files = [], out_files("at_once")
     for seed in args.seeds:
@@ -606,14 +615,14 @@ def at_once(args) -> None:
     lines = [
         "| K | seed | mode | tok/s | x one_call | x generate_batch | peak GiB | steps | "
         "rows/step | host ms/step | wait ms/step | decode step ms | its launch ms | "
-        "launch waits ms | door ms | gc ms (full) |",
-        "|" + "---|" * 16,
+        "read floor ms (step x) | launch waits ms | door ms | gc ms (full) |",
+        "|" + "---|" * 17,
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['k']} | {r['seed']} | {r['mode']} | error: "
-                f"{r['error'].strip().splitlines()[-1][:80]} |||||||||||||"
+                f"{r['error'].strip().splitlines()[-1][:80]} ||||||||||||||"
             )
             continue
         ref = {
@@ -630,8 +639,9 @@ def at_once(args) -> None:
             f"{ratio[1]} | {r['peak_GiB']} | {r.get('steps', '-')} | "
             f"{r.get('rows_per_step', '-')} | {r.get('host_ms_per_step', '-')} | "
             f"{r.get('wait_ms_per_step', '-')} | {r.get('decode_step_ms', '-')} | "
-            f"{r.get('decode_launch_ms', '-')} | {r.get('launch_wait_ms', '-')} | "
-            f"{r.get('door_ms_mean', '-')} | {r.get('gc_ms', '-')} ({r.get('gc_full', '-')}) |"
+            f"{r.get('decode_launch_ms', '-')} | {floor_cell(r)} | "
+            f"{r.get('launch_wait_ms', '-')} | {r.get('door_ms_mean', '-')} | "
+            f"{r.get('gc_ms', '-')} ({r.get('gc_full', '-')}) |"
         )
     for r in rows:  # each mode against itself with the interpreter's own switch interval
         base = r["mode"][: -len("_stock_switch")] if r["mode"].endswith("_stock_switch") else None

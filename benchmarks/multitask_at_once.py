@@ -270,6 +270,8 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             out["decode_launch_ms"] = round(sorted(x[4] for x in full)[len(full) // 2], 3)
             gpu = sorted(x[6] for x in full if x[6] is not None)
             out["decode_gpu_ms"] = gpu[len(gpu) // 2] if gpu else None
+            if not HOST_ONLY:  # (the step within 1.5x of it: issue 34's goal)
+                out["floor"] = read_floor(model, reqs, device)
         mixed = [x for x in timeline if x[2] > x[1]]  # steps with prefill chunks
         if mixed:  # the longest: its launch (host) beside its GPU time (a sync shows as both)
             worst = max(mixed, key=lambda x: x[4])
@@ -302,6 +304,48 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
             out["door_ms_mean"] = round(1e3 * (after["door_s"] - before.get("door_s", 0))
                                         / doors, 3)  # fmt: skip
     return out
+
+
+def read_floor(model, reqs: list, device: str) -> dict:
+    """Issue 34's floor of a decode step of every row: the bytes the step must read at least --
+    every weight but the input embedding (a step reads K of its rows; counted when it is the
+    output head's too) and each row's K and V at its mean length over the run (prompt + half
+    its new tokens, left padding not counted) -- over the bandwidth of a device-to-device copy
+    measured here in the same process (read + write bytes a second, as bench_attention's
+    "copy (ceiling)" rows)."""
+    import oxygen_torch
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    seen, weights = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        at = t.untyped_storage().data_ptr()
+        if at in seen or (t is emb and at != head.untyped_storage().data_ptr()):
+            continue
+        seen.add(at)
+        weights += t.untyped_storage().nbytes()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    conf = oxygen_torch.active_config()
+    fp8 = conf is not None and str(conf.kv.kv_dtype).startswith("fp8")
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+    per_token *= 1 if fp8 else head.element_size()
+    kv = int(sum(len(p) + n / 2 for p, n in reqs) * per_token)
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(12):
+        sync()
+        t = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        sync()
+        times.append((time.perf_counter() - t) / 5)
+    bw = 2 * src.nbytes / sorted(times)[len(times) // 2]
+    del src, dst
+    return dict(weight_bytes=weights, kv_bytes=kv, copy_bytes_per_s=int(bw),
+                floor_ms=round(1e3 * (weights + kv) / bw, 3))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -64,3 +64,35 @@ def test_kernels_are_summed_by_part_with_shares_and_the_idle_wall(seed):
         assert float(cells[2].rstrip(" %")) == pytest.approx(100 * us / whole, abs=0.051)
     assert f"{whole / 1e3:.1f} ms in all" in text
     assert "no kernel ran 75.0 %" in text
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_read_floor_counts_every_weight_but_the_lookup_table_and_each_rows_kv(tied, seed):
+    """read_floor: the weights a decode step reads (the input embedding only when it is the
+    output head too, and a tied table once) plus each row's K and V at its mean length, over a
+    copy bandwidth measured in the process."""
+    import transformers as T
+    from multitask_at_once import read_floor
+
+    rng = random.Random(seed)
+    heads, kv_heads, layers = 4, rng.choice([1, 2, 4]), rng.randint(1, 3)
+    cfg = T.LlamaConfig(hidden_size=64, intermediate_size=rng.choice([96, 128]),
+                        num_hidden_layers=layers, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, vocab_size=rng.randint(200, 600),
+                        tie_word_embeddings=tied)  # fmt: skip
+    model = T.LlamaForCausalLM(cfg).eval()
+    reqs = [([1] * rng.randint(3, 40), rng.randint(1, 20)) for _ in range(rng.randint(1, 6))]
+    got = read_floor(model, reqs, "cpu")
+    table = 4 * cfg.vocab_size * cfg.hidden_size  # float32
+    every = 4 * sum(p.numel() for p in model.parameters())  # (a tied table listed once)
+    assert got["weight_bytes"] == every + sum(b.nbytes for b in model.buffers()) - (
+        0 if tied else table
+    )
+    head_dim = cfg.hidden_size // heads
+    tokens = sum(len(p) + n / 2 for p, n in reqs)
+    assert got["kv_bytes"] == int(tokens * 2 * layers * kv_heads * head_dim * 4)
+    bw = got["copy_bytes_per_s"]
+    assert bw > 0
+    want = 1e3 * (got["weight_bytes"] + got["kv_bytes"]) / bw
+    assert got["floor_ms"] == pytest.approx(want, rel=1e-6, abs=1e-3)
