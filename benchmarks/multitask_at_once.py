@@ -21,7 +21,9 @@ warm-up of K requests with 16 new tokens each, then for oxygen's modes oxygen_to
 up to K rows unless --no-warm-up), GPU memory held at peak, and for the engine its
 steps, host time a step and the timed run's step timeline (start, rows, tokens, choose / launch /
 complete ms, on a GPU each step's GPU ms and the GPU's idle ms before it, and the engine
-thread's CPU ms in the launch) in the JSON.
+thread's CPU ms in the launch) in the JSON, with the weight + KV read floor of a decode step of
+every row (`floor`: bytes over a copy's bandwidth measured in the same process; the table shows
+the decode step as a multiple of it, issue 34's ≤ 1.5x).
 """
 
 from __future__ import annotations
