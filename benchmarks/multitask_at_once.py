@@ -308,7 +308,7 @@ def run(mode: str, shape: str, k: int, seed: int, new: str, sample: bool, device
     return out
 
 
-def read_floor(model, reqs: list, device: str) -> dict:
+def read_floor(model, reqs: list, device: str, copy_bytes: int = 256 << 20) -> dict:
     """Issue 34's floor of a decode step of every row: the bytes the step must read at least --
     every weight but the input embedding (a step reads K of its rows; counted when it is the
     output head's too) and each row's K and V at its mean length over the run (prompt + half
@@ -333,7 +333,7 @@ def read_floor(model, reqs: list, device: str) -> dict:
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
     per_token *= 1 if fp8 else head.element_size()
     kv = int(sum(len(p) + n / 2 for p, n in reqs) * per_token)
-    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times = []
