@@ -316,6 +316,54 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+PROBE_HANDLES_MIB = (2, 4, 8, 16, 32, 64, 128, 512, 1024)
+
+
+def map_probe(backend: str, repeats: int = 3) -> str:
+    """Growth by 1 GiB by the size of the physical handles behind it: the backend's create / map
+    / set_access / unmap / release timed over 1 GiB of handles of each size (the best of
+    `repeats`), beside torch's own 1 GiB cudaMalloc after empty_cache() (cuda). The pool maps
+    2 MiB pages one handle each: the map column of the 2 MiB row is its growth cost; the larger
+    rows say what mapping a large block's interior with larger handles would save."""
+    from oxygen_torch.pool import native as _native
+
+    anchor = None
+    if backend == "cuda":
+        import torch
+
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            t = time.perf_counter()
+            x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t) * 1e3
+            anchor = dt if anchor is None else min(anchor, dt)
+            del x
+        torch.cuda.empty_cache()
+    lines = [f"## growth by 1 GiB by handle size ({backend} backend; ms, best of {repeats})", "",
+             "| handle MiB | handles | create | map | set_access: one call / one a handle | "
+             "unmap | release | map + set_access (the allocating thread) | goal < 2 ms | "
+             "torch cudaMalloc 1 GiB | ratio |", "|---" * 11 + "|"]  # fmt: skip
+    for mib in PROBE_HANDLES_MIB:
+        best: dict[str, float] = {}
+        each = float("inf")
+        for _ in range(repeats):
+            r = _native.backend_map_probe(backend, mib << 20)
+            for k, v in r.items():
+                best[k] = min(best.get(k, float("inf")), v * 1e3)
+            e = _native.backend_map_probe(backend, mib << 20, access_each=True)
+            each = min(each, e["set_access"] * 1e3)
+        grow = round(best["map"] + best["set_access"], 2)  # (as printed: the goal column agrees)
+        a = f"{anchor:.2f}" if anchor is not None else "-"
+        ratio = f"{grow / anchor:.2f}x" if anchor else "-"
+        lines.append(f"| {mib} | {1024 // mib} | {best['create']:.2f} | {best['map']:.2f} | "
+                     f"{best['set_access']:.2f} / {each:.2f} | {best['unmap']:.2f} | "
+                     f"{best['release']:.2f} | {grow:.2f} | {'met' if grow < 2 else 'missed'} | "
+                     f"{a} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -348,6 +396,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="print each seed's workload and what would run; no GPU",
     )
     ap.add_argument("--host", action="store_true", help="the CPU side on the host backend")
+    ap.add_argument(
+        "--map-probe",
+        action="store_true",
+        help="only: growth by 1 GiB by physical handle size, the backend's calls timed (with "
+        "--host: the host backend)",
+    )
     ap.add_argument(
         "--latency",
         action="store_true",
@@ -391,6 +445,12 @@ def main(argv=None) -> int:
             print(workloads.family(seed).describe())
         print(f"would run: latency, growth, then {len(args.seeds) + args.anchor} workload(s) x "
               f"{args.allocators}")  # fmt: skip
+        return 0
+    if args.map_probe:
+        md = map_probe("host" if args.host else "cuda")
+        print(md)
+        if os.environ.get("OUT"):
+            (Path(os.environ["OUT"]) / "bench_allocator_map_probe.md").write_text(md + "\n")
         return 0
     if args.host:
         return host(args)

@@ -125,3 +125,19 @@ def test_content_check_sees_an_overlap():
         host_random.stamp(a + 100, 4096, 9)  # small: every byte
         assert not host_random.verify(a, 4 * MiB, 7)
         pool.free(a)
+
+
+def test_map_probe_table_on_the_host_backend():
+    """bench_allocator.py --map-probe --host: a row a handle size, each timing the backend's
+    calls over 1 GiB; the goal column says met exactly where map + set_access is under 2 ms."""
+    import bench_allocator
+
+    md = bench_allocator.map_probe("host", repeats=1)
+    rows = [line.split("|")[1:-1] for line in md.splitlines() if line.startswith("| ") and
+            line.split("|")[1].strip().isdigit()]  # fmt: skip
+    assert [int(r[0]) for r in rows] == list(bench_allocator.PROBE_HANDLES_MIB)
+    for r in rows:
+        assert int(r[1]) * int(r[0]) == 1024
+        grow = float(r[7])
+        assert grow > 0 and r[8].strip() == ("met" if grow < 2 else "missed")
+        assert r[9].strip() == "-" and r[10].strip() == "-"  # no cuda anchor on the host

@@ -77,7 +77,7 @@ def run_ranks(path: Path, tmp_path: Path, seed: int) -> list[dict]:
         for p in procs:
             p.kill()
     for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+        assert p.returncode == 0, log[-12000:]
     return [json.loads(o.read_text()) for o in outs]
 
 

@@ -146,6 +146,7 @@ def main(path: str, out_path: str, seed: int) -> None:
     # a rank still running near the test's limit (240 s) says where each of its threads is
     # (once seen: a hang on the CPU machine under CI's load, not reproduced since)
     faulthandler.dump_traceback_later(200, exit=False)
+    faulthandler.enable(all_threads=True)  # a native crash (once: heap corruption) says where
     model = AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
     ).eval()

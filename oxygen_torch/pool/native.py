@@ -93,6 +93,9 @@ def _declare(so: ctypes.CDLL) -> None:
         c.POINTER(c.c_int),
     ]
     so.oxygen_backend_selftest.argtypes = [c.c_char_p, c.c_int, c.c_size_t, c.POINTER(c.c_size_t)]
+    so.oxygen_backend_map_probe.argtypes = [
+        c.c_char_p, c.c_int, c.c_size_t, c.c_size_t, c.c_int, c.POINTER(c.c_uint64)
+    ]  # fmt: skip
     _declare_pool(so)
 
 
@@ -230,6 +233,26 @@ def cuda_device_info(device: int) -> dict:
         "total_bytes": total.value,
         "vmm_supported": bool(vmm.value),
     }
+
+
+MAP_PROBE_CALLS = ("create", "map", "set_access", "unmap", "release")
+
+
+def backend_map_probe(kind: str, handle_bytes: int, total_bytes: int = 1 << 30, device: int = 0,
+                      access_each: bool = False) -> dict:  # fmt: skip
+    """The backend's calls timed for `total_bytes` as handles of `handle_bytes` each, mapped side
+    by side in one fresh reserved range and then undone: seconds spent in each of
+    MAP_PROBE_CALLS over all the handles (set_access: one call over the range, or one a handle
+    with `access_each`). What growth by `total_bytes` costs with handles of that size on this
+    machine (benchmarks/bench_allocator.py --map-probe)."""
+    out = (ctypes.c_uint64 * len(MAP_PROBE_CALLS))()
+    check(
+        lib().oxygen_backend_map_probe(
+            kind.encode(), device, handle_bytes, total_bytes, int(access_each), out
+        ),
+        f"{kind} backend map probe ({handle_bytes} B handles, {total_bytes} B)",
+    )
+    return {name: out[k] / 1e9 for k, name in enumerate(MAP_PROBE_CALLS)}
 
 
 def backend_selftest(kind: str, device: int = 0, page_size: int = 2 << 20) -> int:
