@@ -12,7 +12,9 @@ host's launch is in it where it outlasts the GPU's work) for greedy rows, the Py
 processors and the topk path (processed scores not wanted, as in a step where no call asks
 output_scores), the topk path's time over the processors', and the share of the topk path's
 tokens equal to the processors' (the same seeds: 1.0 but for cuts within rounding and ties at a
-top-p cut). Issue 34's goal: logits and sampling <= 10 % of a decode step at 256 rows (the
+top-p cut), and the path's candidates alone: the chunk kernel (`top_candidates`, what the
+path takes on the GPU) against torch.topk over whole rows (what it took before). Issue 34's
+goal: logits and sampling <= 10 % of a decode step at 256 rows (the
 engine's decode step at 256 rows: RESULTS.md). A fused one-kernel variant this benchmark
 measured before ("fused": the warpers, top-p by bisection, and the draw in one kernel) was
 slower than both at every row count and was removed (its figures: RESULTS.md).
@@ -26,8 +28,9 @@ import functools
 import statistics
 
 import torch
+from oxygen_torch.triton_kernels.sampling import top_candidates
 
-from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams
+from oxygen_torch.engine.sampling import TIE_SLACK, RowSample, Sampler, SamplingParams
 
 
 def timed(call, runs: int) -> float:
@@ -64,8 +67,8 @@ def main() -> None:
     sampled = SamplingParams(do_sample=True, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k)  # fmt: skip
     print("| rows | greedy ms | torch processors ms | topk ms | topk / torch | topk tokens = "
-          "torch's |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "torch's | candidates: chunk kernel / torch.topk ms (ratio) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for k in args.rows:
         # logits as a model gives them: bf16, a few likely tokens over a long tail
         logits = (torch.randn(k, args.vocab, device=dev, generator=gen) * 2).bfloat16()
@@ -77,8 +80,14 @@ def main() -> None:
         greedy_ms = timed(functools.partial(torch_s, logits, greedy), args.runs)
         want, _ = torch_s(logits, rows)
         same = (topk(logits, rows, scores_wanted=False)[0] == want).float().mean().item()
+        # the topk path's candidates alone: the chunk kernel (top_candidates) against
+        # torch.topk over whole rows, the width the path asks (top_k + the tie slack)
+        width = min(args.vocab, max(args.top_k, 1) + TIE_SLACK)
+        cand_ms = timed(functools.partial(top_candidates, logits, width), args.runs)
+        whole_ms = timed(functools.partial(logits.topk, width, dim=-1), args.runs)
         print(f"| {k} | {greedy_ms:.3f} | {torch_ms:.3f} | {topk_ms:.3f} | "
-              f"{topk_ms / torch_ms:.2f}x | {same:.3f} |", flush=True)  # fmt: skip
+              f"{topk_ms / torch_ms:.2f}x | {same:.3f} | {cand_ms:.3f} / {whole_ms:.3f} "
+              f"({cand_ms / whole_ms:.2f}x) |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import time
 import pytest
 import torch
 import transformers as T
+from oxygen_torch.triton_kernels import sampling as kernels
 from oxygen_torch.triton_kernels.sampling import (
     sample_candidates,
     sample_rows,
     sample_rows_ref,
+    top_candidates,
 )
 
 from oxygen_torch.engine.sampling import RowSample, Sampler, SamplingParams, step_seed, step_seeds
@@ -220,6 +222,102 @@ def test_the_topk_path_beyond_its_tie_slack_draws_only_kept_tokens(triton_draws)
     assert scores.gather(1, tokens[:, None]).isfinite().all()
 
 
+def assert_top_of_each_row(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, width: int):
+    """vals / ids are each row's `width` largest scores, largest first, and their columns:
+    torch.topk's values exactly, columns distinct and holding those values."""
+    want, _ = x.float().topk(width, dim=-1)
+    assert vals.dtype == torch.float32 and ids.dtype == torch.int64
+    assert vals.shape == ids.shape == (x.shape[0], width)
+    assert torch.equal(vals, want)
+    assert ((ids >= 0) & (ids < x.shape[1])).all()
+    assert torch.equal(x.float().gather(1, ids), vals)
+    assert all(len(set(row.tolist())) == width for row in ids)
+
+
+@pytest.mark.parametrize("kind,dtype", [("random", torch.float16), ("ties", torch.float32),
+                                        ("ulps", torch.float32), ("ulps", torch.float16),
+                                        ("few finite", torch.float32)])  # fmt: skip
+def test_top_candidates_are_each_rows_largest_scores(kind, dtype):
+    """The chunked selection (under the interpreter): every chunk's W largest, then topk over
+    those, gives torch.topk's values with their own columns, for ties at the cut (integer
+    scores: which tied column is taken may differ), scores a unit in the last place apart
+    beside +-1e4 in every chunk (the bisection must run to the last bit), a last chunk
+    shorter than W (its columns past the end never come out) and rows with fewer finite
+    scores than the width."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    rows, vocab, width, chunk = 3, 5 * 128 + 9, 20, 128  # W 32: the last chunk holds 9
+    if kind == "ties":
+        x = torch.randint(-3, 3, (rows, vocab), generator=gen).to(dtype)
+    elif kind == "ulps":
+        width = 32  # = W: a chunk may have to give every one of its candidates
+        ulp = torch.finfo(dtype).eps
+        x = torch.stack([1 + torch.randperm(vocab, generator=gen).to(dtype) * ulp
+                         for _ in range(rows)])  # fmt: skip
+        x[:, ::64] = 1e4
+        x[:, 1::64] = -1e4
+    else:
+        x = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    if kind == "few finite":
+        x[0, torch.randperm(vocab, generator=gen)[: vocab - 7]] = float("-inf")  # 7 finite
+        x[1, :-3] = float("-inf")  # 3 finite, all in the short last chunk
+    vals, ids = top_candidates(x, width, chunk)
+    if kind != "few finite":
+        assert_top_of_each_row(x, vals, ids, width)
+        return
+    want, _ = x.float().topk(width, dim=-1)
+    assert torch.equal(vals, want)  # finite ones first, -inf after
+    finite = vals.isfinite()
+    assert torch.equal(x.float().gather(1, ids)[finite], vals[finite])
+    assert ((ids >= 0) & (ids < vocab)).all()
+
+
+def test_top_candidates_take_torch_topk_where_chunks_save_nothing_and_refuse_bad_widths():
+    x = torch.randn(2, 300)
+    for width, chunk in ((10, 256), (40, 128), (300, 16)):  # 2 chunks or fewer; W > chunk / 4
+        assert_top_of_each_row(x, *top_candidates(x, width, chunk), width)
+    for width in (0, 301):
+        with pytest.raises(ValueError, match=f"width {width} for rows of 300 scores"):
+            top_candidates(x, width)
+    with pytest.raises(ValueError, match="chunk 100: want a power of two"):
+        top_candidates(x, 5, 100)
+    with pytest.raises(ValueError, match=r"want scores \[R, V\]"):
+        top_candidates(x[0], 5)
+
+
+def test_the_topk_path_on_chunked_candidates_draws_what_whole_rows_give(triton_draws, monkeypatch):
+    """The Sampler's "topk" path with its candidates from the chunk kernel (TOP_CHUNK cut to
+    512 so that a 2,600-token vocabulary takes it under the interpreter): the same warped
+    candidates and tokens as with torch.topk over whole rows (float32 logits: no ties)."""
+    from oxygen_torch.engine import sampling
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    vocab = 2600
+    settings = [SamplingParams(do_sample=True, top_k=5),
+                SamplingParams(do_sample=True, temperature=0.7, top_k=40, top_p=0.8),
+                SamplingParams(do_sample=True, temperature=1.3, top_k=8, min_p=0.05,
+                               repetition_penalty=1.2),
+                SamplingParams()]  # fmt: skip
+    params = [dataclasses.replace(p, seed=int(torch.randint(1 << 40, (), generator=gen)))
+              for p in settings for _ in range(2)]  # fmt: skip
+    samples = [RowSample(p, r % 3, r, (3,) if r % 2 else ()) for r, p in enumerate(params)]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    held = torch.randint(0, vocab, (len(params), 5), generator=gen)
+    got = {}
+    monkeypatch.setattr(kernels, "TOP_CHUNK", 512)  # width 104 -> W 128: chunks of 512
+    for name in ("chunks", "whole rows"):
+        if name == "whole rows":
+            monkeypatch.setattr(sampling, "top_candidates", lambda s, w: s.float().topk(w, dim=-1))
+        sampler = Sampler(vocab, torch.device("cpu"), "topk")
+        for r in range(len(params)):
+            sampler.start_row(r, held[r])
+        got[name] = (sampler(logits, samples, scores_wanted=False)[0],
+                     sampler._top_k_warped(logits, samples))  # fmt: skip
+    (tokens, warped), (want, want_warped) = got["chunks"], got["whole rows"]
+    assert torch.equal(tokens, want)
+    for a, b in zip(warped[1:], want_warped[1:]):  # vals, ids, seeds (greedy rows: argmax)
+        assert torch.equal(a, b)
+
+
 def test_sample_candidates_is_sample_rows_on_the_kept_tokens():
     """The candidate draw over any subset holding every kept token equals sample_rows over the
     whole row (same seed: token i's noise is column i's); an all -inf row gives 0."""
@@ -237,6 +335,20 @@ def test_sample_candidates_is_sample_rows_on_the_kept_tokens():
         :width][torch.randperm(width, generator=gen)] for r in range(rows)])  # fmt: skip
     got = sample_candidates(scores.gather(1, ids), ids, seeds)
     assert got[:5].tolist() == want[:5].tolist() and int(got[5]) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,width", [(1, 114), (256, 114), (7, 1088)])
+def test_top_candidates_on_the_gpu_are_torch_topks_on_bf16_logits(rows, width):
+    """The chunk kernel on the GPU, bf16 logits of a 128k vocabulary (model-like: a few likely
+    tokens over a long tail, ties common), the widths the sampler asks (top_k 50 + the tie
+    slack; top_k 1024 + the slack: W 2048, a quarter of a chunk)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    x = (torch.randn(rows, 128256, device="cuda", generator=gen) * 2).bfloat16()
+    vals, ids = top_candidates(x, width)
+    assert_top_of_each_row(x, vals, ids, width)
 
 
 @pytest.mark.cuda

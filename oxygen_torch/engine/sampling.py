@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from ..kv.transfer import put_value, to_device
-from ..triton_kernels.sampling import sample_candidates, sample_rows, sample_rows_ref
+from ..triton_kernels.sampling import (
+    sample_candidates,
+    sample_rows,
+    sample_rows_ref,
+    top_candidates,
+)
 
 _MASK64 = (1 << 64) - 1
 # scheduler.sampling_kernel "topk": rows whose top_k is at most TOPK_MAX are warped and drawn
@@ -198,7 +203,9 @@ class Sampler:
         sub, at = self._take(base, sampling)
         ks = [params[i].top_k for i in sampling]
         width = min(base.shape[1], max(ks) + TIE_SLACK)
-        vals, ids = sub.topk(width, dim=-1)  # largest first
+        # largest first; on the GPU a chunked selection reads the logits once, then torch.topk
+        # over each row's few thousand candidates (torch.topk over 128k columns was most of it)
+        vals, ids = top_candidates(sub, width) if _kernel_ok(sub) else sub.topk(width, dim=-1)
         vals = vals.float()
         seeds = step_seeds([params[i].seed for i in sampling], [rows[i].step for i in sampling])
         values = np.array([
