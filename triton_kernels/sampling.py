@@ -147,8 +147,9 @@ def _chunk_top_kernel(
     CHUNK: tl.constexpr,
 ):
     # One program a (row, chunk of CHUNK columns): the chunk's W largest scores by bisection on
-    # an order-preserving integer key of each float32 (33 counts over the chunk, held in
-    # registers: one read of the scores, no sort), ties at the W-th largest taken from the left.
+    # an order-preserving integer key of each float32 (at most 33 counts over the chunk, held in
+    # registers: one read of the scores, no sort; it stops once exactly W keys are at or above
+    # the bound), ties at the W-th largest taken from the left.
     r = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -159,17 +160,18 @@ def _chunk_top_kernel(
     key = tl.where(inside, key, -(1 << 31) - 1)  # past the end: below every real score
     lo = tl.min(key, 0)  # invariant: at least W keys >= lo (CHUNK >= W)
     hi = tl.max(key, 0)
-    for _ in range(33):  # the keys span at most 2^32 + 1 values
+    while lo < hi:  # (the keys span at most 2^32 + 1 values: 33 rounds at most)
         mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((key >= mid).to(tl.int32), 0) >= W
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
+        n = tl.sum((key >= mid).to(tl.int32), 0)
+        lo = tl.where(n >= W, mid, lo)
+        hi = tl.where(n > W, hi, tl.where(n == W, mid, mid - 1))  # exactly W at mid: done
     above = key > lo
     tied = key == lo
     keep = above | (tied & (tl.cumsum(tied.to(tl.int32), 0) <= W - tl.sum(above.to(tl.int32), 0)))
-    dst = c * W + tl.cumsum(keep.to(tl.int32), 0) - 1  # exactly W kept
-    tl.store(vals_ptr + r * n_out + dst, x, mask=keep)
-    tl.store(ids_ptr + r * n_out + dst, tl.where(inside, cols, 0).to(tl.int64), mask=keep)
+    at = tl.cumsum(keep.to(tl.int32), 0) - 1  # exactly W kept (the mask below: never past)
+    keep = keep & (at < W)
+    tl.store(vals_ptr + r * n_out + c * W + at, x, mask=keep)
+    tl.store(ids_ptr + r * n_out + c * W + at, tl.where(inside, cols, 0).to(tl.int64), mask=keep)
 
 
 TOP_CHUNK = 8192  # columns a program of top_candidates reads (and holds in registers)
