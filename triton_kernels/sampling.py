@@ -147,7 +147,7 @@ def _chunk_top_kernel(
     CHUNK: tl.constexpr,
 ):
     # One program a (row, chunk of CHUNK columns): the chunk's W largest scores by bisection on
-    # an order-preserving integer key of each float32 (at most 33 counts over the chunk, held in
+    # an order-preserving integer key of each float32 (at most 32 counts over the chunk, held in
     # registers: one read of the scores, no sort; it stops once exactly W keys are at or above
     # the bound), ties at the W-th largest taken from the left.
     r = tl.program_id(0)
@@ -156,11 +156,11 @@ def _chunk_top_kernel(
     inside = cols < V
     x = tl.load(x_ptr + r * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
     xi = x.to(tl.int32, bitcast=True)
-    key = tl.where(xi >= 0, xi, xi ^ 0x7FFFFFFF).to(tl.int64)  # float order, -inf lowest real
-    key = tl.where(inside, key, -(1 << 31) - 1)  # past the end: below every real score
-    lo = tl.min(key, 0)  # invariant: at least W keys >= lo (CHUNK >= W)
-    hi = tl.max(key, 0)
-    while lo < hi:  # (the keys span at most 2^32 + 1 values: 33 rounds at most)
+    key = tl.where(xi >= 0, xi, xi ^ 0x7FFFFFFF)  # float order (int32: a register a column)
+    key = tl.where(inside, tl.maximum(key, -2147483647), -2147483648)  # past the end: lowest
+    lo = tl.min(key, 0).to(tl.int64)  # invariant: at least W keys >= lo (CHUNK >= W)
+    hi = tl.max(key, 0).to(tl.int64)
+    while lo < hi:  # (the keys span at most 2^32 values: 32 rounds at most)
         mid = lo + (hi - lo + 1) // 2
         n = tl.sum((key >= mid).to(tl.int32), 0)
         lo = tl.where(n >= W, mid, lo)
@@ -174,7 +174,7 @@ def _chunk_top_kernel(
     tl.store(ids_ptr + r * n_out + c * W + at, tl.where(inside, cols, 0).to(tl.int64), mask=keep)
 
 
-TOP_CHUNK = 8192  # columns a program of top_candidates reads (and holds in registers)
+TOP_CHUNK = 4096  # columns a program of top_candidates reads (and holds in registers)
 
 
 def top_candidates(
@@ -184,14 +184,14 @@ def top_candidates(
     ``scores.float().topk(width)`` gives (float32 [R, width], int64 [R, width]), but for which of
     several tied scores is taken. One kernel keeps each chunk's W largest (W = width rounded up
     to a power of two), then torch.topk runs over those candidates only: for a 128k vocabulary
-    and a width of ~100, 2,048 candidates a row instead of 128,256 (torch.topk over the whole
+    and a width of ~100, 4,096 candidates a row instead of 128,256 (torch.topk over the whole
     row was most of the top-k sampling path's time). Scores past the last real column never
     come out ahead of a real one; where a row has fewer than `width` finite scores, -inf ones
     fill it (columns valid, never drawn).
 
     torch.topk takes the whole rows itself where the kernel saves nothing: rows of at most two
     chunks (`chunk` columns, TOP_CHUNK unless given: a power of two), or a width over a quarter
-    of a chunk (top_k + the sampler's tie slack past 2,048 with the default chunk)."""
+    of a chunk (top_k + the sampler's tie slack past 1,024 with the default chunk)."""
     scores = _rows("top_candidates", scores)
     rows, vocab = scores.shape
     chunk = TOP_CHUNK if chunk is None else chunk
@@ -208,7 +208,7 @@ def top_candidates(
     cand_i = torch.empty(rows, n_chunks * w, dtype=torch.int64, device=scores.device)
     _chunk_top_kernel[(rows, n_chunks)](
         scores, cand_v, cand_i, vocab, scores.stride(0), n_chunks * w, W=w, CHUNK=chunk,
-        num_warps=8 if chunk >= 8192 else 4,
+        num_warps=8 if chunk >= 4096 else 4,
     )  # fmt: skip
     vals, at = cand_v.topk(width, dim=-1)
     return vals, cand_i.gather(1, at)
