@@ -141,6 +141,13 @@ def sched_stats(model) -> list:
     )  # fmt: skip
 
 
+def phase(name: str) -> None:
+    """Where this rank is, in its output (the test shows a failed rank's output): a rank that
+    dies in native code (once in CI: heap corruption, no Python stack) says how far it got."""
+    print(f"tp_worker rank {dist.get_rank() if dist.is_initialized() else '?'}: {name}",
+          flush=True)  # fmt: skip
+
+
 def main(path: str, out_path: str, seed: int) -> None:
     warnings.simplefilter("ignore", FutureWarning)
     # a rank still running near the test's limit (240 s) says where each of its threads is
@@ -151,9 +158,11 @@ def main(path: str, out_path: str, seed: int) -> None:
         path, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
     ).eval()
     text = model.config.get_text_config(decoder=True)
+    phase("stock")
     result = {"rank": dist.get_rank(), "tp_size": model.tp_size, "stock": run(model, seed)}
     result["stock_threads"] = run_threads(model, THREADS, seed, concurrent=False)
     result["stock_contended"] = run_threads(model, CONTENDED, seed, concurrent=False)
+    phase("enable")
     oxygen_torch.enable()
     oxygen_torch.apply(model)
     seen: list[str] = []
@@ -161,21 +170,26 @@ def main(path: str, out_path: str, seed: int) -> None:
     handler.emit = lambda record: seen.append(record.getMessage())
     _patching.log.addHandler(handler)
     try:
+        phase("oxygen")
         result["oxygen"] = run(model, seed)
         # a pool too small for the wide call: it runs as row groups (kv.oversubscribe), which
         # every rank must cut alike (the groups' collectives pair up across ranks)
+        phase("oversubscribed")
         oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20})
         result["oversubscribed"] = run(model, seed, {"wide": CALLS["wide"]})["wide"]
         small = [p for p in kv_pool_stats() if p["block_tokens"] == 256]
         result["split"] = [p["oversubscribed"] for p in small]
         result["small_blocks"] = [p["blocks_total"] for p in small]
         # concurrent calls from threads: merged in the steps rank 0 chose, on every rank
+        phase("threads")
         oxygen_torch.apply(model)
         result["threads"] = run_threads(model, THREADS, seed, concurrent=True)
         result["threads_sched"] = sched_stats(model)
+        phase("contended")
         oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20})
         result["contended"] = run_threads(model, CONTENDED, seed, concurrent=True)
         result["contended_sched"] = sched_stats(model)
+        phase("swapped")
         # the same with a CPU tier: the preempted calls' KV (this rank's share) is swapped out
         oxygen_torch.apply(model, kv={"block_tokens": 256, "arena_bytes": 8 << 20},
                            pool={"cpu_tier_bytes": 64 << 20})  # fmt: skip
@@ -191,6 +205,7 @@ def main(path: str, out_path: str, seed: int) -> None:
     result["local_kv_heads"] = compat.local_kv_heads(model, text)
     with open(out_path, "w") as f:
         json.dump(result, f)
+    phase("done")
     dist.destroy_process_group()
 
 
