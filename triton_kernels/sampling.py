@@ -30,7 +30,7 @@ def _sample_kernel(
     stride_r,
     BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # (r * stride_r passes 2^31 from ~16k rows of 128k)
     seed = tl.load(seeds_ptr + r)
     greedy = tl.load(greedy_ptr + r) != 0
     best = tl.full((), float("-inf"), tl.float32)
@@ -150,7 +150,7 @@ def _chunk_top_kernel(
     # an order-preserving integer key of each float32 (at most 32 counts over the chunk, held in
     # registers: one read of the scores, no sort; it stops once exactly W keys are at or above
     # the bound), ties at the W-th largest taken from the left.
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # (a row stride of a [R, T, V] slice times R: past 2^31)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
     inside = cols < V
