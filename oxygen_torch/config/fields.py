@@ -486,8 +486,9 @@ class SchedulerConfig:
     # how the engine processes and draws a step's sampling rows on a GPU: "torch"
     # (transformers' processors in PyTorch on a float32 copy: top-p sorts every sampling row's
     # vocabulary), "topk" (when every sampling row has a top_k <= 1024 and no row wants its
-    # scores: the warpers and the draw over each row's top_k + 64 largest scores, no sort of
-    # the vocabulary; else as "torch"). Elsewhere "torch". "topk" took 0.52 / 0.33 / 0.16x
+    # scores: the warpers and the draw over each row's top_k + 64 largest scores, found by a
+    # chunk kernel, no sort of the vocabulary; else as "torch"). Elsewhere "torch". "topk"
+    # (then with torch.topk over whole rows) took 0.52 / 0.33 / 0.16x
     # "torch"'s time at 1 / 64 / 256 rows of a 128k vocabulary on the H100 (bench_sampling.py),
     # the same tokens but at ties of the bf16 logits. A fused variant (the warpers, top-p by
     # bisection, and the draw in one kernel) was measured slower than both and removed
