@@ -114,6 +114,10 @@ def dense_case(mask_kind, causal):
 
 
 def sampling_case(kind, x_type):
+    if kind == "top":  # top_candidates' chunk kernel, as it launches on a 128k vocabulary
+        ptrs = dict(x_ptr=x_type, vals_ptr="*fp32", ids_ptr="*i64")
+        return compile_sm90(kernel("sampling", "_chunk_top_kernel"), ptrs,
+                            dict(W=128, CHUNK=4096), num_warps=8)  # fmt: skip
     if kind == "draw":
         ptrs = dict(scores_ptr=x_type, seeds_ptr="*i64", greedy_ptr="*i8", out_ptr="*i64")
         return compile_sm90(kernel("sampling", "_sample_kernel"), ptrs, dict(BLOCK=4096))
@@ -136,6 +140,7 @@ CASES = {
        for m in (0, 1, 2) for c in (False, True)},
     **{f"sampling draw {x}": (sampling_case, ("draw", x)) for x in ("*fp32", "*bf16")},
     "sampling candidates": (sampling_case, ("candidates", "*fp32")),
+    **{f"sampling top {x}": (sampling_case, ("top", x)) for x in ("*fp32", "*bf16")},
 }  # fmt: skip
 
 
