@@ -342,12 +342,18 @@ def test_sample_candidates_is_sample_rows_on_the_kept_tokens():
 def test_top_candidates_on_the_gpu_are_torch_topks_on_bf16_logits(rows, width):
     """The chunk kernel on the GPU, bf16 logits of a 128k vocabulary (model-like: a few likely
     tokens over a long tail, ties common), the widths the sampler asks (top_k 50 + the tie
-    slack; W 1024, a quarter of the default chunk: the widest the kernel takes)."""
+    slack; W 1024, a quarter of the default chunk: the widest the kernel takes), without a
+    wait for the stream."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (runs on the H200 device machine)")
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 1 << 30, (1,))))
     x = (torch.randn(rows, 128256, device="cuda", generator=gen) * 2).bfloat16()
-    vals, ids = top_candidates(x, width)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the engine's step never waits for the stream
+    try:
+        vals, ids = top_candidates(x, width)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     assert_top_of_each_row(x, vals, ids, width)
 
 
