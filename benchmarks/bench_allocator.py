@@ -319,7 +319,7 @@ def table(r: dict) -> str:
 PROBE_HANDLES_MIB = (2, 4, 8, 16, 32, 64, 128, 512, 1024)
 
 
-def map_probe(backend: str, repeats: int = 3) -> str:
+def map_probe(backend: str, repeats: int = 3, handles_mib=PROBE_HANDLES_MIB) -> str:
     """Growth by 1 GiB by the size of the physical handles behind it: the backend's create / map
     / set_access / unmap / release timed over 1 GiB of handles of each size (the best of
     `repeats`), beside torch's own 1 GiB cudaMalloc after empty_cache() (cuda). The pool maps
@@ -345,7 +345,7 @@ def map_probe(backend: str, repeats: int = 3) -> str:
              "| handle MiB | handles | create | map | set_access: one call / one a handle | "
              "unmap | release | map + set_access (the allocating thread) | goal < 2 ms | "
              "torch cudaMalloc 1 GiB | ratio |", "|---" * 11 + "|"]  # fmt: skip
-    for mib in PROBE_HANDLES_MIB:
+    for mib in handles_mib:
         best: dict[str, float] = {}
         each = float("inf")
         for _ in range(repeats):
