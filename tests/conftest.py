@@ -5,7 +5,6 @@ set before any @triton.jit function is defined, so it is set here, before the te
 Tests marked `cuda` are skipped cleanly there; on the H200 they run.
 """
 
-import gc
 import os
 
 import pytest
@@ -75,11 +74,12 @@ def oxygen():
     from oxygen_torch import _patching
     from oxygen_torch.integrations.hf import integration as hf
     from oxygen_torch.integrations.hf import prefix as hf_prefix
-    from oxygen_torch.kv.pool import release_pools
 
     _patching.forget_warnings()
     yield
-    gc.collect()  # caches left in reference cycles give their blocks back (else a pool stays busy)
     hf_prefix.clear()
+    # disable_hf() ends in release_pools(), which collects caches left in reference cycles
+    # first (their blocks come back, else a pool stays busy) and again after letting go: a
+    # full collection takes ~0.25 s with torch and transformers loaded, and this teardown once
+    # made five of them
     hf.disable_hf()
-    release_pools()
