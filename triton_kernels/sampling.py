@@ -201,8 +201,8 @@ def top_candidates(
         raise ValueError(f"top_candidates: chunk {chunk}: want a power of two >= 16")
     w = triton.next_power_of_2(width)
     if rows == 0 or vocab <= 2 * chunk or 4 * w > chunk:
-        vals, ids = scores.float().topk(width, dim=-1)
-        return vals, ids
+        vals, ids = scores.topk(width, dim=-1)  # (no float32 copy of [R, V]: the same order)
+        return vals.float(), ids
     n_chunks = triton.cdiv(vocab, chunk)
     cand_v = torch.empty(rows, n_chunks * w, dtype=torch.float32, device=scores.device)
     cand_i = torch.empty(rows, n_chunks * w, dtype=torch.int64, device=scores.device)
