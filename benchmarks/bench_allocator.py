@@ -447,6 +447,11 @@ def main(argv=None) -> int:
               f"{args.allocators}")  # fmt: skip
         return 0
     if args.map_probe:
+        import torch
+
+        if not args.host and not torch.cuda.is_available():
+            raise SystemExit("bench_allocator.py --map-probe: needs a CUDA device (--host: the "
+                             "host backend's calls)")  # fmt: skip
         md = map_probe("host" if args.host else "cuda")
         print(md)
         if os.environ.get("OUT"):
