@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from test_pool_fork import host_mappings
 
 from oxygen_torch.pool import native as _native
 
@@ -29,19 +30,15 @@ def test_host_backend_rejects_bad_page_size():
         _native.backend_selftest("host", page_size=1000)
 
 
-def _host_mappings() -> int:
-    return int(_native.lib().oxygen_host_mappings())
-
-
 @pytest.mark.parametrize(
     "handle_mib,total_mib,each", [(2, 16, False), (4, 24, True), (8, 8, False)]
 )
 def test_host_map_probe_times_every_call_and_leaves_nothing_mapped(handle_mib, total_mib, each):
-    before = _host_mappings()
+    before = host_mappings()
     r = _native.backend_map_probe("host", handle_mib << 20, total_mib << 20, access_each=each)
     assert tuple(r) == _native.MAP_PROBE_CALLS
     assert all(0 < v < 10 for v in r.values()), r
-    assert _host_mappings() == before  # every handle unmapped and released, the range freed
+    assert host_mappings() == before  # every handle unmapped and released, the range freed
 
 
 @pytest.mark.parametrize("handle,total", [(3 << 20, 6 << 20), (4 << 20, 6 << 20), (0, 4 << 20),
